@@ -1,0 +1,51 @@
+"""`moekit`: one command, a subcommand per capability.
+
+Each subcommand lives in `moekit.commands.<name>` and is imported only when used, so
+`moekit calc` never imports torch. Every `MoekitError` becomes one line on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from moekit.errors import MoekitError
+
+app = typer.Typer(
+    name="moekit",
+    help="Count, run and fit Mixture-of-Experts language models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    from moekit.commands import calc
+
+    app.command("calc", help=calc.HELP)(calc.calc)
+    try:
+        from moekit.commands import run as run_cmd
+    except ImportError:  # the engine is optional for the calculator
+        return
+    app.command("run", help=run_cmd.HELP)(run_cmd.run)
+    from moekit.commands import bench
+
+    app.add_typer(bench.app, name="bench")
+
+
+def main() -> None:
+    _register()
+    try:
+        app()
+    except MoekitError as err:
+        typer.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -64,6 +64,7 @@ class AttentionSpec:
     # granitemoe's attention_multiplier replaces 1/sqrt(head_dim); None = the usual scale.
     softmax_scale: Optional[float] = None
     chunk_size: Optional[int] = None  # llama4 chunked local attention
+    use_rope: bool = True  # False: no positional rotation in this layer (llama4 NoPE layers, jamba)
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,9 @@ class RouterSpec:
     selection_bias: bool = False  # e_score_correction_bias: added for choosing only (deepseek_v3)
     n_group: int = 1
     topk_group: int = 1
+    # How a group is scored before keeping `topk_group` of `n_group`: DeepSeek-V3 sums each group's
+    # top-2 (biased) scores; DeepSeek-V2's group_limited_greedy takes the group's max score.
+    group_scoring: Literal["top2_sum", "max"] = "top2_sum"
     fp32: bool = True  # router GEMM / scores computed in fp32
 
 
@@ -179,6 +183,7 @@ class ModelSpec:
     extras: tuple[tuple[str, object], ...] = field(default=())
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = ()
+    lm_head_bias: bool = False  # phimoe's lm_head_bias: V extra parameters, even when tied
 
     @property
     def num_layers(self) -> int:  # L

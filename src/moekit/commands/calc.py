@@ -1,0 +1,151 @@
+"""`moekit calc`: parameters, memory, roofline and latency budget of any MoE model, without torch."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import List, Optional
+
+import typer
+
+HELP = (
+    "Count a Mixture-of-Experts model: total and active parameters (three conventions), memory at a "
+    "dtype, bytes read per decoded token, and with --hardware the decode roofline and the latency budget."
+    "\n\n"
+    "MODELS are preset names (see --list), config.json paths or checkpoint folders; several are shown "
+    "side by side. No hardware is assumed unless --hardware names one (`local` measures this machine "
+    "in about a second)."
+    "\n\n"
+    "Examples:\n\n"
+    "moekit calc mixtral-8x7b\n\n"
+    "moekit calc path/to/config.json --json\n\n"
+    "moekit calc deepseek-v3 --hardware h100 --dtype fp8 --context 32768 --batch 8\n\n"
+    "moekit calc qwen3-30b-a3b --hardware a100-80gb --sla-ms 50\n\n"
+    "moekit calc gpt4-rumored --explain\n\n"
+    "moekit calc a.json b.json --csv"
+)
+
+
+def calc(
+    models: Optional[List[str]] = typer.Argument(
+        None, help="Preset names, config.json paths or checkpoint folders.", show_default=False
+    ),
+    hardware: Optional[str] = typer.Option(
+        None,
+        "--hardware",
+        metavar="NAME",
+        help="Device for the roofline and --sla-ms (e.g. h100, a100-80gb, mi300x, local); --list shows all. Default: none.",
+    ),
+    dtype: str = typer.Option(
+        "bf16", "--dtype", metavar="DTYPE", help="Weight storage: fp32, bf16, fp16, fp8, int8, int4, mxfp4."
+    ),
+    kv_dtype: Optional[str] = typer.Option(
+        None,
+        "--kv-dtype",
+        metavar="DTYPE",
+        help="KV cache dtype: fp32, bf16, fp16, fp8, int8. Default: the weight dtype if 16/32-bit float, else bf16.",
+    ),
+    context: str = typer.Option(
+        "4096", "--context", metavar="TOKENS", help="Tokens in each sequence's KV cache when the next is decoded."
+    ),
+    batch: str = typer.Option("1", "--batch", metavar="N", help="Sequences decoded together in one step."),
+    gpus: str = typer.Option(
+        "1", "--gpus", metavar="N", help="Devices of the --hardware kind sharing weights, cache and work evenly."
+    ),
+    sla_ms: Optional[str] = typer.Option(
+        None,
+        "--sla-ms",
+        metavar="MS",
+        help="Per-token latency budget at batch 1: the most parameters a token may touch (needs --hardware).",
+    ),
+    explain: bool = typer.Option(False, "--explain", help="Show the derivation, every step with its numbers."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON (a list when several models)."),
+    as_csv: bool = typer.Option(False, "--csv", help="CSV, one row per model."),
+    list_known: bool = typer.Option(False, "--list", help="List the bundled presets and known hardware, then exit."),
+) -> None:
+    from moekit.errors import MoekitError
+
+    if sum([explain, as_json, as_csv]) > 1:
+        raise MoekitError("choose one of --explain, --json, --csv")
+    if list_known:
+        _print_list(as_json)
+        return
+    if not models:
+        raise MoekitError("name a model: a preset (see --list), a config.json or a checkpoint folder")
+
+    from moekit.calc.hardware import get_hardware
+    from moekit.calc.report import build_report
+    from moekit.calc.request import parse_request
+    from moekit.spec import load_spec
+
+    request = parse_request(dtype, kv_dtype, context, batch, hardware, gpus, sla_ms)
+    specs = [(source, load_spec(source)) for source in models]
+    device = get_hardware(request.hardware) if request.hardware else None
+    reports = [build_report(spec, request, device) for _, spec in specs]
+
+    if explain:
+        _print_explanations(reports, [source for source, _ in specs])
+    elif as_json:
+        _print_json(reports)
+    elif as_csv:
+        _print_csv(reports)
+    else:
+        from rich.console import Console
+
+        from moekit.calc.table import report_table
+
+        Console().print(report_table(reports))
+
+
+def _print_explanations(reports, sources) -> None:
+    from moekit.calc.claims import claims_from_config, raw_config
+    from moekit.calc.explain import explain
+    from moekit.spec import list_presets
+
+    presets = list_presets()
+    texts = []
+    for report, source in zip(reports, sources):
+        config = raw_config(source, presets)
+        claims = claims_from_config(config, source) if config is not None else None
+        texts.append(explain(report, claims))
+    typer.echo("\n".join(texts), nl=False)
+
+
+def _print_json(reports) -> None:
+    from moekit.calc.report import report_dict
+
+    data = [report_dict(r) for r in reports]
+    typer.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))
+
+
+def _print_csv(reports) -> None:
+    from moekit.calc.report import flatten, report_dict
+
+    rows = [flatten(report_dict(r)) for r in reports]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    typer.echo(out.getvalue(), nl=False)
+
+
+def _print_list(as_json: bool) -> None:
+    from moekit.calc.hardware import catalog_entries
+    from moekit.spec import list_presets
+
+    presets = list_presets()
+    devices = [
+        {"name": e["name"], "aliases": e["aliases"], "label": e["label"]} for e in catalog_entries()
+    ] + [{"name": "local", "aliases": [], "label": "this machine, measured when asked"}]
+    if as_json:
+        typer.echo(json.dumps({"presets": presets, "hardware": devices}, indent=2))
+        return
+    typer.echo("presets:")
+    for name in presets:
+        typer.echo(f"  {name}")
+    typer.echo("hardware:")
+    for d in devices:
+        aka = f" (also: {', '.join(d['aliases'])})" if d["aliases"] else ""
+        typer.echo(f"  {d['name']:<12} {d['label']}{aka}")

@@ -1,0 +1,174 @@
+"""`moekit run`: generate from a checkpoint folder with the native engine, metering every token.
+
+torch is imported only inside `run` (through moekit.engine), so registering this command costs
+nothing for `moekit calc`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
+
+CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it,
+give --prompt-ids). It is required for now: the bundled default model comes in a later release.
+
+Examples:
+
+  moekit run path/to/checkpoint "def fibonacci(n):" --max-new-tokens 64
+
+  moekit run path/to/checkpoint --prompt-ids 1,17,42 --max-new-tokens 24 --temperature 0 --json
+
+  moekit run path/to/checkpoint "Hello" --show-activation
+"""
+
+
+def parse_ids(text: Optional[str], what: str) -> Optional[list[int]]:
+    """'1,17, 42' -> [1, 17, 42]; one clear line on anything else."""
+    if text is None:
+        return None
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise MoekitError(f"{what}: no token ids given")
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise MoekitError(f"{what}: expected comma-separated integer token ids, got {text!r}") from None
+
+
+def _expert_summary(act, width: int = 60) -> str:
+    text = " ".join(f"L{layer}:{','.join(map(str, ids))}" for layer, ids in act.experts.items())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _token_text(engine, token_id: int) -> str:
+    if engine.tokenizer is None:
+        return str(token_id)
+    return repr(engine.tokenizer.decode([token_id]))[1:-1] or repr(token_id)
+
+
+def _activation_table(engine, acts):
+    from rich.table import Table
+
+    moe = bool(engine.spec.moe_layers)
+    table = Table(title="activation per generated token", show_lines=False)
+    table.add_column("#", justify="right")
+    table.add_column("token")
+    if moe:
+        table.add_column("experts (layer:ids)")
+    table.add_column("params touched", justify="right")
+    table.add_column("share", justify="right")
+    if moe:
+        table.add_column("distinct experts", justify="right")
+    for a in acts:
+        cells = [str(a.index), _token_text(engine, a.token_id)]
+        if moe:
+            cells.append(_expert_summary(a))
+        cells += [f"{a.params_touched:,}", f"{a.share:.2%}"]
+        if moe:
+            cells.append(str(a.distinct_experts_total))
+        table.add_row(*cells)
+    return table
+
+
+def run(
+    checkpoint: Path = typer.Argument(
+        ..., help="Checkpoint folder: config.json + *.safetensors (+ tokenizer.json). Required for now."
+    ),
+    prompt: Optional[str] = typer.Argument(None, help="Text prompt (needs tokenizer.json in the folder)."),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1]."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible runs)."),
+    stop: Optional[str] = typer.Option(None, "--stop", help="Comma-separated stop token ids (default: the model's eos)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the routing trace to this Parquet file."),
+    show_activation: bool = typer.Option(
+        False, "--show-activation", help="Per token: experts chosen, params touched, share of all params."
+    ),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+) -> None:
+    from moekit.engine.detokenize import TextStream
+    from moekit.engine.loader import load_engine
+    from moekit.engine.sampling import SamplingParams, check_sampling
+
+    ids = parse_ids(prompt_ids, "--prompt-ids")
+    if (prompt is None) == (ids is None):
+        raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")
+    if max_new_tokens <= 0:
+        raise MoekitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    check_sampling(sampling)
+    stop_ids = parse_ids(stop, "--stop")
+    if trace is not None and not trace.parent.exists():
+        raise MoekitError(f"--trace {trace}: folder {trace.parent} does not exist")
+
+    engine = load_engine(checkpoint, dtype=dtype, device=device)
+    prompt_tokens = engine.encode(prompt) if ids is None else ids
+    out = sys.stdout
+
+    on_token = None
+    stream = None
+    if not json_out:
+        if engine.tokenizer is not None:
+            stream = TextStream(engine.tokenizer)
+
+            def on_token(step, row_ids):
+                if row_ids[0] is not None:
+                    out.write(stream.push(row_ids[0]))
+                    out.flush()
+
+        else:
+
+            def on_token(step, row_ids):
+                if row_ids[0] is not None:
+                    out.write(("" if step == 0 else " ") + str(row_ids[0]))
+                    out.flush()
+
+    gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, on_token=on_token)
+    acts = engine.meter(gen)
+    if trace is not None:
+        from moekit.engine.trace import write_trace
+
+        rows = write_trace(gen, trace)
+    generated = gen.token_ids[0]
+
+    if json_out:
+        payload = {
+            "token_ids": generated,
+            "text": engine.decode(generated) if engine.tokenizer is not None else None,
+            "stopped": gen.stopped[0],
+            "activation": [a.as_dict() for a in acts],
+            "timing": gen.timing.as_dict(),
+        }
+        if engine.tokenizer is None:
+            del payload["text"]
+        out.write(json.dumps(payload) + "\n")
+        return
+
+    if stream is not None:
+        out.write(stream.flush())
+    out.write("\n")
+    out.flush()
+    t = gen.timing
+    typer.echo(
+        f"[{len(generated)} tokens · prefill {t.prefill_s * 1e3:.1f} ms · decode {t.decode_tok_s:.1f} tok/s"
+        f" · {engine.dtype} on {engine.device}]",
+        err=True,
+    )
+    if trace is not None:
+        typer.echo(f"routing trace: {rows} rows -> {trace}", err=True)
+    if show_activation:
+        from rich.console import Console
+
+        Console(file=out, width=max(100, Console().width)).print(_activation_table(engine, acts))

@@ -1,0 +1,164 @@
+"""Load a checkpoint folder into a ready engine: spec, weights, tokenizer, stop tokens.
+
+`moekit.load(path)` lands here. The folder is a Hugging Face checkpoint (config.json +
+safetensors); tokenizer.json is optional (without it the engine works on token ids), and the
+stop tokens come from config.json and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from moekit.engine.generate import Generation, TokenCallback, generate
+from moekit.engine.meter import TokenActivation, meter
+from moekit.engine.sampling import SamplingParams
+from moekit.errors import CheckpointError, MoekitError
+from moekit.spec.model_spec import ModelSpec
+
+DTYPES = ("float32", "bfloat16")
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class Engine:
+    """A loaded model. `generate` takes text (needs a tokenizer) or token ids, one prompt or many."""
+
+    spec: ModelSpec
+    decoder: object  # moekit.model.decoder.Decoder
+    tokenizer: Optional[object]  # tokenizers.Tokenizer, None when the folder has no tokenizer.json
+    eos_ids: tuple[int, ...]
+    dtype: str
+    device: str
+    folder: Path
+
+    @property
+    def bytes_per_param(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise MoekitError(f"{self.folder}: no tokenizer.json, so a text prompt cannot be encoded; give token ids")
+        return list(self.tokenizer.encode(text).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise MoekitError(f"{self.folder}: no tokenizer.json, so ids cannot be decoded to text")
+        return self.tokenizer.decode(list(ids))
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        return self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+
+    def generate(
+        self,
+        prompts: Union[Prompt, Sequence[Prompt]],
+        max_new_tokens: int = 64,
+        sampling: SamplingParams = SamplingParams(),
+        stop_ids: Optional[Sequence[int]] = None,
+        on_token: Optional[TokenCallback] = None,
+        record_routing: bool = True,
+    ) -> Generation:
+        """stop_ids None means the model's eos tokens; () means never stop early."""
+        batch = _as_batch(prompts)
+        return generate(
+            self.decoder,
+            [self.prompt_ids(p) for p in batch],
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop_ids=self.eos_ids if stop_ids is None else tuple(stop_ids),
+            on_token=on_token,
+            record_routing=record_routing,
+        )
+
+    def meter(self, gen: Generation) -> list[TokenActivation]:
+        return meter(self.spec, gen, self.bytes_per_param)
+
+
+def _as_batch(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of ids
+    return prompts
+
+
+def _ids(value) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value if v is not None)
+
+
+def eos_ids(folder: Path, config: dict, spec: ModelSpec) -> tuple[int, ...]:
+    """Stop tokens: the spec's, config.json's and generation_config.json's, in that order, no repeats."""
+    found = list(spec.eos_token_ids) + list(_ids(config.get("eos_token_id")))
+    gen_path = folder / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            found += _ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, TypeError, ValueError):
+            raise CheckpointError(f"{gen_path}: not valid JSON") from None
+    return tuple(dict.fromkeys(found))
+
+
+def load_tokenizer(folder: Path):
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as err:  # tokenizers raises a bare Exception on a bad file
+        raise CheckpointError(f"{path}: cannot read tokenizer ({err})") from None
+
+
+def resolve_device(device: str):
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise MoekitError(f"unknown device {device!r} (use cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise MoekitError("device cuda requested but no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise MoekitError(f"device {device!r} is not supported (use cpu or cuda)")
+    return dev
+
+
+def torch_dtype(dtype: str):
+    import torch
+
+    if dtype not in DTYPES:
+        raise MoekitError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return getattr(torch, dtype)
+
+
+def load_engine(path: Union[str, Path], dtype: str = "float32", device: str = "cpu") -> Engine:
+    from moekit.model.decoder import Decoder
+    from moekit.spec import load_spec
+    from moekit.weights.checkpoint import open_checkpoint
+
+    folder = Path(path)
+    tdtype = torch_dtype(dtype)
+    dev = resolve_device(device)
+    ckpt = open_checkpoint(folder)
+    spec = load_spec(folder)
+    decoder = Decoder(spec, dtype=tdtype, device=dev)
+    decoder.load_checkpoint(ckpt)
+    decoder.eval()
+    return Engine(
+        spec=spec,
+        decoder=decoder,
+        tokenizer=load_tokenizer(folder),
+        eos_ids=eos_ids(folder, ckpt.config, spec),
+        dtype=dtype,
+        device=str(dev),
+        folder=folder,
+    )

@@ -1,0 +1,187 @@
+"""The activation meter: for every generated token, which experts it used and what that cost.
+
+Counts come from the same ModelSpec the engine was built from, through `moekit.calc.params`
+(one truth: the parameters the calculator counts are the parameters the engine touched).
+
+Two per-token numbers, because vendors and physics disagree:
+- `active_params`: what the calculator calls active (embedding table and head counted in full,
+  the convention of Mistral and Qwen); `share` = active_params / total_params, exactly 1 for a
+  dense model.
+- `params_touched`: what the pass physically reads: ONE embedding row, not the table (a tied
+  head already holds that row). `bytes_touched` = params_touched x bytes per element at the engine
+  dtype. KV-cache reads are not included.
+
+A token's routing is that of the forward pass that PRODUCED it: generated token 0 comes from the
+last prompt position of the prefill, token i from the decode step that fed token i-1. Distinct
+experts "so far" count everything the row's sequence routed to, prompt tokens included, since
+all of those had to be resident.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from moekit.engine.generate import Generation, TokenRouting, token_routing
+from moekit.spec.model_spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ParamsPerToken:
+    """The spec's parameters split into what every token reads and what each routed expert adds."""
+
+    fixed: int  # all layers' non-routed parts + final norm (no embedding, no head)
+    expert_each: dict[int, int]  # MoE layer index -> params of one routed expert
+    top_k: dict[int, int]  # MoE layer index -> K
+    embedding_row: int  # D: what one token reads from the embedding table
+    embedding_table: int  # V x D
+    head: int  # V x D, 0 when tied to the embedding
+    total_params: int
+
+    def active(self, experts_per_layer: dict[int, int]) -> int:
+        """Active params (embedding in full) for a token that used experts_per_layer[l] experts."""
+        routed = sum(self.expert_each[l] * n for l, n in experts_per_layer.items())
+        return self.fixed + routed + self.embedding_table + self.head
+
+    def touched(self, experts_per_layer: dict[int, int]) -> int:
+        """Params physically read: one embedding row, unless the tied head already reads the table."""
+        routed = sum(self.expert_each[l] * n for l, n in experts_per_layer.items())
+        row = self.embedding_row if self.head else 0
+        head = self.head if self.head else self.embedding_table
+        return self.fixed + routed + row + head
+
+    def typical(self) -> dict[int, int]:
+        """Every MoE layer using its K experts."""
+        return dict(self.top_k)
+
+
+def params_per_token(spec: ModelSpec) -> ParamsPerToken:
+    from moekit.calc.params import count_params, layer_params
+
+    fixed = spec.final_norm.params(spec.hidden_size)
+    expert_each: dict[int, int] = {}
+    top_k: dict[int, int] = {}
+    for index, layer in enumerate(spec.layers):
+        c = layer_params(layer)
+        fixed += c.always_on
+        if layer.is_moe:
+            expert_each[index] = c.expert_each
+            top_k[index] = c.top_k
+    table = spec.vocab_size * spec.hidden_size
+    return ParamsPerToken(
+        fixed=fixed,
+        expert_each=expert_each,
+        top_k=top_k,
+        embedding_row=spec.hidden_size,
+        embedding_table=table,
+        head=0 if spec.tie_word_embeddings else table,
+        total_params=count_params(spec).total_params,
+    )
+
+
+@dataclass(frozen=True)
+class TokenActivation:
+    row: int
+    index: int  # position of this token among the row's generated tokens
+    token_id: int  # the generated token
+    position: int  # RoPE position of the pass that produced it
+    experts: dict[int, list[int]]  # MoE layer -> chosen expert ids (router order)
+    weights: dict[int, list[float]]  # MoE layer -> their combine weights
+    active_params: int
+    params_touched: int
+    bytes_touched: int
+    share: float  # active_params / total_params
+    distinct_experts: dict[int, int]  # MoE layer -> distinct experts this row has used so far
+    distinct_experts_total: int  # summed over layers
+
+    def as_dict(self) -> dict:
+        return {
+            "row": self.row,
+            "index": self.index,
+            "token_id": self.token_id,
+            "position": self.position,
+            "experts": {str(k): v for k, v in self.experts.items()},
+            "weights": {str(k): [round(w, 6) for w in v] for k, v in self.weights.items()},
+            "active_params": self.active_params,
+            "params_touched": self.params_touched,
+            "bytes_touched": self.bytes_touched,
+            "share": self.share,
+            "distinct_experts": {str(k): v for k, v in self.distinct_experts.items()},
+            "distinct_experts_total": self.distinct_experts_total,
+        }
+
+
+def _group_by_token(events: Iterable[TokenRouting]) -> Iterable[list[TokenRouting]]:
+    """token_routing yields a token's layers consecutively; regroup them."""
+    group: list[TokenRouting] = []
+    for ev in events:
+        if group and (ev.step, ev.row, ev.position) != (group[0].step, group[0].row, group[0].position):
+            yield group
+            group = []
+        group.append(ev)
+    if group:
+        yield group
+
+
+def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int) -> list[TokenActivation]:
+    """Per generated token, row by row. A dense model (no MoE layer) still gets one entry per token."""
+    counts = params_per_token(spec)
+    seen: dict[int, dict[int, set[int]]] = {row: {l: set() for l in counts.top_k} for row in range(len(gen.prompts))}
+    found: dict[tuple[int, int], TokenActivation] = {}
+
+    def record(row: int, index: int, position: int, layers: list[TokenRouting]) -> None:
+        used = {ev.layer: len(set(ev.expert_ids)) for ev in layers}
+        active = counts.active(used)
+        touched = counts.touched(used)
+        found[(row, index)] = TokenActivation(
+            row=row,
+            index=index,
+            token_id=gen.token_ids[row][index],
+            position=position,
+            experts={ev.layer: ev.expert_ids for ev in layers},
+            weights={ev.layer: ev.weights for ev in layers},
+            active_params=active,
+            params_touched=touched,
+            bytes_touched=touched * bytes_per_param,
+            share=active / counts.total_params,
+            distinct_experts={l: len(s) for l, s in seen[row].items()},
+            distinct_experts_total=sum(len(s) for s in seen[row].values()),
+        )
+
+    for layers in _group_by_token(token_routing(gen)):
+        head = layers[0]
+        for ev in layers:
+            seen[head.row][ev.layer].update(ev.expert_ids)
+        if head.generated_index is not None:
+            record(head.row, head.generated_index, head.position, layers)
+
+    if not counts.top_k:  # a dense model routes nothing: every token touches the same parameters
+        for row, produced in enumerate(gen.token_ids):
+            for index in range(len(produced)):
+                record(row, index, len(gen.prompts[row]) + index - 1, [])
+    elif len(found) != sum(len(t) for t in gen.token_ids):
+        raise ValueError("meter needs the routing of every step: generate with record_routing=True")
+    return [found[key] for key in sorted(found)]
+
+
+def decode_step_params(spec: ModelSpec, gen: Generation) -> list[int]:
+    """Params one decode step reads for the whole batch: shared weights once, one embedding row per
+    running row, and per MoE layer the union of the experts the rows chose (what a batch shares)."""
+    counts = params_per_token(spec)
+    out = []
+    for step in gen.routing[1:]:
+        running = [r for r in range(len(gen.prompts)) if step.step < len(gen.token_ids[r])]
+        if not running:
+            continue
+        routed = 0
+        for lr in step.layers:
+            union = {e for r in running for e in lr.topk_ids[r].tolist()}
+            routed += counts.expert_each[lr.layer] * len(union)
+        rows = len(running) * counts.embedding_row if counts.head else 0
+        head = counts.head if counts.head else counts.embedding_table
+        out.append(counts.fixed + routed + rows + head)
+    if not counts.top_k and not out:  # dense: no routing recorded, every step reads the same
+        head = counts.head if counts.head else counts.embedding_table
+        rows = len(gen.prompts) * counts.embedding_row if counts.head else 0
+        out = [counts.fixed + rows + head] * gen.timing.decode_steps
+    return out

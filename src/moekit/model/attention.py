@@ -1,0 +1,127 @@
+"""Grouped-query attention over a preallocated KV cache: biases, q/k norms, sinks, sliding windows.
+
+One module serves every MHA family; the AttentionSpec says which pieces a layer has:
+  qk_norm "head" (qwen3): RMSNorm of head_dim on each head;  "full" (olmoe): RMSNorm over the whole
+  q / k projection;  sinks (gpt_oss): one learned logit per head that takes part in the softmax and
+  then is dropped;  sliding_window: keys more than `window - 1` slots back are masked;
+  softmax_scale (granitemoe's attention_multiplier) replaces 1/sqrt(head_dim).
+
+Slots vs positions: a row's slot s is where its token sits in the cache; prompts are left-padded, so
+its RoPE position (count of real tokens before it) can be smaller. Masks work on slots; RoPE on positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.model.norms import RMSNorm
+from moekit.model.rope import Rope, apply_rope
+from moekit.spec.model_spec import AttentionSpec, NormSpec
+
+
+def attention_mask(key_mask: torch.Tensor, start: int, length: int, window: int | None) -> torch.Tensor:
+    """key_mask [B, S] (S = start + length) → [B, 1, T, S] bool, True where query t may see key s."""
+    total = key_mask.shape[1]
+    q_slot = torch.arange(start, start + length, device=key_mask.device)[:, None]  # [T, 1]
+    k_slot = torch.arange(total, device=key_mask.device)[None, :]  # [1, S]
+    allowed = k_slot <= q_slot
+    if window is not None:
+        allowed = allowed & (q_slot - k_slot < window)
+    # A pad query sees itself, so its row is never empty (an empty row would make NaN that a real row
+    # could pick up through 0 × NaN); real queries are unaffected: their own slot is real.
+    mask = (allowed[None] & key_mask[:, None, :]) | (k_slot == q_slot)[None]
+    return mask[:, None]
+
+
+def _attend_with_sinks(q, k, v, mask, scale, sinks):
+    """Eager softmax with one extra per-head logit (the sink) that absorbs mass and carries no value.
+
+    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask [B, 1, T, S] → [B, H, T, hd].
+    """
+    b, h, t, hd = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(b, hkv, (h // hkv) * t, hd)  # [B, Hkv, G*T, hd]: groups share their kv head
+    logits = (qg @ k.transpose(-1, -2)).view(b, h, t, -1) * scale  # [B, H, T, S]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
+    combined = torch.cat([logits, sink], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # drop the sink
+    out = probs.to(v.dtype).reshape(b, hkv, (h // hkv) * t, -1) @ v  # [B, Hkv, G*T, hd]
+    return out.view(b, h, t, hd)
+
+
+class Attention(nn.Module):
+    """The mixer of an MHA/GQA layer (see moekit.model.decoder for the mixer interface)."""
+
+    def __init__(self, spec: AttentionSpec, rope: Rope, norm: NormSpec, clip_qkv: float | None = None):
+        super().__init__()
+        self.spec = spec
+        heads, kv_heads, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hd
+        self.split = (heads * hd, kv_heads * hd, kv_heads * hd)
+        # q, k and v fused: one GEMV per layer in decode instead of three.
+        self.qkv = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(heads * hd, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, norm.eps), RMSNorm(hd, norm.eps)
+        elif spec.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(heads * hd, norm.eps), RMSNorm(kv_heads * hd, norm.eps)
+        self.sinks = nn.Parameter(torch.empty(heads)) if spec.sinks else None
+        self.scale = spec.softmax_scale if spec.softmax_scale is not None else hd**-0.5
+        self.window = spec.sliding_window
+        self.clip_qkv = clip_qkv
+        self._rope = (rope,)  # shared with every layer; the decoder owns it as a submodule
+
+    def new_cache(self, batch: int, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (batch, self.kv_heads, max_len, self.head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split(self.split, dim=-1)  # [B, T, H*hd], [B, T, Hkv*hd] ×2
+        if self.spec.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
+        q = q.view(b, t, self.heads, self.head_dim)
+        k = k.view(b, t, self.kv_heads, self.head_dim)
+        if self.spec.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.spec.qk_norm == "l2":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd], [B, Hkv, T, hd]
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        rope = self._rope[0]
+        cos, sin = rope.cos_sin(positions, q.dtype)  # [B, T, rot]
+        if rope.dim == self.head_dim:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:  # partial rotary: only the first `rot` dims of each head turn
+            r = rope.dim
+            q = torch.cat((apply_rope(q[..., :r], cos, sin), q[..., r:]), dim=-1)
+            k = torch.cat((apply_rope(k[..., :r], cos, sin), k[..., r:]), dim=-1)
+        return q, k, v
+
+    def forward(self, x, positions, layer_cache, start: int, key_mask) -> torch.Tensor:
+        """x [B, T, D], positions [B, T], key_mask [B, start+T] → [B, T, D]; writes slots start..start+T-1."""
+        b, t, _ = x.shape
+        q, k, v = self._project(x, positions)
+        cache_k, cache_v = layer_cache
+        end = start + t
+        cache_k[:, :, start:end].copy_(k)
+        cache_v[:, :, start:end].copy_(v)
+        keys, values = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, Hkv, S, hd] views, no copy
+
+        if self.sinks is not None:
+            mask = attention_mask(key_mask, start, t, self.window)
+            out = _attend_with_sinks(q, keys, values, mask, self.scale, self.sinks)
+        else:
+            plain = t == 1 and (self.window is None or self.window >= end) and bool(key_mask.all())
+            mask = None if plain else attention_mask(key_mask, start, t, self.window)
+            out = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads
+            )
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(out)

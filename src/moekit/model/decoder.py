@@ -1,0 +1,143 @@
+"""The decoder every family runs: embed → L × (norm, mixer, norm, feed-forward) → norm → head.
+
+A family differs only in what its ModelSpec says: which mixer (MHA/GQA or DeepSeek's MLA), which
+feed-forward per layer (dense MLP or MoE), the multipliers (granitemoe), tied or untied head.
+
+The mixer interface (Attention here, MLAttention in mla.py):
+    mixer.new_cache(batch, max_len, dtype, device) -> object     # preallocated, never grown
+    mixer.forward(x [B,T,D], positions [B,T], layer_cache, start, key_mask [B, start+T]) -> [B,T,D]
+Modules are built on the meta device and materialised uninitialised: load_checkpoint fills them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.errors import SpecError
+from moekit.model.attention import Attention
+from moekit.model.cache import KVCache
+from moekit.model.mlp import MLP, activation_for
+from moekit.model.moe import MoE, Router
+from moekit.model.norms import make_norm
+from moekit.model.rope import Rope, rotary_dim
+from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
+
+
+def _mixer(layer: LayerSpec, rope: Rope, spec: ModelSpec) -> nn.Module:
+    attn = layer.mixer
+    if not isinstance(attn, AttentionSpec):
+        raise SpecError(f"{spec.name}: {type(attn).__name__} mixers are not supported by the engine")
+    if attn.chunk_size is not None:
+        raise SpecError(f"{spec.name}: chunked local attention is not supported by the engine")
+    if attn.kind == "mla":
+        from moekit.model.mla import MLAttention
+
+        return MLAttention(attn, rope, interleaved=bool(spec.extra("rope_interleave", True)))
+    return Attention(attn, rope, layer.norm, clip_qkv=spec.extra("clip_qkv"))
+
+
+def _rope_width(spec: ModelSpec) -> int:
+    attn = spec.layers[0].mixer
+    if not isinstance(attn, AttentionSpec):
+        raise SpecError(f"{spec.name}: the engine needs attention in layer 0")
+    if attn.kind == "mla":
+        return attn.qk_rope_head_dim
+    return rotary_dim(attn.head_dim, spec.rope)
+
+
+class Block(nn.Module):
+    def __init__(self, layer: LayerSpec, rope: Rope, spec: ModelSpec):
+        super().__init__()
+        extras = dict(spec.extras)
+        self.input_norm = make_norm(layer.norm, spec.hidden_size)
+        self.attn = _mixer(layer, rope, spec)
+        self.post_norm = make_norm(layer.norm, spec.hidden_size)
+        if isinstance(layer.ffn, MLPSpec):
+            self.ffn = MLP(layer.ffn, activation_for(layer.ffn, extras))
+        else:
+            self.ffn = MoE(layer.ffn, extras)
+        self.residual = spec.multipliers.residual
+
+    def forward(self, x, positions, layer_cache, start, key_mask):
+        """x [B, T, D] → (x [B, T, D], RoutingDecision or None)."""
+        h = self.attn(self.input_norm(x), positions, layer_cache, start, key_mask)
+        x = x + (h * self.residual if self.residual != 1.0 else h)
+        h = self.post_norm(x)
+        decision = None
+        if isinstance(self.ffn, MoE):
+            h, decision = self.ffn(h)
+        else:
+            h = self.ffn(h)
+        x = x + (h * self.residual if self.residual != 1.0 else h)
+        return x, decision
+
+
+def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
+    """Give every meta parameter real, uninitialised storage in `dtype` (the checkpoint fills it next).
+
+    Routers that score in fp32 keep fp32 weights, as the reference does. Only meta tensors are
+    touched: the shared Rope (which MLAttention registers too) already holds its real tables.
+    """
+    for sub in module.modules():
+        keep = dtype
+        if isinstance(sub, Router) and sub.spec.fp32:
+            keep = torch.float32
+        for name, p in list(sub._parameters.items()):
+            if p is not None and p.is_meta:
+                real = torch.empty_like(p, device=device, dtype=keep if p.is_floating_point() else p.dtype)
+                sub._parameters[name] = nn.Parameter(real, requires_grad=False)
+
+
+class Decoder(nn.Module):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"):
+        super().__init__()
+        self.spec = spec
+        self.dtype = dtype
+        self.device = torch.device(device)
+        rope = Rope(spec.rope, _rope_width(spec), spec.max_position_embeddings).to(self.device)
+        with torch.device("meta"):
+            self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            self.layers = nn.ModuleList(Block(layer, rope, spec) for layer in spec.layers)
+            self.norm = make_norm(spec.final_norm, spec.hidden_size)
+            self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        _materialise(self, self.device, dtype)
+        self.rope = rope
+        self.requires_grad_(False)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        self.rope.reserve(max_len)
+        layers = [block.attn.new_cache(batch, max_len, self.dtype, self.device) for block in self.layers]
+        key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
+        return KVCache(layers=layers, key_mask=key_mask)
+
+    def forward(self, input_ids, cache: KVCache, positions, decisions: list | None = None) -> torch.Tensor:
+        """input_ids [B, T], positions [B, T] → logits [B, T, V] fp32; writes T slots of `cache`.
+
+        When `decisions` is a list, (layer_index, RoutingDecision) is appended for every MoE layer.
+        """
+        start, t = cache.length, input_ids.shape[1]
+        if start + t > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
+        key_mask = cache.key_mask[:, : start + t]
+        x = self.embed(input_ids)
+        if self.spec.multipliers.embedding != 1.0:
+            x = x * self.spec.multipliers.embedding
+        for i, block in enumerate(self.layers):
+            x, decision = block(x, positions, cache.layers[i], start, key_mask)
+            if decisions is not None and decision is not None:
+                decisions.append((i, decision))
+        cache.length = start + t
+        return self.head(self.norm(x))
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits = nn.functional.linear(h, weight)
+        if self.spec.multipliers.logits_scaling != 1.0:
+            logits = logits / self.spec.multipliers.logits_scaling
+        return logits.float()
+
+    def load_checkpoint(self, ckpt) -> None:
+        from moekit.model.loading import load_into
+
+        load_into(self, ckpt)

@@ -1,0 +1,60 @@
+"""Where each family keeps its tensors on the Hub, as transformers' save_pretrained writes them.
+
+Layers live under `model.layers.{i}`: `input_layernorm`, `post_attention_layernorm`, `self_attn.*`
+(q/k/v/o_proj, q_norm/k_norm, sinks; MLA's own names) and either a dense `mlp.{gate,up,down}_proj` or
+an MoE block whose layout is this table's business:
+
+  family        MoE block          router           routed experts
+  mixtral       block_sparse_moe   gate             experts.{j}.w1 / w3 / w2 (gate / up / down)
+  qwen*, olmoe  mlp                gate             experts.{j}.gate_proj / up_proj / down_proj
+  deepseek      mlp                gate (+ e_score_correction_bias)   as qwen
+  granitemoe    block_sparse_moe   router.layer     input_linear [E, 2F, D], output_linear [E, D, F]
+  gpt_oss       mlp                router (+ bias)  experts.gate_up_proj [E, D, 2F] gate/up INTERLEAVED,
+                                                    down_proj [E, F, D] (x @ W), *_bias
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+
+@dataclass(frozen=True)
+class HubNames:
+    moe: str = "mlp"  # the MoE block, under model.layers.{i}
+    router: str = "gate"  # under the MoE block; its .weight (and .bias where the router has one)
+    selection_bias: str = "gate.e_score_correction_bias"
+    # "per_expert": experts.{j}.<gate|up|down>.weight;  "stacked": one [E, ...] tensor each;
+    # "stacked_interleaved": gpt_oss's transposed, interleaved tensors with biases.
+    experts: Literal["per_expert", "stacked", "stacked_interleaved"] = "per_expert"
+    expert_gate: str = "gate_proj"
+    expert_up: str = "up_proj"
+    expert_down: str = "down_proj"
+    stacked_gate_up: str = "experts.gate_up_proj"
+    stacked_down: str = "experts.down_proj"
+    shared: Optional[str] = None  # the shared expert(s) MLP under the MoE block
+    shared_gate: str = "shared_expert_gate"
+
+
+FAMILIES: dict[str, HubNames] = {
+    "mixtral": HubNames(moe="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2"),
+    "qwen2_moe": HubNames(shared="shared_expert"),
+    "qwen3_moe": HubNames(),
+    "olmoe": HubNames(),
+    "granitemoe": HubNames(
+        moe="block_sparse_moe",
+        router="router.layer",
+        experts="stacked",
+        stacked_gate_up="input_linear.weight",
+        stacked_down="output_linear.weight",
+    ),
+    "gpt_oss": HubNames(router="router", experts="stacked_interleaved"),
+    "deepseek_v2": HubNames(shared="shared_experts"),
+    "deepseek_v3": HubNames(shared="shared_experts"),
+    "kimi_k2": HubNames(shared="shared_experts"),
+}
+
+
+def hub_names(model_type: str) -> HubNames:
+    """The family's layout; dense families (llama, qwen3) and unknown ones use the common names."""
+    return FAMILIES.get(model_type, HubNames())

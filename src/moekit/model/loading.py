@@ -1,0 +1,217 @@
+"""Fill a Decoder from a Hub checkpoint: every parameter from named tensors, every tensor accounted for.
+
+`plan(decoder)` lists Pieces: which Hub tensors (with the shape each must have) make one of our
+parameters and how they are laid into it (copy, rows stacked, gpt_oss's interleaved halves). Loading
+checks presence and shape of every source first, then copies in place (casting to the model dtype),
+then refuses a checkpoint holding tensors nothing used, unless they are known to be unused
+(DeepSeek's multi-token-prediction layers past the last layer, a tied head, rotary caches).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from moekit.errors import CheckpointError
+from moekit.model.attention import Attention
+from moekit.model.hub_names import HubNames, hub_names
+from moekit.model.mlp import MLP
+from moekit.model.moe import MoE
+from moekit.model.norms import LayerNorm
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Piece:
+    target: str  # our parameter name
+    sources: tuple[tuple[str, Shape], ...]  # Hub tensor name and the shape it must have
+    fill: Callable[[Tensor, list[Tensor]], None]  # lays the sources (in order) into the target
+
+
+def _copy(target: Tensor, src: list[Tensor]) -> None:
+    target.copy_(src[0])
+
+
+def _rows(target: Tensor, src: list[Tensor]) -> None:
+    """Sources stacked along dim 0 (q, k, v into qkv; gate, up into gate_up)."""
+    begin = 0
+    for s in src:
+        target[begin : begin + s.shape[0]].copy_(s)
+        begin += s.shape[0]
+
+
+def _per_expert(per: int) -> Callable[[Tensor, list[Tensor]], None]:
+    """Sources in groups of `per` per expert (gate, up or down alone), stacked into target[j]."""
+
+    def fill(target: Tensor, src: list[Tensor]) -> None:
+        for j in range(target.shape[0]):
+            _rows(target[j], src[j * per : (j + 1) * per])
+
+    return fill
+
+
+def _deinterleave_gate_up(target: Tensor, src: list[Tensor]) -> None:
+    """gpt_oss [E, D, 2F] with gate at even, up at odd columns → ours [E, 2F, D], gate rows first."""
+    f = target.shape[1] // 2
+    target[:, :f].copy_(src[0][:, :, 0::2].transpose(1, 2))
+    target[:, f:].copy_(src[0][:, :, 1::2].transpose(1, 2))
+
+
+def _deinterleave_bias(target: Tensor, src: list[Tensor]) -> None:
+    f = target.shape[1] // 2
+    target[:, :f].copy_(src[0][:, 0::2])
+    target[:, f:].copy_(src[0][:, 1::2])
+
+
+def _transposed(target: Tensor, src: list[Tensor]) -> None:
+    target.copy_(src[0].transpose(1, 2))
+
+
+class _Planner:
+    def __init__(self, decoder):
+        self.params = dict(decoder.named_parameters())
+        self.pieces: list[Piece] = []
+
+    def shape(self, target: str) -> Shape:
+        return tuple(self.params[target].shape)
+
+    def copy(self, target: str, source: str) -> None:
+        self.pieces.append(Piece(target, ((source, self.shape(target)),), _copy))
+
+    def rows(self, target: str, sources: list[str], widths: list[int]) -> None:
+        rest = self.shape(target)[1:]
+        self.pieces.append(Piece(target, tuple((s, (w, *rest)) for s, w in zip(sources, widths)), _rows))
+
+    def add(self, target: str, sources: list[tuple[str, Shape]], fill) -> None:
+        self.pieces.append(Piece(target, tuple(sources), fill))
+
+    def norm(self, ours: str, hub: str, module) -> None:
+        self.copy(f"{ours}.weight", f"{hub}.weight")
+        if isinstance(module, LayerNorm) and module.bias is not None:
+            self.copy(f"{ours}.bias", f"{hub}.bias")
+
+    def attention(self, ours: str, hub: str, attn) -> None:
+        if not isinstance(attn, Attention):  # MLA and any other mixer keep the Hub's own names
+            for name, _ in attn.named_parameters():
+                self.copy(f"{ours}.{name}", f"{hub}.{name}")
+            return
+        projections = [f"{hub}.{p}_proj" for p in "qkv"]
+        self.rows(f"{ours}.qkv.weight", [f"{p}.weight" for p in projections], list(attn.split))
+        if attn.qkv.bias is not None:
+            self.rows(f"{ours}.qkv.bias", [f"{p}.bias" for p in projections], list(attn.split))
+        self.copy(f"{ours}.o_proj.weight", f"{hub}.o_proj.weight")
+        if attn.o_proj.bias is not None:
+            self.copy(f"{ours}.o_proj.bias", f"{hub}.o_proj.bias")
+        if hasattr(attn, "q_norm"):
+            self.copy(f"{ours}.q_norm.weight", f"{hub}.q_norm.weight")
+            self.copy(f"{ours}.k_norm.weight", f"{hub}.k_norm.weight")
+        if attn.sinks is not None:
+            self.copy(f"{ours}.sinks", f"{hub}.sinks")
+
+    def mlp(self, ours: str, hub: str, mlp: MLP) -> None:
+        gated = mlp.gate_up.weight.shape[0] == 2 * mlp.width
+        parts = [f"{hub}.gate_proj", f"{hub}.up_proj"] if gated else [f"{hub}.up_proj"]
+        widths = [mlp.width] * len(parts)
+        self.rows(f"{ours}.gate_up.weight", [f"{p}.weight" for p in parts], widths)
+        self.copy(f"{ours}.down.weight", f"{hub}.down_proj.weight")
+        if mlp.gate_up.bias is not None:
+            self.rows(f"{ours}.gate_up.bias", [f"{p}.bias" for p in parts], widths)
+            self.copy(f"{ours}.down.bias", f"{hub}.down_proj.bias")
+
+    def moe(self, ours: str, hub: str, moe: MoE, names: HubNames) -> None:
+        block = f"{hub}.{names.moe}"
+        self.copy(f"{ours}.router.weight", f"{block}.{names.router}.weight")
+        if moe.router.bias is not None:
+            self.copy(f"{ours}.router.bias", f"{block}.{names.router}.bias")
+        if moe.router.selection_bias is not None:
+            self.copy(f"{ours}.router.selection_bias", f"{block}.{names.selection_bias}")
+        self.experts(f"{ours}.experts", block, moe, names)
+        if moe.shared is not None:
+            self.mlp(f"{ours}.shared", f"{block}.{names.shared}", moe.shared)
+        if moe.shared_gate is not None:
+            self.copy(f"{ours}.shared_gate.weight", f"{block}.{names.shared_gate}.weight")
+
+    def experts(self, ours: str, block: str, moe: MoE, names: HubNames) -> None:
+        ex = moe.experts
+        e, rows, d = ex.gate_up.shape
+        f = ex.down.shape[2]
+        if names.experts == "stacked":
+            self.copy(f"{ours}.gate_up", f"{block}.{names.stacked_gate_up}")
+            self.copy(f"{ours}.down", f"{block}.{names.stacked_down}")
+        elif names.experts == "stacked_interleaved":
+            gate_up, down = f"{block}.{names.stacked_gate_up}", f"{block}.{names.stacked_down}"
+            self.add(f"{ours}.gate_up", [(gate_up, (e, d, rows))], _deinterleave_gate_up)
+            self.add(f"{ours}.down", [(down, (e, f, d))], _transposed)
+            if ex.gate_up_bias is not None:
+                self.add(f"{ours}.gate_up_bias", [(f"{gate_up}_bias", (e, rows))], _deinterleave_bias)
+                self.copy(f"{ours}.down_bias", f"{down}_bias")
+        else:
+            gated = rows == 2 * f
+            kinds = [names.expert_gate, names.expert_up] if gated else [names.expert_up]
+            up = [(f"{block}.experts.{j}.{k}.weight", (f, d)) for j in range(e) for k in kinds]
+            self.add(f"{ours}.gate_up", up, _per_expert(len(kinds)))
+            down = [(f"{block}.experts.{j}.{names.expert_down}.weight", (d, f)) for j in range(e)]
+            self.add(f"{ours}.down", down, _per_expert(1))
+            if ex.gate_up_bias is not None:
+                up_b = [(f"{block}.experts.{j}.{k}.bias", (f,)) for j in range(e) for k in kinds]
+                self.add(f"{ours}.gate_up_bias", up_b, _per_expert(len(kinds)))
+                down_b = [(f"{block}.experts.{j}.{names.expert_down}.bias", (d,)) for j in range(e)]
+                self.add(f"{ours}.down_bias", down_b, _per_expert(1))
+
+
+def plan(decoder) -> list[Piece]:
+    """Every parameter of `decoder` and the Hub tensors that make it."""
+    names = hub_names(decoder.spec.model_type)
+    p = _Planner(decoder)
+    p.copy("embed.weight", "model.embed_tokens.weight")
+    p.norm("norm", "model.norm", decoder.norm)
+    if decoder.lm_head is not None:
+        p.copy("lm_head.weight", "lm_head.weight")
+    for i, block in enumerate(decoder.layers):
+        ours, hub = f"layers.{i}", f"model.layers.{i}"
+        p.norm(f"{ours}.input_norm", f"{hub}.input_layernorm", block.input_norm)
+        p.norm(f"{ours}.post_norm", f"{hub}.post_attention_layernorm", block.post_norm)
+        p.attention(f"{ours}.attn", f"{hub}.self_attn", block.attn)
+        if isinstance(block.ffn, MoE):
+            p.moe(f"{ours}.ffn", hub, block.ffn, names)
+        else:
+            p.mlp(f"{ours}.ffn", f"{hub}.mlp", block.ffn)
+    left = set(p.params) - {piece.target for piece in p.pieces}
+    assert not left, f"parameters with no Hub source: {sorted(left)}"
+    return p.pieces
+
+
+def _ignored(name: str, decoder) -> bool:
+    """Tensors a checkpoint may hold that this decoder rightly leaves unused."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= decoder.spec.num_layers:
+        return True  # DeepSeek's multi-token-prediction layers follow the decoder's last layer
+    if name == "lm_head.weight" and decoder.lm_head is None:
+        return True  # a tied head saved anyway
+    return name.endswith("rotary_emb.inv_freq")
+
+
+def load_into(decoder, ckpt) -> None:
+    pieces = plan(decoder)
+    present = set(ckpt.files)
+    for piece in pieces:
+        for name, shape in piece.sources:
+            if name not in present:
+                raise CheckpointError(f"{ckpt.folder}: tensor {name} is missing (needed for {piece.target})")
+            got = ckpt.shape(name)
+            if got != shape:
+                raise CheckpointError(f"{ckpt.folder}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+    used = {name for piece in pieces for name, _ in piece.sources}
+    unused = sorted(n for n in present - used if not _ignored(n, decoder))
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        raise CheckpointError(f"{ckpt.folder}: unexpected tensor {unused[0]}{more}; is this the model the config describes?")
+    params = dict(decoder.named_parameters())
+    with torch.no_grad():
+        for piece in pieces:
+            piece.fill(params[piece.target], [ckpt.get(name) for name, _ in piece.sources])

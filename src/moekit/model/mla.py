@@ -1,0 +1,151 @@
+"""DeepSeek's multi-head latent attention (MLA), the mixer of deepseek_v2 / deepseek_v3 / kimi_k2.
+
+Keys and values are not cached per head: each token leaves one normalised latent (R = kv_lora_rank,
+512 in V3) and one shared, already-rotated rope key (Rr = qk_rope_head_dim, 64), so a slot costs
+R + Rr numbers instead of 2·H·head_dim (576 vs 32768 in V3). Attention reads them back in one of
+two equivalent ways:
+
+  expanded  kv_b_proj turns every cached latent into per-head k_nope and v, then plain attention.
+            The reference's own order of operations; used for prefill (T > 1).
+  absorbed  kv_b_proj's key half is folded into the query and its value half applied after the
+            weighted sum, so attention runs on the latents directly: multi-query attention with
+            head width R + Rr. Costs O(S·R) per head instead of expanding S latents; used to decode.
+
+Legend: B batch, T new tokens, S slots attended (start + T), H heads, Rn = qk_nope_head_dim,
+Rr = qk_rope_head_dim, Dv = v_head_dim, R = kv_lora_rank.
+
+Reference: transformers 5.24 `DeepseekV3Attention` (`modeling_deepseek_v3.py`), which also covers V2
+(V2's complex-number rope pairs the same interleaved dimensions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from moekit.model.attention import attention_mask
+from moekit.model.norms import RMSNorm
+from moekit.model.rope import Rope, apply_rope, apply_rope_interleaved
+from moekit.spec.model_spec import AttentionSpec
+
+# The reference builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+
+
+@dataclass
+class MLACache:
+    """One layer's preallocated slots, written in place, never grown: per slot the normalised latent
+    then the rotated rope key, side by side so the absorbed path reads them as one key without a copy."""
+
+    slots: Tensor  # [B, S_max, R + Rr]
+    latent_dim: int  # R
+
+    @property
+    def latent(self) -> Tensor:  # [B, S_max, R] kv_a_layernorm(latent), before kv_b_proj
+        return self.slots[..., : self.latent_dim]
+
+    @property
+    def k_rope(self) -> Tensor:  # [B, S_max, Rr] the shared rope key, already rotated at its position
+        return self.slots[..., self.latent_dim :]
+
+
+class MLAttention(nn.Module):
+    """The mixer interface of moekit.model (new_cache, forward) for latent attention.
+
+    `rope` is the decoder's shared table, built for width qk_rope_head_dim (not head_dim): only the
+    rope part of q and k rotates, and YaRN's attention factor rides in its cos/sin. YaRN's mscale²
+    reaches the softmax through `spec.softmax_scale` (the adapter's job). `interleaved` is DeepSeek's
+    pair layout (extra "rope_interleave": config default True; V2 always interleaves).
+    """
+
+    def __init__(self, spec: AttentionSpec, rope: Rope, interleaved: bool = True):
+        super().__init__()
+        if spec.kind != "mla":
+            raise ValueError(f"MLAttention needs an 'mla' AttentionSpec, got {spec.kind!r}")
+        self.heads = spec.num_heads
+        self.nope, self.rope_dim, self.v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.latent_dim = spec.kv_lora_rank
+        self.q_lora_rank = spec.q_lora_rank
+        self.scale = spec.softmax_scale if spec.softmax_scale is not None else spec.head_dim**-0.5
+        self.interleaved = interleaved
+        self._rope = (rope,)  # shared by every layer: the decoder owns it, not each mixer
+        d, h, qk = spec.hidden_size, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        if spec.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, h * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, spec.q_lora_rank, bias=spec.qkv_bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=spec.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(self.latent_dim, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=spec.o_bias)
+
+    def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> MLACache:
+        self._rope[0].reserve(max_len)
+        slots = torch.zeros(batch, max_len, self.latent_dim + self.rope_dim, dtype=dtype, device=device)
+        return MLACache(slots=slots, latent_dim=self.latent_dim)
+
+    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        return (apply_rope_interleaved if self.interleaved else apply_rope)(x, cos, sin)
+
+    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, D] → q_nope [B, H, T, Rn], q_rope [B, H, T, Rr] (not yet rotated)."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        b, t, _ = x.shape
+        q = q.view(b, t, self.heads, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, Rn+Rr]
+        return q.split([self.nope, self.rope_dim], dim=-1)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: MLACache, start: int, key_mask: Tensor) -> Tensor:
+        """x [B, T, D] → [B, T, D]; writes slots start..start+T-1 of `cache`, attends over 0..start+T-1."""
+        b, t, _ = x.shape
+        end = start + t
+        q_nope, q_rope = self._queries(x)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        cos, sin = self._rope[0].cos_sin(positions, x.dtype)  # [B, T, Rr]
+        q_rope = self._rotate(q_rope, cos, sin)
+        k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin).squeeze(1)  # [B, T, Rr]: one head for all
+        cache.latent[:, start:end] = self.kv_a_layernorm(latent)
+        cache.k_rope[:, start:end] = k_rope
+        mask = attention_mask(key_mask[:, :end], start, t, window=None)
+        attend = self.attend_absorbed if t == 1 else self.attend_expanded
+        out = attend(q_nope, q_rope, cache.slots[:, :end], mask)  # [B, H, T, Dv]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))
+
+    def attend_expanded(self, q_nope: Tensor, q_rope: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        """The reference's way: expand every latent to per-head keys and values. → [B, H, T, Dv]
+
+        slots [B, S, R+Rr] as the cache holds them; mask [B, 1, T, S].
+        """
+        latent, k_rope = slots.split([self.latent_dim, self.rope_dim], dim=-1)
+        b, s, _ = latent.shape
+        kv = self.kv_b_proj(latent).view(b, s, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, S, Rn], [B, H, S, Dv]
+        k = torch.cat((k_nope, k_rope[:, None].expand(-1, self.heads, -1, -1)), dim=-1)  # [B, H, S, Rn+Rr]
+        q = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, Rn+Rr]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+
+    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+        """kv_b folded into the query and the output: attention over the latents. → [B, H, T, Dv]
+
+        q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and Σ p·(W_uv c) = W_uv (Σ p·c), so the S cached latents are
+        read once per step and never expanded. Every head shares the one key (latent, rope key), so the
+        heads fold into the query axis of one plain matmul (SDPA with enable_gqa measured 25-90× slower
+        on CPU for one decode step).
+        """
+        b, h, t, _ = q_nope.shape
+        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.latent_dim)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, Rn, R], [H, Dv, R]
+        q = torch.cat((q_nope @ w_uk, q_rope), dim=-1)  # [B, H, T, R+Rr]
+        scores = (q.view(b, h * t, -1) @ slots.transpose(1, 2)).view(b, h, t, -1) * self.scale  # [B, H, T, S]
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax, as the reference
+        out_latent = probs.view(b, h * t, -1) @ slots[..., : self.latent_dim]  # [B, H*T, R]
+        return out_latent.view(b, h, t, -1) @ w_uv.transpose(1, 2)  # [B, H, T, Dv]
+

@@ -45,7 +45,10 @@ def hf_counts(config: dict) -> tuple[int, int]:
             text = _numel(model.language_model)  # a Llama4ForCausalLM, head included
             return text, _numel(model) - text
         # Kimi K2 ships the DeepSeek-V3 architecture under its own model_type.
-        hf_config = DeepseekV3Config(**kwargs) if model_type == "kimi_k2" else AutoConfig.for_model(model_type, **kwargs)
+        if model_type == "kimi_k2":
+            hf_config = DeepseekV3Config(**kwargs)
+        else:
+            hf_config = AutoConfig.for_model(model_type, **kwargs)
         return _numel(AutoModelForCausalLM.from_config(hf_config)), 0
 
 
@@ -230,7 +233,9 @@ SYNTHETIC = {
         routed_scaling_factor=2.827,
         num_nextn_predict_layers=0,
     ),
-    "deepseek_v2-lite": _tiny("deepseek_v2", **{**_MLA, "q_lora_rank": None}, num_experts_per_tok=2, first_k_dense_replace=1),
+    "deepseek_v2-lite": _tiny(
+        "deepseek_v2", **{**_MLA, "q_lora_rank": None}, num_experts_per_tok=2, first_k_dense_replace=1
+    ),
     "deepseek_v2-grouped": _tiny(
         "deepseek_v2",
         **_MLA,

@@ -52,13 +52,22 @@ def test_qwen_norm_topk_prob_decides_renormalisation() -> None:
 
 def test_qwen2_moe_has_a_gated_shared_expert_and_sparse_step() -> None:
     spec = spec_from_config(
-        tiny("qwen2_moe", num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=24),
+        tiny(
+            "qwen2_moe", num_experts=4, decoder_sparse_step=2, mlp_only_layers=[3], shared_expert_intermediate_size=24
+        ),
         "t",
     )
     assert [layer.is_moe for layer in spec.layers] == [False, True, False, False]
     moe = spec.layers[1].ffn
     assert moe.shared == MLPSpec(hidden_size=32, width=24) and moe.shared_gate
     assert spec.layers[0].ffn.width == 40  # dense layers use intermediate_size
+
+
+def test_only_deepseek_keeps_its_gate_gemm_in_fp32() -> None:
+    assert load_spec("deepseek-v3").layers[3].ffn.router.fp32
+    assert load_spec("deepseek-v2-lite").layers[1].ffn.router.fp32
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gpt-oss-20b", "granite-3.0-1b-a400m"):
+        assert not load_spec(name).layers[0].ffn.router.fp32, name
 
 
 def test_qk_norm_kinds() -> None:
@@ -170,7 +179,8 @@ def test_jamba_periods_place_attention_and_experts() -> None:
 def test_dbrx_reads_its_nested_configs() -> None:
     config = {
         "model_type": "dbrx", "vocab_size": 97, "d_model": 32, "n_heads": 4, "n_layers": 2, "max_seq_len": 64,
-        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8}, "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": 16, "moe_top_k": 4},
+        "attn_config": {"kv_n_heads": 2, "clip_qkv": 8},
+        "ffn_config": {"ffn_hidden_size": 24, "moe_num_experts": 16, "moe_top_k": 4},
     }  # fmt: skip
     spec = spec_from_config(config, "dbrx")
     assert spec.num_layers == 2 and spec.max_position_embeddings == 64
@@ -196,10 +206,13 @@ def test_eos_as_list_or_int() -> None:
 
 def test_missing_fields_take_the_family_default() -> None:
     # mixtral's defaults: 8 experts, top-2, 8 kv heads, head_dim = hidden // heads
-    config = {"model_type": "mixtral", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8}
+    config = {
+        "model_type": "mixtral", "vocab_size": 10, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 8
+    }
     spec = spec_from_config(config, "t")
     moe = spec.layers[0].ffn
-    assert (moe.num_experts, moe.top_k, spec.layers[0].mixer.num_kv_heads, spec.layers[0].mixer.head_dim) == (8, 2, 8, 8)
+    attention = spec.layers[0].mixer
+    assert (moe.num_experts, moe.top_k, attention.num_kv_heads, attention.head_dim) == (8, 2, 8, 8)
 
 
 @pytest.mark.parametrize(

@@ -161,7 +161,14 @@ def layer_params(layer: LayerSpec) -> LayerCounts:
             top_k=moe.top_k,
         )
     return LayerCounts(
-        mixer=mixer, norms=norms, dense_mlp=layer.ffn.params(), router=0, shared=0, expert_each=0, num_experts=0, top_k=0
+        mixer=mixer,
+        norms=norms,
+        dense_mlp=layer.ffn.params(),
+        router=0,
+        shared=0,
+        expert_each=0,
+        num_experts=0,
+        top_k=0,
     )
 
 

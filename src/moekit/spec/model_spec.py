@@ -118,7 +118,7 @@ class RouterSpec:
     # How a group is scored before keeping `topk_group` of `n_group`: DeepSeek-V3 sums each group's
     # top-2 (biased) scores; DeepSeek-V2's group_limited_greedy takes the group's max score.
     group_scoring: Literal["top2_sum", "max"] = "top2_sum"
-    fp32: bool = True  # router GEMM / scores computed in fp32
+    fp32: bool = True  # gate weight kept in fp32 and its GEMM run there (DeepSeek); adapters set False elsewhere
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from moekit.spec.model_spec import (
     ModelSpec,
     NormSpec,
     RopeSpec,
+    RouterSpec,
 )
 
 # transformers' ACT2FN names → the activations the engine implements.
@@ -123,6 +124,12 @@ def expert_counts(f: ConfigFields, experts_key: str, top_k_key: str = "num_exper
             f"{experts_key} ({num_experts})"
         )
     return num_experts, top_k
+
+
+def router(num_experts: int, top_k: int, *, fp32: bool = False, **fields: object) -> RouterSpec:
+    """A RouterSpec whose gate GEMM runs in the model dtype, as in every family but DeepSeek's
+    (which keeps its gate weight in fp32 and builds its RouterSpec with fp32=True)."""
+    return RouterSpec(num_experts=num_experts, top_k=top_k, fp32=fp32, **fields)  # type: ignore[arg-type]
 
 
 def gated_mlp(hidden: int, width: int, act: Activation, bias: bool = False) -> MLPSpec:

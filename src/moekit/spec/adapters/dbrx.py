@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec, RouterSpec
+from moekit.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, NormSpec
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -51,14 +51,16 @@ def build(config: dict, name: str) -> ModelSpec:
     kv = attn.size("kv_n_heads")
     if heads % kv:
         raise SpecError(f"dbrx config: n_heads ({heads}) is not a multiple of attn_config.kv_n_heads ({kv})")
-    attention = AttentionSpec(kind="mha", hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads)
+    attention = AttentionSpec(
+        kind="mha", hidden_size=hidden, num_heads=heads, num_kv_heads=kv, head_dim=hidden // heads
+    )
     act_fn = ffn.get("ffn_act_fn") or {"name": "silu"}
     if not isinstance(act_fn, dict):
         raise SpecError(f"dbrx config: 'ffn_config.ffn_act_fn' must be an object, got {act_fn!r}")
     act = common.activation(common.fields({"hidden_act": act_fn.get("name", "silu")}, {}, "dbrx.ffn_config.ffn_act_fn"))
     num_experts, top_k = common.expert_counts(ffn, "moe_num_experts", "moe_top_k")
     norm_p = ffn.opt_float("moe_normalize_expert_weights")
-    router = RouterSpec(num_experts=num_experts, top_k=top_k, normalize=norm_p is not None, fp32=False)
+    router = common.router(num_experts=num_experts, top_k=top_k, normalize=norm_p is not None)
     moe = MoESpec(router=router, expert=common.gated_mlp(hidden, ffn.size("ffn_hidden_size"), act))
     layers = [LayerSpec(mixer=attention, ffn=moe, norm=_NORM)] * f.size("num_hidden_layers")
     extras: tuple = (("fused_qkv", True),)

@@ -126,7 +126,10 @@ def _layers(f: ConfigFields, attention: AttentionSpec, router: RouterSpec, mlp_b
     first_moe = f.int("first_k_dense_replace")
     dense = common.gated_mlp(hidden, f.size("intermediate_size"), act, bias=mlp_bias) if first_moe > 0 else None
     norm = common.rms_norm(f)
-    return [LayerSpec(mixer=attention, ffn=moe if i >= first_moe else dense, norm=norm) for i in range(num_layers)]  # type: ignore[arg-type]
+    return [
+        LayerSpec(mixer=attention, ffn=moe if i >= first_moe else dense, norm=norm)  # type: ignore[arg-type]
+        for i in range(num_layers)
+    ]
 
 
 def _mtp_params(f: ConfigFields, moe_layer: LayerSpec) -> int:
@@ -153,6 +156,7 @@ def _build_v3(config: dict, name: str, model_type: str) -> ModelSpec:
         normalize=f.bool("norm_topk_prob"),
         scaling=f.float("routed_scaling_factor"),
         selection_bias=True,
+        fp32=True,  # the gate weight is kept in fp32 and its GEMM runs there
         n_group=f.size("n_group"),
         topk_group=f.size("topk_group"),
     )
@@ -190,6 +194,7 @@ def build_v2(config: dict, name: str) -> ModelSpec:
         n_group=f.size("n_group") if grouped else 1,
         topk_group=f.size("topk_group") if grouped else 1,
         group_scoring="max",
+        fp32=True,
     )
     _check_groups(f, router)
     layers = _layers(f, _mla(f, rope), router, mlp_bias=f.bool("mlp_bias"))

@@ -4,7 +4,7 @@ biases; attention sinks; sliding and full layers alternating by `layer_types`; Y
 from __future__ import annotations
 
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, MLPSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -44,10 +44,11 @@ def build(config: dict, name: str) -> ModelSpec:
     windows = common.layer_windows(f, num_layers, default_types, f.opt_size("sliding_window"))
     num_experts, top_k = common.expert_counts(f, "num_local_experts")
     # Router logits and their softmax stay in the model dtype (no fp32 upcast in GptOssTopKRouter).
-    router = RouterSpec(
-        num_experts=num_experts, top_k=top_k, order="topk_then_score", normalize=False, bias=True, fp32=False
+    router = common.router(
+        num_experts=num_experts, top_k=top_k, order="topk_then_score", normalize=False, bias=True
     )
-    expert = MLPSpec(hidden_size=hidden, width=f.size("intermediate_size"), gated=True, bias=True, activation="swiglu_oai")
+    width = f.size("intermediate_size")
+    expert = MLPSpec(hidden_size=hidden, width=width, gated=True, bias=True, activation="swiglu_oai")
     moe = MoESpec(router=router, expert=expert)
     norm = common.rms_norm(f)
     layers = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, Multipliers, RouterSpec
+from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, Multipliers
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -40,7 +40,7 @@ def build(config: dict, name: str) -> ModelSpec:
     )
     num_experts, top_k = common.expert_counts(f, "num_local_experts")
     # The softmax over the K chosen logits already sums to one: no renormalisation.
-    router = RouterSpec(num_experts=num_experts, top_k=top_k, order="topk_then_score", normalize=False)
+    router = common.router(num_experts=num_experts, top_k=top_k, order="topk_then_score", normalize=False)
     moe = MoESpec(router=router, expert=common.gated_mlp(hidden, f.size("intermediate_size"), common.activation(f)))
     norm = common.rms_norm(f)
     layers = [LayerSpec(mixer=attention, ffn=moe, norm=norm)] * f.size("num_hidden_layers")

@@ -8,7 +8,7 @@ import math
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
 from moekit.spec.config_fields import ConfigFields
-from moekit.spec.model_spec import LayerSpec, MambaSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, MambaSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -72,7 +72,7 @@ def build(config: dict, name: str) -> ModelSpec:
     if sparse:
         num_experts, top_k = common.expert_counts(f, "num_experts")
         # softmax over E in fp32, top-K, weights left unnormalised
-        moe = MoESpec(router=RouterSpec(num_experts=num_experts, top_k=top_k, normalize=False), expert=dense)
+        moe = MoESpec(router=common.router(num_experts=num_experts, top_k=top_k, normalize=False), expert=dense)
     norm = common.rms_norm(f)
     layers = [
         LayerSpec(

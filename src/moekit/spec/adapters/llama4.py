@@ -12,7 +12,7 @@ from __future__ import annotations
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
 from moekit.spec.config_fields import ConfigFields
-from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 TEXT_DEFAULTS = {
@@ -73,7 +73,8 @@ def vision_params(v: ConfigFields, text_hidden: int) -> int:
 def _layers(t: ConfigFields) -> list[LayerSpec]:
     hidden, heads, num_layers = t.size("hidden_size"), t.size("num_attention_heads"), t.size("num_hidden_layers")
     step = t.size("interleave_moe_layer_step")
-    moe_at = set(t.int_list("moe_layers")) if t.get("moe_layers") is not None else set(range(step - 1, num_layers, step))
+    listed = t.get("moe_layers") is not None
+    moe_at = set(t.int_list("moe_layers")) if listed else set(range(step - 1, num_layers, step))
     interval = t.size("no_rope_layer_interval")
     rope_on = t.int_list("no_rope_layers") or tuple(int((i + 1) % interval != 0) for i in range(num_layers))
     if len(rope_on) < num_layers:
@@ -87,7 +88,7 @@ def _layers(t: ConfigFields) -> list[LayerSpec]:
     act = common.activation(t)
     num_experts, top_k = common.expert_counts(t, "num_local_experts")
     moe = MoESpec(
-        router=RouterSpec(
+        router=common.router(
             num_experts=num_experts, top_k=top_k, scoring="sigmoid", order="topk_then_score", normalize=False
         ),
         expert=common.gated_mlp(hidden, t.size("intermediate_size"), act),

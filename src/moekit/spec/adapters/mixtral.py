@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 # MixtralConfig's defaults (transformers 5.24); required fields have none.
@@ -33,7 +33,7 @@ def build(config: dict, name: str) -> ModelSpec:
         f, head_dim=common.head_dim(f, hidden, heads), sliding_window=f.opt_size("sliding_window")
     )
     moe = MoESpec(
-        router=RouterSpec(num_experts=num_experts, top_k=top_k, normalize=True),
+        router=common.router(num_experts=num_experts, top_k=top_k, normalize=True),
         expert=common.gated_mlp(hidden, f.size("intermediate_size"), common.activation(f)),
     )
     norm = common.rms_norm(f)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -32,7 +32,7 @@ def build(config: dict, name: str) -> ModelSpec:
     attention = common.mha(f, head_dim=common.head_dim(f, hidden, heads), qkv_bias=bias, o_bias=bias, qk_norm="full")
     num_experts, top_k = common.expert_counts(f, "num_experts")
     moe = MoESpec(
-        router=RouterSpec(num_experts=num_experts, top_k=top_k, normalize=f.bool("norm_topk_prob")),
+        router=common.router(num_experts=num_experts, top_k=top_k, normalize=f.bool("norm_topk_prob")),
         expert=common.gated_mlp(hidden, f.size("intermediate_size"), common.activation(f)),
     )
     norm = common.rms_norm(f)

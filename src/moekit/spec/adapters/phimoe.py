@@ -4,7 +4,7 @@ lm_head bias."""
 from __future__ import annotations
 
 from moekit.spec.adapters import common
-from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, NormSpec, RouterSpec
+from moekit.spec.model_spec import LayerSpec, ModelSpec, MoESpec, NormSpec
 from moekit.spec.rope import rope_spec
 
 DEFAULTS = {
@@ -31,11 +31,15 @@ def build(config: dict, name: str) -> ModelSpec:
     hidden, heads = f.size("hidden_size"), f.size("num_attention_heads")
     bias = f.bool("attention_bias")
     attention = common.mha(
-        f, head_dim=common.head_dim(f, hidden, heads), qkv_bias=bias, o_bias=bias, sliding_window=f.opt_size("sliding_window")
+        f,
+        head_dim=common.head_dim(f, hidden, heads),
+        qkv_bias=bias,
+        o_bias=bias,
+        sliding_window=f.opt_size("sliding_window"),
     )
     num_experts, top_k = common.expert_counts(f, "num_local_experts")
     # sparsemixer chooses and weighs experts itself; these fields only describe its inputs.
-    router = RouterSpec(num_experts=num_experts, top_k=top_k, normalize=False)
+    router = common.router(num_experts=num_experts, top_k=top_k, normalize=False)
     moe = MoESpec(router=router, expert=common.gated_mlp(hidden, f.size("intermediate_size"), common.activation(f)))
     # nn.LayerNorm(..., eps=config.rms_norm_eps) with weight and bias, despite the field's name.
     norm = NormSpec(kind="layer", eps=f.float("rms_norm_eps"), bias=True)

@@ -13,7 +13,7 @@ from typing import Optional
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
 from moekit.spec.config_fields import ConfigFields
-from moekit.spec.model_spec import AttentionSpec, FeedForward, LayerSpec, ModelSpec, MoESpec, RouterSpec
+from moekit.spec.model_spec import AttentionSpec, FeedForward, LayerSpec, ModelSpec, MoESpec
 from moekit.spec.rope import rope_spec
 
 _COMMON = {
@@ -53,7 +53,13 @@ QWEN3_MOE_DEFAULTS = {
     "mlp_only_layers": None,
 }
 QWEN2_DEFAULTS = {**_COMMON, "intermediate_size": 22016, "num_key_value_heads": 32}
-QWEN3_DEFAULTS = {**_COMMON, "intermediate_size": 22016, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False}
+QWEN3_DEFAULTS = {
+    **_COMMON,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "head_dim": 128,
+    "attention_bias": False,
+}
 DEFAULT_THETA = 10000.0
 _ALIASES = {"num_local_experts": "num_experts"}
 
@@ -70,13 +76,15 @@ def _dense_windows(f: ConfigFields, num_layers: int) -> tuple[Optional[int], ...
     """qwen2 / qwen3: sliding from layer max_window_layers on, when use_sliding_window."""
     window = f.opt_size("sliding_window") if f.bool("use_sliding_window") else None
     first = f.int("max_window_layers")
-    default = ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)]
+    default = [
+        "sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)
+    ]
     return common.layer_windows(f, num_layers, default, window)
 
 
 def _moe(f: ConfigFields, hidden: int, act: str, shared: bool) -> MoESpec:
     num_experts, top_k = common.expert_counts(f, "num_experts")
-    router = RouterSpec(num_experts=num_experts, top_k=top_k, normalize=f.bool("norm_topk_prob"))
+    router = common.router(num_experts=num_experts, top_k=top_k, normalize=f.bool("norm_topk_prob"))
     expert = common.gated_mlp(hidden, f.size("moe_intermediate_size"), act)  # type: ignore[arg-type]
     if not shared:
         return MoESpec(router=router, expert=expert)
@@ -109,7 +117,8 @@ def build_qwen2_moe(config: dict, name: str) -> ModelSpec:
     first = f.int("max_window_layers")
     # Qwen2MoeConfig's own pattern: even layers below max_window_layers slide.
     default = [
-        "sliding_attention" if (i + 1) % 2 and i < first and use_sliding else "full_attention" for i in range(num_layers)
+        "sliding_attention" if (i + 1) % 2 and i < first and use_sliding else "full_attention"
+        for i in range(num_layers)
     ]
     windows = common.layer_windows(f, num_layers, default, window)
     head_dim = common.head_dim(f, hidden, heads)

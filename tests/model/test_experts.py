@@ -1,0 +1,62 @@
+"""The fast expert paths (one token: its K experts; many: grouped by expert) equal the obvious loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.model.experts import RoutedExperts, experts_reference
+from moekit.model.mlp import Activation
+from moekit.model.routing import RoutingDecision
+from moekit.spec.model_spec import MLPSpec
+
+E, D, F = 6, 16, 12
+
+
+def _experts(kind: str, bias: bool, seed: int) -> RoutedExperts:
+    gen = torch.Generator().manual_seed(seed)
+    spec = MLPSpec(hidden_size=D, width=F, gated=True, bias=bias, activation=kind)
+    ex = RoutedExperts(spec, E, Activation(kind=kind, limit=1.0))
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return ex
+
+
+def _decision(tokens: int, k: int, seed: int) -> RoutingDecision:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=gen)
+    return RoutingDecision(topk_ids=ids, topk_weights=weights)
+
+
+@pytest.mark.parametrize("kind,bias", [("silu", False), ("swiglu_oai", True), ("gelu_tanh", False)])
+@pytest.mark.parametrize("tokens,k", [(1, 2), (1, 4), (9, 2), (30, 3)])
+def test_fast_path_equals_reference(kind, bias, tokens, k):
+    ex = _experts(kind, bias, seed=tokens * 10 + k)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(k))
+    decision = _decision(tokens, k, seed=tokens + k)
+    want = experts_reference(ex, x, decision)
+    got = ex(x, decision)
+    assert want.abs().max() > 0.1  # the experts do something at this scale
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_unchosen_experts_do_not_matter():
+    ex = _experts("silu", False, seed=3)
+    x = torch.randn(5, D)
+    decision = RoutingDecision(topk_ids=torch.tensor([[0, 1]] * 5), topk_weights=torch.full((5, 2), 0.5))
+    before = ex(x, decision)
+    with torch.no_grad():
+        ex.gate_up[2:].fill_(float("nan"))
+    assert torch.equal(ex(x, decision), before)
+
+
+def test_swiglu_oai_clamps_gate_and_up():
+    act = Activation(kind="swiglu_oai", limit=7.0)
+    gate = torch.tensor([100.0, -3.0])
+    up = torch.tensor([-100.0, 2.0])
+    out = act(torch.cat([gate, up]))
+    want_0 = (-7.0 + 1) * 7.0 * torch.sigmoid(torch.tensor(7.0 * 1.702))
+    want_1 = (2.0 + 1) * -3.0 * torch.sigmoid(torch.tensor(-3.0 * 1.702))
+    assert torch.allclose(out, torch.stack([want_0, want_1]))

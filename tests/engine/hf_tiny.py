@@ -13,6 +13,9 @@ import torch
 
 VOCAB = 160
 MAX_POS = 256
+# Router weights this wide put router logits a few units apart: top-K is decided by the model,
+# not by the last bit of rounding (the default 0.02 leaves them nearly tied).
+ROUTER_STD = 1.5
 
 COMMON = dict(
     vocab_size=VOCAB,
@@ -109,9 +112,9 @@ def _spread_routers(model, seed: int) -> None:
             continue
         with torch.no_grad():
             w = module.weight
-            w.copy_(torch.randn(w.shape, generator=gen) * 0.5)
+            w.copy_(torch.randn(w.shape, generator=gen) * ROUTER_STD)
             if getattr(module, "bias", None) is not None and isinstance(module.bias, torch.Tensor):
-                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * 0.5)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=gen) * ROUTER_STD)
             if hasattr(module, "e_score_correction_bias"):
                 b = module.e_score_correction_bias
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.3)

@@ -35,6 +35,21 @@ def attention_mask(key_mask: torch.Tensor, start: int, length: int, window: int 
     return mask[:, None]
 
 
+def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """q [B, H, T, hd] → [B, Hkv, G*T, hd]: the G query heads sharing a kv head become one row block.
+
+    Attention then runs per kv head without repeating keys and values (for T = 1 this is a view).
+    """
+    b, h, t, hd = q.shape
+    return q.reshape(b, kv_heads, (h // kv_heads) * t, hd)
+
+
+def _grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, 1, T, S] → [B, 1, G*T, S], matching `_grouped`'s row order (g major, t minor)."""
+    b, _, t, s = mask.shape
+    return mask.unsqueeze(2).expand(b, 1, groups, t, s).reshape(b, 1, groups * t, s)
+
+
 def _attend_with_sinks(q, k, v, mask, scale, sinks):
     """Eager softmax with one extra per-head logit (the sink) that absorbs mass and carries no value.
 
@@ -42,14 +57,26 @@ def _attend_with_sinks(q, k, v, mask, scale, sinks):
     """
     b, h, t, hd = q.shape
     hkv = k.shape[1]
-    qg = q.reshape(b, hkv, (h // hkv) * t, hd)  # [B, Hkv, G*T, hd]: groups share their kv head
-    logits = (qg @ k.transpose(-1, -2)).view(b, h, t, -1) * scale  # [B, H, T, S]
+    logits = (_grouped(q, hkv) @ k.transpose(-1, -2)).view(b, h, t, -1) * scale  # [B, H, T, S]
     logits = logits.masked_fill(~mask, float("-inf"))
     sink = sinks.to(logits.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
     combined = torch.cat([logits, sink], dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]  # drop the sink
     out = probs.to(v.dtype).reshape(b, hkv, (h // hkv) * t, -1) @ v  # [B, Hkv, G*T, hd]
+    return out.view(b, h, t, hd)
+
+
+def _attend(q, k, v, mask, scale):
+    """SDPA with the query heads grouped per kv head (CPU SDPA's own GQA path is far slower).
+
+    q [B, H, T, hd], k/v [B, Hkv, S, hd], mask [B, 1, T, S] or None → [B, H, T, hd].
+    """
+    b, h, t, hd = q.shape
+    hkv = k.shape[1]
+    if mask is not None and h != hkv:
+        mask = _grouped_mask(mask, h // hkv)
+    out = F.scaled_dot_product_attention(_grouped(q, hkv), k, v, attn_mask=mask, scale=scale)
     return out.view(b, h, t, hd)
 
 
@@ -120,8 +147,6 @@ class Attention(nn.Module):
         else:
             plain = t == 1 and (self.window is None or self.window >= end) and bool(key_mask.all())
             mask = None if plain else attention_mask(key_mask, start, t, self.window)
-            out = F.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads
-            )
+            out = _attend(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)

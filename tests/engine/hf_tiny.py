@@ -131,9 +131,9 @@ def build_reference(family: str, seed: int = 0, **overrides):
     return model
 
 
-def write_checkpoint(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+def write_checkpoint(family: str, folder: Path, seed: int = 0, save_kwargs: dict | None = None, **overrides) -> Path:
     model = build_reference(family, seed, **overrides)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **(save_kwargs or {}))
     return folder
 
 

@@ -21,7 +21,11 @@ NEW = 24
 def reference(folder, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager").eval()
+    # No eos: both sides run the full length. (min_new_tokens would instead forbid eos, which a
+    # free-running engine may legitimately choose.)
+    model.generation_config.eos_token_id = None
+    return model
 
 
 def reference_greedy(model, prompt: list[int], new: int) -> list[int]:
@@ -32,7 +36,6 @@ def reference_greedy(model, prompt: list[int], new: int) -> list[int]:
             attention_mask=torch.ones_like(ids),
             do_sample=False,
             max_new_tokens=new,
-            min_new_tokens=new,
             pad_token_id=0,
         )
     return out[0, len(prompt) :].tolist()

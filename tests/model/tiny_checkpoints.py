@@ -44,12 +44,17 @@ CASES = [
     Case("mixtral-a", "mixtral", 0, dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)),
     Case("mixtral-b", "mixtral", 1, dict(hidden_size=64, intermediate_size=24, num_hidden_layers=3, num_local_experts=8,
                                          num_experts_per_tok=3, num_key_value_heads=1, tie_word_embeddings=True)),
+    Case("mixtral-window", "mixtral", 2, dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=5)),
     Case("qwen2_moe-dense-layer", "qwen2_moe", 0, dict(
         intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_hidden_layers=3,
         num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])),
     Case("qwen2_moe-sparse-step", "qwen2_moe", 1, dict(
         intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=32, num_hidden_layers=2,
         num_experts=6, num_experts_per_tok=3, norm_topk_prob=True, decoder_sparse_step=2)),
+    Case("qwen2_moe-window", "qwen2_moe", 2, dict(
+        intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_hidden_layers=3,
+        num_experts=8, num_experts_per_tok=2, use_sliding_window=True, sliding_window=5, max_window_layers=2)),
     Case("qwen3_moe-a", "qwen3_moe", 0, dict(
         intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, head_dim=16)),

@@ -14,9 +14,7 @@ app = typer.Typer(help="Measure moekit's speed against a named baseline, in one 
 
 DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate on one checkpoint, at batch 1 and 8.
 
-Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio,
-the bandwidth roofline of this machine (bytes one decode step reads / measured memory bandwidth)
-and the share of it moekit reaches.
+Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio, the bandwidth roofline of this machine (measured memory bandwidth / bytes one decode step reads) and the share of it moekit reaches.
 
   moekit bench decode path/to/checkpoint --vs transformers --batch 1,8 --tokens 32
 """
@@ -40,6 +38,12 @@ def local_bandwidth() -> tuple[float, str]:
     return hw.bandwidth, "measured by the local probe"
 
 
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _fmt(value: Optional[float], spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
@@ -55,6 +59,7 @@ def decode(
     prompt_len: int = typer.Option(16, "--prompt-len", help="Prompt tokens per row."),
     repeats: int = typer.Option(3, "--repeats", help="Timed runs per side; the median is reported."),
     warmup: int = typer.Option(1, "--warmup", help="Untimed runs first."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for both sides (default: torch's)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
     if vs not in (None, "transformers"):
@@ -65,6 +70,12 @@ def decode(
     settings = BenchSettings(
         batches=_batches(batch), tokens=tokens, prompt_len=prompt_len, repeats=repeats, warmup=warmup
     )
+    if threads is not None:
+        if threads < 1:
+            raise MoekitError(f"--threads must be at least 1, got {threads}")
+        import torch
+
+        torch.set_num_threads(threads)
     engine = load_engine(checkpoint, dtype=dtype, device=device)
     bandwidth, source = local_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = bench_decode(engine, settings, vs_transformers=vs == "transformers", bandwidth_bytes_s=bandwidth)
@@ -80,6 +91,7 @@ def decode(
                     "tokens": tokens,
                     "prompt_len": prompt_len,
                     "repeats": repeats,
+                    "threads": _threads(),
                     "bandwidth_bytes_s": bandwidth,
                     "bandwidth_source": source,
                     "results": [r.as_dict() for r in results],
@@ -114,4 +126,7 @@ def decode(
     console = Console()
     console.print(table)
     bw = f"{bandwidth / 1e9:.1f} GB/s ({source})" if bandwidth else source
-    console.print(f"memory bandwidth: {bw}; median of {repeats} runs after {warmup} warm-up, {tokens} tokens per row")
+    console.print(
+        f"memory bandwidth: {bw}; median of {repeats} runs after {warmup} warm-up; "
+        f"{tokens} new tokens per row after {prompt_len} prompt tokens; {_threads()} threads"
+    )

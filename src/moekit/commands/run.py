@@ -17,8 +17,7 @@ from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
 
-CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it,
-give --prompt-ids). It is required for now: the bundled default model comes in a later release.
+CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it, give --prompt-ids). It is required for now: the bundled default model comes in a later release.
 
 Examples:
 
@@ -51,7 +50,10 @@ def _expert_summary(act, width: int = 60) -> str:
 def _token_text(engine, token_id: int) -> str:
     if engine.tokenizer is None:
         return str(token_id)
-    return repr(engine.tokenizer.decode([token_id]))[1:-1] or repr(token_id)
+    text = engine.tokenizer.decode([token_id])
+    if not text or "\ufffd" in text:  # part of a multi-byte character: show the raw piece
+        text = engine.tokenizer.id_to_token(token_id) or str(token_id)
+    return repr(text)[1:-1]
 
 
 def _activation_table(engine, acts):
@@ -64,7 +66,7 @@ def _activation_table(engine, acts):
     if moe:
         table.add_column("experts (layer:ids)")
     table.add_column("params touched", justify="right")
-    table.add_column("share", justify="right")
+    table.add_column("active share", justify="right")
     if moe:
         table.add_column("distinct experts", justify="right")
     for a in acts:
@@ -91,7 +93,7 @@ def run(
     top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1]."),
     top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible runs)."),
-    stop: Optional[str] = typer.Option(None, "--stop", help="Comma-separated stop token ids (default: the model's eos)."),
+    stop: Optional[str] = typer.Option(None, "--stop", help="Comma-separated stop token ids (default: the model's eos; '' never stops early)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write the routing trace to this Parquet file."),
     show_activation: bool = typer.Option(
         False, "--show-activation", help="Per token: experts chosen, params touched, share of all params."
@@ -109,7 +111,7 @@ def run(
         raise MoekitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
     check_sampling(sampling)
-    stop_ids = parse_ids(stop, "--stop")
+    stop_ids = () if stop is not None and not stop.strip() else parse_ids(stop, "--stop")
     if trace is not None and not trace.parent.exists():
         raise MoekitError(f"--trace {trace}: folder {trace.parent} does not exist")
 

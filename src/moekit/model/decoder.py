@@ -106,9 +106,14 @@ class Decoder(nn.Module):
         self.requires_grad_(False)
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """Preallocated slots for `batch` rows of up to `max_len` tokens; key_mask starts all True
+        (the caller marks left-padding False)."""
         self.rope.reserve(max_len)
-        layers = [block.attn.new_cache(batch, max_len, self.dtype, self.device) for block in self.layers]
-        key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
+        # Normal tensors even under inference_mode: the cache is written in place by later calls,
+        # which may run outside it.
+        with torch.inference_mode(False):
+            layers = [block.attn.new_cache(batch, max_len, self.dtype, self.device) for block in self.layers]
+            key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
         return KVCache(layers=layers, key_mask=key_mask)
 
     def forward(self, input_ids, cache: KVCache, positions, decisions: list | None = None) -> torch.Tensor:
@@ -123,10 +128,11 @@ class Decoder(nn.Module):
         x = self.embed(input_ids)
         if self.spec.multipliers.embedding != 1.0:
             x = x * self.spec.multipliers.embedding
-        for i, block in enumerate(self.layers):
-            x, decision = block(x, positions, cache.layers[i], start, key_mask)
-            if decisions is not None and decision is not None:
-                decisions.append((i, decision))
+        with self.rope.shared_for(positions, self.dtype):
+            for i, block in enumerate(self.layers):
+                x, decision = block(x, positions, cache.layers[i], start, key_mask)
+                if decisions is not None and decision is not None:
+                    decisions.append((i, decision))
         cache.length = start + t
         return self.head(self.norm(x))
 

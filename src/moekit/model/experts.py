@@ -42,10 +42,10 @@ class RoutedExperts(nn.Module):
 
     def _one_token(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         ids = decision.topk_ids[0].tolist()
-        weights = decision.topk_weights[0]
-        out = torch.zeros_like(x)
-        for k, e in enumerate(ids):
-            out += (self.expert(e, x) * weights[k]).to(x.dtype)
+        weights = decision.topk_weights[0].tolist()  # Python floats: no tensor op per scalar
+        out = self.expert(ids[0], x) * weights[0]
+        for e, w in zip(ids[1:], weights[1:]):
+            out = out + self.expert(e, x) * w
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:

@@ -14,6 +14,7 @@ reference to the last bit before the cos/sin. Tables use the `cat(freqs, freqs)`
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -109,6 +110,9 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_table", torch.empty(0, dim), persistent=False)
         self.register_buffer("sin_table", torch.empty(0, dim), persistent=False)
+        # Within one decoder forward every layer asks for the same positions; `shared_for` holds
+        # that lookup (keyed by the tensor object itself) for exactly that long.
+        self._shared: tuple | None = None
 
     def reserve(self, positions: int) -> None:
         """Make the tables cover positions 0..positions-1 (a cache's length; the Hub max can be 128k)."""
@@ -122,10 +126,22 @@ class Rope(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] int64 → cos, sin [B, T, rot] in `dtype`."""
+        shared = self._shared
+        if shared is not None and shared[0] is positions and shared[1] == dtype:
+            return shared[2]
         top = int(positions.max()) + 1 if positions.numel() else 0
         if top > self.cos_table.shape[0]:
             self.reserve(top)
         return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+
+    @contextmanager
+    def shared_for(self, positions: torch.Tensor, dtype: torch.dtype):
+        """Look cos/sin up once for a whole forward pass (positions must not change inside it)."""
+        self._shared = (positions, dtype, self.cos_sin(positions, dtype))
+        try:
+            yield
+        finally:
+            self._shared = None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ reports are the ones transformers chooses; dense models touch everything."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from hf_tiny import build_reference, reference_routing, tiny_config
 from moekit.engine.loader import load_engine
@@ -81,3 +80,13 @@ def test_distinct_experts_grow_and_stay_within_the_layer(tiny_checkpoints):
         assert a.distinct_experts_total == sum(a.distinct_experts.values())
         for layer, ids in a.experts.items():
             assert len(set(ids)) <= a.distinct_experts[layer]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3", "llama"])
+def test_a_token_using_k_experts_is_the_calculators_active_count(family, tiny_checkpoints):
+    from moekit.calc.params import count_params
+    from moekit.engine.meter import params_per_token
+
+    spec = load_engine(tiny_checkpoints(family)).spec
+    counts = params_per_token(spec)
+    assert counts.active(counts.typical()) == count_params(spec).active_params

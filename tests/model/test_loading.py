@@ -18,7 +18,10 @@ pytest.importorskip("transformers")
 BY_ID = {c.id: c for c in CASES}
 
 
-@pytest.fixture(scope="module", params=["mixtral-a", "gpt_oss-window", "granitemoe-multipliers", "qwen2_moe-dense-layer"])
+DAMAGED = ["mixtral-a", "gpt_oss-window", "granitemoe-multipliers", "qwen2_moe-dense-layer"]
+
+
+@pytest.fixture(scope="module", params=DAMAGED)
 def folder(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     write_checkpoint(BY_ID[request.param], path)

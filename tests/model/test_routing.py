@@ -20,10 +20,13 @@ D = 32
 
 ROUTERS = {
     "mixtral": ("mixtral.modeling_mixtral", "MixtralTopKRouter", dict(num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter", dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)),
-    "qwen3_moe": ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "qwen2_moe": ("qwen2_moe.modeling_qwen2_moe", "Qwen2MoeTopKRouter",
+                  dict(num_experts=8, num_experts_per_tok=3, norm_topk_prob=False)),
+    "qwen3_moe": ("qwen3_moe.modeling_qwen3_moe", "Qwen3MoeTopKRouter",
+                  dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
     "olmoe": ("olmoe.modeling_olmoe", "OlmoeTopKRouter", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
-    "granitemoe": ("granitemoe.modeling_granitemoe", "GraniteMoeTopKRouter", dict(num_local_experts=6, num_experts_per_tok=2)),
+    "granitemoe": ("granitemoe.modeling_granitemoe", "GraniteMoeTopKRouter",
+                   dict(num_local_experts=6, num_experts_per_tok=2)),
     "gpt_oss": ("gpt_oss.modeling_gpt_oss", "GptOssTopKRouter", dict(num_local_experts=8, num_experts_per_tok=4)),
     "deepseek_v3": ("deepseek_v3.modeling_deepseek_v3", "DeepseekV3TopkRouter", dict(
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5,

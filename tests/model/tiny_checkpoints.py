@@ -41,7 +41,8 @@ class Case:
 
 
 CASES = [
-    Case("mixtral-a", "mixtral", 0, dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)),
+    Case("mixtral-a", "mixtral", 0, dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
+                                         num_experts_per_tok=2)),
     Case("mixtral-b", "mixtral", 1, dict(hidden_size=64, intermediate_size=24, num_hidden_layers=3, num_local_experts=8,
                                          num_experts_per_tok=3, num_key_value_heads=1, tie_word_embeddings=True)),
     Case("mixtral-window", "mixtral", 2, dict(intermediate_size=32, num_hidden_layers=2, num_local_experts=4,
@@ -84,6 +85,8 @@ CASES = [
         intermediate_size=48, num_hidden_layers=2, attention_bias=True, mlp_bias=True, head_dim=16,
         rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    Case("mistral-window", "mistral", 3, dict(intermediate_size=40, num_hidden_layers=2, sliding_window=6)),
+    Case("qwen2-bias", "qwen2", 3, dict(intermediate_size=40, num_hidden_layers=2)),
     Case("qwen3-a", "qwen3", 0, dict(intermediate_size=64, num_hidden_layers=2, head_dim=16)),
     Case("qwen3-b", "qwen3", 1, dict(intermediate_size=40, num_hidden_layers=3, head_dim=8, num_attention_heads=6,
                                      num_key_value_heads=3, tie_word_embeddings=True)),

@@ -43,12 +43,13 @@ class ParamsPerToken:
         routed = sum(self.expert_each[l] * n for l, n in experts_per_layer.items())
         return self.fixed + routed + self.embedding_table + self.head
 
-    def touched(self, experts_per_layer: dict[int, int]) -> int:
-        """Params physically read: one embedding row, unless the tied head already reads the table."""
+    def touched(self, experts_per_layer: dict[int, int], rows: int = 1) -> int:
+        """Params physically read by a pass over `rows` tokens that used experts_per_layer[l]
+        distinct experts: one embedding row per token, unless a tied head reads the table anyway."""
         routed = sum(self.expert_each[l] * n for l, n in experts_per_layer.items())
-        row = self.embedding_row if self.head else 0
+        embedding = rows * self.embedding_row if self.head else 0
         head = self.head if self.head else self.embedding_table
-        return self.fixed + routed + row + head
+        return self.fixed + routed + embedding + head
 
     def typical(self) -> dict[int, int]:
         """Every MoE layer using its K experts."""
@@ -171,17 +172,9 @@ def decode_step_params(spec: ModelSpec, gen: Generation) -> list[int]:
     out = []
     for step in gen.routing[1:]:
         running = [r for r in range(len(gen.prompts)) if step.step < len(gen.token_ids[r])]
-        if not running:
-            continue
-        routed = 0
-        for lr in step.layers:
-            union = {e for r in running for e in lr.topk_ids[r].tolist()}
-            routed += counts.expert_each[lr.layer] * len(union)
-        rows = len(running) * counts.embedding_row if counts.head else 0
-        head = counts.head if counts.head else counts.embedding_table
-        out.append(counts.fixed + routed + rows + head)
-    if not counts.top_k and not out:  # dense: no routing recorded, every step reads the same
-        head = counts.head if counts.head else counts.embedding_table
-        rows = len(gen.prompts) * counts.embedding_row if counts.head else 0
-        out = [counts.fixed + rows + head] * gen.timing.decode_steps
+        if running:
+            union = {lr.layer: len({e for r in running for e in lr.topk_ids[r].tolist()}) for lr in step.layers}
+            out.append(counts.touched(union, rows=len(running)))
+    if not out and not counts.top_k:  # dense, routing not recorded: every step reads the same
+        out = [counts.touched({}, rows=len(gen.prompts))] * gen.timing.decode_steps
     return out

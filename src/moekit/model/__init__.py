@@ -1,0 +1,13 @@
+"""How a model COMPUTES: native PyTorch decoders for the MoE (and dense) families, exact against
+transformers.
+
+    from moekit.model.decoder import Decoder
+    decoder = Decoder(spec, dtype=torch.bfloat16)          # spec: moekit.spec.load_spec(folder)
+    decoder.load_checkpoint(open_checkpoint(folder))        # Hub names, every tensor checked
+    cache = decoder.new_cache(batch, max_len)              # preallocated; mark left pads in key_mask
+    logits = decoder(input_ids, cache, positions, decisions=[])
+
+Modules: norms, rope, attention (MHA/GQA) and mla (DeepSeek), routing, experts, mlp, moe, decoder,
+cache, hub_names (where each family keeps its tensors) and loading (Hub tensors → parameters).
+Importing this package does not import torch; its modules do.
+"""

@@ -117,8 +117,6 @@ class Attention(nn.Module):
         k = k.view(b, t, self.kv_heads, self.head_dim)
         if self.spec.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        elif self.spec.qk_norm == "l2":
-            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd], [B, Hkv, T, hd]
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         rope = self._rope[0]

@@ -28,8 +28,8 @@ def _mixer(layer: LayerSpec, rope: Rope, spec: ModelSpec) -> nn.Module:
     attn = layer.mixer
     if not isinstance(attn, AttentionSpec):
         raise SpecError(f"{spec.name}: {type(attn).__name__} mixers are not supported by the engine")
-    if attn.chunk_size is not None:
-        raise SpecError(f"{spec.name}: chunked local attention is not supported by the engine")
+    if attn.chunk_size is not None or attn.qk_norm == "l2":
+        raise SpecError(f"{spec.name}: llama4-style attention (chunked, L2 q/k norm) is not supported by the engine")
     if attn.kind == "mla":
         from moekit.model.mla import MLAttention
 
@@ -100,7 +100,8 @@ class Decoder(nn.Module):
             self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
             self.layers = nn.ModuleList(Block(layer, rope, spec) for layer in spec.layers)
             self.norm = make_norm(spec.final_norm, spec.hidden_size)
-            self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            tied = spec.tie_word_embeddings
+            self.lm_head = None if tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         _materialise(self, self.device, dtype)
         self.rope = rope
         self.requires_grad_(False)

@@ -210,7 +210,9 @@ def load_into(decoder, ckpt) -> None:
     unused = sorted(n for n in present - used if not _ignored(n, decoder))
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
-        raise CheckpointError(f"{ckpt.folder}: unexpected tensor {unused[0]}{more}; is this the model the config describes?")
+        raise CheckpointError(
+            f"{ckpt.folder}: unexpected tensor {unused[0]}{more}; is this the model the config describes?"
+        )
     params = dict(decoder.named_parameters())
     with torch.no_grad():
         for piece in pieces:

@@ -22,16 +22,10 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from moekit.commands import calc
+    from moekit.commands import bench, calc, run
 
     app.command("calc", help=calc.HELP)(calc.calc)
-    try:
-        from moekit.commands import run as run_cmd
-    except ImportError:  # the engine is optional for the calculator
-        return
-    app.command("run", help=run_cmd.HELP)(run_cmd.run)
-    from moekit.commands import bench
-
+    app.command("run", help=run.HELP)(run.run)
     app.add_typer(bench.app, name="bench")
 
 

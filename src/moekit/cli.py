@@ -22,11 +22,14 @@ app = typer.Typer(
 
 
 def _register() -> None:
-    from moekit.commands import bench, calc, run
+    from moekit.commands import bench, calc, corpus, eval as eval_cmd, run, train
 
     app.command("calc", help=calc.HELP)(calc.calc)
     app.command("run", help=run.HELP)(run.run)
     app.add_typer(bench.app, name="bench")
+    app.add_typer(corpus.app, name="corpus")
+    app.command("train", help=train.HELP)(train.train)
+    app.command("eval", help=eval_cmd.HELP)(eval_cmd.evaluate)
 
 
 def main() -> None:

@@ -77,3 +77,14 @@ def test_a_full_cache_refuses_more_tokens(written):
     ours(prompt(case.seed)[:, :4], cache, torch.arange(4)[None])
     with pytest.raises(ValueError, match="4 slots"):
         ours(prompt(case.seed)[:, :1], cache, torch.tensor([[4]]))
+
+
+def test_last_only_gives_the_last_position_of_the_full_logits(written):
+    case, _, folder = written
+    ours = load_ours(folder)
+    ids = torch.cat([prompt(case.seed)[:, :9], prompt(case.seed + 1)[:, :9]])  # B = 2, T = 9
+    positions = torch.arange(9).expand(2, 9)
+    full = ours(ids, ours.new_cache(2, 9), positions)
+    last = ours(ids, ours.new_cache(2, 9), positions, last_only=True)
+    assert last.shape == (2, 1, ours.spec.vocab_size)
+    torch.testing.assert_close(last, full[:, -1:], atol=1e-6, rtol=0)

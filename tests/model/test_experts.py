@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moekit.model.experts import RoutedExperts, experts_reference
+from moekit.model.linear import ONEDNN, PLAIN, TRANSPOSED
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -40,6 +41,24 @@ def test_fast_path_equals_reference(kind, bias, tokens, k):
     got = ex(x, decision)
     assert want.abs().max() > 0.1  # the experts do something at this scale
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k", [(1, 3), (9, 2)])
+def test_prepared_experts_equal_the_reference(dtype, tokens, k):
+    """Per-expert fast layouts (transposed fp32, oneDNN-packed bf16) against the plain loop before them."""
+    ex = _experts("swiglu_oai", True, seed=7).to(dtype)
+    x = torch.randn(tokens, D, generator=torch.Generator().manual_seed(8)).to(dtype)
+    decision = _decision(tokens, k, seed=9)
+    want = experts_reference(ex, x, decision).float()
+    ex.prepare()
+    assert ex.kernels == (TRANSPOSED, TRANSPOSED) if dtype == torch.float32 else ex.kernels[0] in (ONEDNN, PLAIN)
+    if ex.kernels[0] is not PLAIN:
+        assert len(list(ex.parameters())) == 2 * E + 2  # one weight per expert and matrix, plus 2 bias stacks
+    got = ex(x, decision).float()
+    # bf16: the reference loop adds each token's K outputs in another order than the fast paths
+    tol = 1e-5 if dtype == torch.float32 else 0.02 * want.abs().max().item()
+    assert (got - want).abs().max().item() < tol
 
 
 def test_unchosen_experts_do_not_matter():

@@ -193,6 +193,33 @@ def test_absorbed_attention_equals_expanded(variant, new_tokens):
     torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("variant", ["q_lora_yarn", "no_q_lora_yarn"])
+@torch.no_grad()
+def test_prepare_fuses_the_x_projections_without_changing_outputs(variant):
+    _, _, plain = build_pair(variant, seed=6)
+    _, _, fused = build_pair(variant, seed=6)
+    fused.prepare()
+    assert fused.x_proj is not None and fused.kv_a_proj_with_mqa is None
+    n_params = sum(p.numel() for p in plain.parameters())
+    assert sum(p.numel() for p in fused.parameters()) == n_params  # the parts are gone, not kept
+    torch.manual_seed(7)
+    x = torch.randn(2, 9, HIDDEN)
+    positions = torch.arange(9).expand(2, -1)
+    (want, want_cache), (got, got_cache) = (_prefill_then_decode(m, x, positions, prefill=6) for m in (plain, fused))
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_cache.slots, want_cache.slots, atol=1e-6, rtol=0)
+
+
+def _prefill_then_decode(mla, x, positions, prefill):
+    """x [B, T, D]: `prefill` tokens at once, then one at a time → ([B, T, D], the cache)."""
+    b, t, _ = x.shape
+    cache = mla.new_cache(b, t, x.dtype, x.device)
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    out = [mla(x[:, :prefill], positions[:, :prefill], cache, 0, key_mask)]
+    out += [mla(x[:, i : i + 1], positions[:, i : i + 1], cache, i, key_mask) for i in range(prefill, t)]
+    return torch.cat(out, dim=1), cache
+
+
 def test_cache_holds_latent_and_rope_key_only():
     """The point of MLA: a slot costs kv_lora_rank + qk_rope_head_dim numbers, not 2·H·head_dim."""
     _, _, ours = build_pair("q_lora_yarn")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit.errors import SpecError
-from moekit.model.rope import Rope, apply_rope, apply_rope_interleaved, inverse_frequencies
+from moekit.model.rope import Rope, apply_rope, apply_rope_interleaved, apply_rope_rolled, inverse_frequencies
 from moekit.spec.model_spec import RopeSpec
 
 transformers = pytest.importorskip("transformers")
@@ -84,6 +84,29 @@ def test_rotation_preserves_norm_and_position_zero_is_identity():
         y = apply(x, cos, sin)
         assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
     assert torch.equal(apply_rope(x, cos, sin)[:, :, 0], x[:, :, 0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rolled_rope_is_bit_for_bit_rotate_half(dtype):
+    """The fast form ([B, T, heads, rot], the sign folded into sin) against apply_rope ([B, H, T, rot])."""
+    rope = Rope(_spec(PARAMS["yarn-deepseek"]), 16, MAX_POS)
+    positions = torch.tensor([[0, 3, 9, 200], [1, 2, 3, 4]])
+    x = torch.randn(2, 4, 5, 16).to(dtype)  # [B, T, heads, rot]
+    cos, sin = rope.cos_sin(positions, dtype)
+    want = apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    got = apply_rope_rolled(x, *rope.cos_sin_signed(positions, dtype))
+    assert torch.equal(got, want)
+
+
+def test_interleaved_rope_is_rolled_rope_on_deinterleaved_pairs():
+    """MLA de-interleaves (x0, x1), (x2, x3).. and rotates half-and-half; the reference rotates the pairs."""
+    rope = Rope(_spec(PARAMS["default"]), 8, MAX_POS)
+    positions = torch.tensor([[0, 5, 17]])
+    x = torch.randn(1, 3, 2, 8)  # [B, T, heads, rot]
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    want = apply_rope_interleaved(x.transpose(1, 2), cos, sin).transpose(1, 2)
+    pairs_split = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    assert torch.equal(apply_rope_rolled(pairs_split, *rope.cos_sin_signed(positions, torch.float32)), want)
 
 
 def test_unknown_rope_type_is_a_spec_error():

@@ -16,19 +16,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.model.norms import RMSNorm
-from moekit.model.rope import Rope, apply_rope
+from moekit.model.linear import Linear
+from moekit.model.norms import RMSNorm, rms_normalize
+from moekit.model.rope import Rope, apply_rope_rolled
 from moekit.spec.model_spec import AttentionSpec, NormSpec
 
 
-def attention_mask(key_mask: torch.Tensor, start: int, length: int, window: int | None) -> torch.Tensor:
-    """key_mask [B, S] (S = start + length) → [B, 1, T, S] bool, True where query t may see key s."""
-    total = key_mask.shape[1]
-    q_slot = torch.arange(start, start + length, device=key_mask.device)[:, None]  # [T, 1]
-    k_slot = torch.arange(total, device=key_mask.device)[None, :]  # [1, S]
+def attention_mask(
+    key_mask: torch.Tensor | None, start: int, length: int, window: int | None, device=None
+) -> torch.Tensor:
+    """key_mask [B, S] (S = start + length) → [B, 1, T, S] bool, True where query t may see key s.
+
+    key_mask None means every slot is real (no padding): then the mask is [1, 1, T, S] on `device`.
+    """
+    total = start + length
+    device = key_mask.device if key_mask is not None else device
+    q_slot = torch.arange(start, start + length, device=device)[:, None]  # [T, 1]
+    k_slot = torch.arange(total, device=device)[None, :]  # [1, S]
     allowed = k_slot <= q_slot
     if window is not None:
         allowed = allowed & (q_slot - k_slot < window)
+    if key_mask is None:
+        return allowed[None, None]
     # A pad query sees itself, so its row is never empty (an empty row would make NaN that a real row
     # could pick up through 0 × NaN); real queries are unaffected: their own slot is real.
     mask = (allowed[None] & key_mask[:, None, :]) | (k_slot == q_slot)[None]
@@ -90,8 +99,8 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hd
         self.split = (heads * hd, kv_heads * hd, kv_heads * hd)
         # q, k and v fused: one GEMV per layer in decode instead of three.
-        self.qkv = nn.Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(heads * hd, spec.hidden_size, bias=spec.o_bias)
+        self.qkv = Linear(spec.hidden_size, sum(self.split), bias=spec.qkv_bias)
+        self.o_proj = Linear(heads * hd, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm == "head":
             self.q_norm, self.k_norm = RMSNorm(hd, norm.eps), RMSNorm(hd, norm.eps)
         elif spec.qk_norm == "full":
@@ -100,51 +109,68 @@ class Attention(nn.Module):
         self.scale = spec.softmax_scale if spec.softmax_scale is not None else hd**-0.5
         self.window = spec.sliding_window
         self.clip_qkv = clip_qkv
+        self.qk_norm_weight: torch.Tensor | None = None  # set by prepare()
         self._rope = (rope,)  # shared with every layer; the decoder owns it as a submodule
 
     def new_cache(self, batch: int, max_len: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (batch, self.kv_heads, max_len, self.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(x).split(self.split, dim=-1)  # [B, T, H*hd], [B, T, Hkv*hd] ×2
-        if self.spec.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            q, k, v = (z.clamp(-self.clip_qkv, self.clip_qkv) for z in (q, k, v))
-        q = q.view(b, t, self.heads, self.head_dim)
-        k = k.view(b, t, self.kv_heads, self.head_dim)
+    def prepare(self) -> None:
+        """After loading: stack the q and k head-norm weights so one op normalises every head."""
         if self.spec.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, hd], [B, Hkv, T, hd]
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            self.qk_norm_weight = self._stacked_qk_norm_weight()
+
+    def _stacked_qk_norm_weight(self) -> torch.Tensor:
+        hd = self.head_dim
+        q_w, k_w = self.q_norm.weight, self.k_norm.weight
+        return torch.cat((q_w.expand(self.heads, hd), k_w.expand(self.kv_heads, hd)))  # [H+Hkv, hd]
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] → qk [B, T, H+Hkv, hd] (normed, rotated), v [B, T, Hkv, hd].
+
+        q and k heads stay side by side as the fused projection lays them out, so the head norm and
+        RoPE run once over both instead of once each.
+        """
+        b, t, _ = x.shape
+        h, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv(x)  # [B, T, (H + 2·Hkv)·hd]
+        if self.spec.qk_norm == "full":
+            q, k, v = qkv.split(self.split, dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(b, t, h + 2 * hkv, hd)
+        qk, v = qkv[:, :, : h + hkv], qkv[:, :, h + hkv :]
+        if self.spec.qk_norm == "head":
+            weight = self.qk_norm_weight if self.qk_norm_weight is not None else self._stacked_qk_norm_weight()
+            qk = weight * rms_normalize(qk, self.q_norm.eps)  # each head on its own, as q_norm / k_norm do
         rope = self._rope[0]
-        cos, sin = rope.cos_sin(positions, q.dtype)  # [B, T, rot]
-        if rope.dim == self.head_dim:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cos, sin_signed = rope.cos_sin_signed(positions, qk.dtype)  # [B, T, 1, rot]
+        if rope.dim == hd:
+            qk = apply_rope_rolled(qk, cos, sin_signed)
         else:  # partial rotary: only the first `rot` dims of each head turn
-            r = rope.dim
-            q = torch.cat((apply_rope(q[..., :r], cos, sin), q[..., r:]), dim=-1)
-            k = torch.cat((apply_rope(k[..., :r], cos, sin), k[..., r:]), dim=-1)
-        return q, k, v
+            qk = torch.cat((apply_rope_rolled(qk[..., : rope.dim], cos, sin_signed), qk[..., rope.dim :]), dim=-1)
+        return qk, v
 
     def forward(self, x, positions, layer_cache, start: int, key_mask) -> torch.Tensor:
-        """x [B, T, D], positions [B, T], key_mask [B, start+T] → [B, T, D]; writes slots start..start+T-1."""
+        """x [B, T, D], positions [B, T], key_mask [B, start+T] or None (no padding) → [B, T, D];
+        writes slots start..start+T-1."""
         b, t, _ = x.shape
-        q, k, v = self._project(x, positions)
+        qk, v = self._project(x, positions)
+        q = qk[:, :, : self.heads].transpose(1, 2)  # [B, H, T, hd]
         cache_k, cache_v = layer_cache
         end = start + t
-        cache_k[:, :, start:end].copy_(k)
-        cache_v[:, :, start:end].copy_(v)
+        cache_k[:, :, start:end].copy_(qk[:, :, self.heads :].transpose(1, 2))  # [B, Hkv, T, hd]
+        cache_v[:, :, start:end].copy_(v.transpose(1, 2))
         keys, values = cache_k[:, :, :end], cache_v[:, :, :end]  # [B, Hkv, S, hd] views, no copy
 
         if self.sinks is not None:
-            mask = attention_mask(key_mask, start, t, self.window)
+            mask = attention_mask(key_mask, start, t, self.window, x.device)
             out = _attend_with_sinks(q, keys, values, mask, self.scale, self.sinks)
         else:
-            plain = t == 1 and (self.window is None or self.window >= end) and bool(key_mask.all())
-            mask = None if plain else attention_mask(key_mask, start, t, self.window)
+            plain = t == 1 and key_mask is None and (self.window is None or self.window >= end)
+            mask = None if plain else attention_mask(key_mask, start, t, self.window, x.device)
             out = _attend(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)

@@ -5,8 +5,10 @@ feed-forward per layer (dense MLP or MoE), the multipliers (granitemoe), tied or
 
 The mixer interface (Attention here, MLAttention in mla.py):
     mixer.new_cache(batch, max_len, dtype, device) -> object     # preallocated, never grown
-    mixer.forward(x [B,T,D], positions [B,T], layer_cache, start, key_mask [B, start+T]) -> [B,T,D]
-Modules are built on the meta device and materialised uninitialised: load_checkpoint fills them.
+    mixer.forward(x [B,T,D], positions [B,T], layer_cache, start, key_mask [B, start+T] or None) -> [B,T,D]
+        # key_mask None: no slot is padding (the decoder checks once per forward, not per layer)
+Modules are built on the meta device and materialised uninitialised: load_checkpoint fills them,
+then lays every projection out for this device and dtype's fastest kernel (moekit.model.linear).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from torch import nn
 from moekit.errors import SpecError
 from moekit.model.attention import Attention
 from moekit.model.cache import KVCache
+from moekit.model.experts import RoutedExperts
+from moekit.model.linear import Linear, prepare_linears
+from moekit.model.mla import MLAttention
 from moekit.model.mlp import MLP, activation_for
 from moekit.model.moe import MoE, Router
 from moekit.model.norms import make_norm
@@ -31,8 +36,6 @@ def _mixer(layer: LayerSpec, rope: Rope, spec: ModelSpec) -> nn.Module:
     if attn.chunk_size is not None or attn.qk_norm == "l2":
         raise SpecError(f"{spec.name}: llama4-style attention (chunked, L2 q/k norm) is not supported by the engine")
     if attn.kind == "mla":
-        from moekit.model.mla import MLAttention
-
         return MLAttention(attn, rope, interleaved=bool(spec.extra("rope_interleave", True)))
     return Attention(attn, rope, layer.norm, clip_qkv=spec.extra("clip_qkv"))
 
@@ -61,15 +64,16 @@ class Block(nn.Module):
 
     def forward(self, x, positions, layer_cache, start, key_mask):
         """x [B, T, D] → (x [B, T, D], RoutingDecision or None)."""
+        # x is the decoder's own running sum (never a caller's tensor): residual adds go in place.
         h = self.attn(self.input_norm(x), positions, layer_cache, start, key_mask)
-        x = x + (h * self.residual if self.residual != 1.0 else h)
+        x.add_(h * self.residual if self.residual != 1.0 else h)
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
             h, decision = self.ffn(h)
         else:
             h = self.ffn(h)
-        x = x + (h * self.residual if self.residual != 1.0 else h)
+        x.add_(h * self.residual if self.residual != 1.0 else h)
         return x, decision
 
 
@@ -101,10 +105,11 @@ class Decoder(nn.Module):
             self.layers = nn.ModuleList(Block(layer, rope, spec) for layer in spec.layers)
             self.norm = make_norm(spec.final_norm, spec.hidden_size)
             tied = spec.tie_word_embeddings
-            self.lm_head = None if tied else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = None if tied else Linear(spec.hidden_size, spec.vocab_size, bias=False)
         _materialise(self, self.device, dtype)
         self.rope = rope
         self.requires_grad_(False)
+        self.prepared = False
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """Preallocated slots for `batch` rows of up to `max_len` tokens; key_mask starts all True
@@ -117,16 +122,22 @@ class Decoder(nn.Module):
             key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
         return KVCache(layers=layers, key_mask=key_mask)
 
-    def forward(self, input_ids, cache: KVCache, positions, decisions: list | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids, cache: KVCache, positions, decisions: list | None = None, last_only: bool = False
+    ) -> torch.Tensor:
         """input_ids [B, T], positions [B, T] → logits [B, T, V] fp32; writes T slots of `cache`.
 
         When `decisions` is a list, (layer_index, RoutingDecision) is appended for every MoE layer.
+        last_only: logits of the last position only, [B, 1, V] — what a prefill that goes on to
+        generate needs; it skips T-1 rows of the LM head, the largest GEMM of a short prompt.
         """
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
         key_mask = cache.key_mask[:, : start + t]
-        x = self.embed(input_ids)
+        if bool(key_mask.all()):
+            key_mask = None  # no padding: the mixers skip masking (checked once here, not per layer)
+        x = self.embed(input_ids)  # a fresh tensor: the blocks add into it in place
         if self.spec.multipliers.embedding != 1.0:
             x = x * self.spec.multipliers.embedding
         with self.rope.shared_for(positions, self.dtype):
@@ -135,16 +146,36 @@ class Decoder(nn.Module):
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         cache.length = start + t
+        if last_only:
+            x = x[:, -1:]
         return self.head(self.norm(x))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits = nn.functional.linear(h, weight)
+        # A tied head shares the embedding table, which the lookup needs in the Hub layout: plain F.linear.
+        logits = nn.functional.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
         if self.spec.multipliers.logits_scaling != 1.0:
             logits = logits / self.spec.multipliers.logits_scaling
         return logits.float()
 
     def load_checkpoint(self, ckpt) -> None:
+        """Fill every parameter from `ckpt` (Hub names, all checked), then prepare the fast layouts."""
         from moekit.model.loading import load_into
 
+        if self.prepared:
+            raise RuntimeError("load_checkpoint on a prepared decoder: build a new Decoder to load again")
         load_into(self, ckpt)
+        self.prepare()
+
+    def prepare(self) -> None:
+        """Lay each projection's weight out for its kernel, once; the Hub layout is dropped, not kept."""
+        if self.prepared:
+            return
+
+        for sub in list(self.modules()):
+            if isinstance(sub, (Attention, MLAttention)):
+                sub.prepare()  # fusions on the Hub layout come first
+        prepare_linears(self)
+        for sub in self.modules():
+            if isinstance(sub, RoutedExperts):
+                sub.prepare()
+        self.prepared = True

@@ -1,6 +1,9 @@
 """Routed experts stored stacked, and two ways to run them: the obvious one and the fast one.
 
 Weights: gate_up [E, 2F, D] (gate rows then up rows), down [E, D, F]; optional biases [E, 2F], [E, D].
+`prepare()` (after loading) swaps each stack for E per-expert weights in its kernel's layout (see
+moekit.model.linear; a stack whose kernel reads the Hub layout stays); `gate_up[e]` / `down[e]` is
+expert e's weight either way.
 `experts_reference` loops over tokens and their K experts, as one would on paper. `RoutedExperts`
 groups tokens by expert (one pair of matmuls per expert that any token chose) and, for a single
 token, just runs its K experts. tests/model/test_experts.py checks that the two agree.
@@ -9,9 +12,9 @@ token, just runs its K experts. tests/model/test_experts.py checks that the two 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moekit.model.linear import PLAIN, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -27,12 +30,37 @@ class RoutedExperts(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, rows)) if spec.bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, spec.hidden_size)) if spec.bias else None
         self.act = act
+        self.kernels = (PLAIN, PLAIN)  # gate_up's and down's, set by prepare()
+        self._weights: tuple[tuple, tuple] | None = None  # per-expert (gate_up, down), set by prepare()
+
+    def prepare(self) -> None:
+        """Lay every expert's weights out for their kernel (moekit.model.linear.kernel_for), one
+        expert at a time, dropping the stacks."""
+        if self._weights is not None:
+            raise RuntimeError("RoutedExperts.prepare called twice: the Hub layout is gone")
+        kernels = []
+        for name in ("gate_up", "down"):
+            stack = getattr(self, name).detach()
+            kernel = kernel_for(stack[0])
+            kernels.append(kernel)
+            if kernel is PLAIN:
+                continue  # the stack already is that layout
+            delattr(self, name)
+            per_expert = [nn.Parameter(kernel.prepare(stack[e]), requires_grad=False) for e in range(len(stack))]
+            del stack
+            setattr(self, name, nn.ParameterList(per_expert))
+        # Plain tuples for the hot loop: ParameterList indexing costs microseconds per expert.
+        self._weights = (tuple(self.gate_up), tuple(self.down))
+        self.kernels = (kernels[0], kernels[1])
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, D] → [N, D]."""
         up_bias = self.gate_up_bias[e] if self.gate_up_bias is not None else None
         down_bias = self.down_bias[e] if self.down_bias is not None else None
-        return F.linear(self.act(F.linear(x, self.gate_up[e], up_bias)), self.down[e], down_bias)
+        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
+        up_kernel, down_kernel = self.kernels
+        h = up_kernel.apply(x, gate_up[e], up_bias)
+        return down_kernel.apply(self.act(h), down[e], down_bias)
 
     def forward(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """x [T, D] → Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]), [T, D]."""
@@ -41,11 +69,11 @@ class RoutedExperts(nn.Module):
         return self._grouped(x, decision)
 
     def _one_token(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
-        ids = decision.topk_ids[0].tolist()
-        weights = decision.topk_weights[0].tolist()  # Python floats: no tensor op per scalar
-        out = self.expert(ids[0], x) * weights[0]
+        ids = decision.topk_ids.tolist()[0]
+        weights = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
+        out = self.expert(ids[0], x).mul_(weights[0])
         for e, w in zip(ids[1:], weights[1:]):
-            out = out + self.expert(e, x) * w
+            out.add_(self.expert(e, x).mul_(w))  # in place, the same roundings as out + y·w
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
@@ -63,6 +91,8 @@ class RoutedExperts(nn.Module):
                 continue
             rows = slice(begin, begin + n)
             y = self.expert(e, chosen[rows]) * weight_of[rows, None]
+            # One index_add_ per expert, as the reference does: in bf16 a single call over all
+            # experts would round the sums differently.
             out.index_add_(0, token_of[rows], y.to(x.dtype))
             begin += n
         return out

@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from moekit.model.attention import attention_mask
+from moekit.model.linear import Linear
 from moekit.model.norms import RMSNorm
-from moekit.model.rope import Rope, apply_rope, apply_rope_interleaved
+from moekit.model.rope import Rope, apply_rope_rolled
 from moekit.spec.model_spec import AttentionSpec
 
 # The reference builds q_a_layernorm and kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
@@ -74,46 +75,88 @@ class MLAttention(nn.Module):
         self._rope = (rope,)  # shared by every layer: the decoder owns it, not each mixer
         d, h, qk = spec.hidden_size, spec.num_heads, spec.qk_nope_head_dim + spec.qk_rope_head_dim
         if spec.q_lora_rank is None:
-            self.q_proj = nn.Linear(d, h * qk, bias=False)
+            self.q_proj = Linear(d, h * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(d, spec.q_lora_rank, bias=spec.qkv_bias)
+            self.q_a_proj = Linear(d, spec.q_lora_rank, bias=spec.qkv_bias)
             self.q_a_layernorm = RMSNorm(spec.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(spec.q_lora_rank, h * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, self.latent_dim + self.rope_dim, bias=spec.qkv_bias)
+            self.q_b_proj = Linear(spec.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(d, self.latent_dim + self.rope_dim, bias=spec.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS)
+        # A plain nn.Linear, never re-laid out: decoding reads its weight per head (attend_absorbed).
         self.kv_b_proj = nn.Linear(self.latent_dim, h * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(h * self.v_dim, d, bias=spec.o_bias)
+        self.o_proj = Linear(h * self.v_dim, d, bias=spec.o_bias)
+        self.x_proj: Linear | None = None  # q_a (or q) and kv_a fused by prepare()
+        self.x_split: tuple[int, int] = (0, 0)
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> MLACache:
         self._rope[0].reserve(max_len)
         slots = torch.zeros(batch, max_len, self.latent_dim + self.rope_dim, dtype=dtype, device=device)
         return MLACache(slots=slots, latent_dim=self.latent_dim)
 
-    def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        return (apply_rope_interleaved if self.interleaved else apply_rope)(x, cos, sin)
+    def prepare(self) -> None:
+        """After loading: fuse the two projections that read x (q_a or q, and kv_a) into one GEMM.
 
-    def _queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [B, T, D] → q_nope [B, H, T, Rn], q_rope [B, H, T, Rr] (not yet rotated)."""
+        Run before the projections are laid out for their kernel (Decoder.prepare's order); the parts
+        are dropped, so the weights stay resident once.
+        """
+        if self.x_proj is not None:
+            return
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        second = self.kv_a_proj_with_mqa
+        fused = Linear(first.in_features, first.out_features + second.out_features, bias=first.bias is not None)
+        with torch.no_grad():
+            fused.weight = nn.Parameter(torch.cat((first.weight, second.weight)), requires_grad=False)
+            if first.bias is not None:
+                fused.bias = nn.Parameter(torch.cat((first.bias, second.bias)), requires_grad=False)
+        self.x_split = (first.out_features, second.out_features)
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            self.q_proj = None
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        b, t, _ = x.shape
-        q = q.view(b, t, self.heads, self.nope + self.rope_dim).transpose(1, 2)  # [B, H, T, Rn+Rr]
-        return q.split([self.nope, self.rope_dim], dim=-1)
+            self.q_a_proj = None
+        self.kv_a_proj_with_mqa = None
+        self.x_proj = fused
 
-    def forward(self, x: Tensor, positions: Tensor, cache: MLACache, start: int, key_mask: Tensor) -> Tensor:
-        """x [B, T, D] → [B, T, D]; writes slots start..start+T-1 of `cache`, attends over 0..start+T-1."""
+    def _from_x(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [B, T, D] → q [B, T, H·(Rn+Rr)], kv [B, T, R+Rr] (latent, then the unrotated rope key)."""
+        if self.x_proj is not None:
+            q, kv = self.x_proj(x).split(self.x_split, dim=-1)
+        else:
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv
+
+    def _rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x [B, T, heads, Rr] → rotated; interleaved pairs come out de-interleaved, as the reference's do."""
+        if self.interleaved:
+            # (x0, x1), (x2, x3).. → (x0, x2, .., x1, x3, ..): then it is rotate_half's layout, whose
+            # output (evens rotated, then odds) is exactly apply_rope_interleaved's.
+            x = x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        cos, sin_signed = self._rope[0].cos_sin_signed(positions, x.dtype)  # [B, T, 1, Rr]
+        return apply_rope_rolled(x, cos, sin_signed)
+
+    def forward(self, x: Tensor, positions: Tensor, cache: MLACache, start: int, key_mask: Tensor | None) -> Tensor:
+        """x [B, T, D] → [B, T, D]; writes slots start..start+T-1 of `cache`, attends over 0..start+T-1.
+
+        key_mask [B, >= start+T] bool, or None when no slot is padding."""
         b, t, _ = x.shape
         end = start + t
-        q_nope, q_rope = self._queries(x)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        cos, sin = self._rope[0].cos_sin(positions, x.dtype)  # [B, T, Rr]
-        q_rope = self._rotate(q_rope, cos, sin)
-        k_rope = self._rotate(k_rope.unsqueeze(1), cos, sin).squeeze(1)  # [B, T, Rr]: one head for all
+        q, kv = self._from_x(x)
+        q = q.view(b, t, self.heads, self.nope + self.rope_dim)  # [B, T, H, Rn+Rr]
+        latent, k_rope = kv.split([self.latent_dim, self.rope_dim], dim=-1)
+        # The H query rope parts and the one shared rope key turn together: [B, T, H+1, Rr].
+        rotated = self._rotate(torch.cat((q[..., self.nope :], k_rope.unsqueeze(2)), dim=2), positions)
         cache.latent[:, start:end] = self.kv_a_layernorm(latent)
-        cache.k_rope[:, start:end] = k_rope
-        mask = attention_mask(key_mask[:, :end], start, t, window=None)
+        cache.k_rope[:, start:end] = rotated[:, :, self.heads]
+        q_nope = q[..., : self.nope].transpose(1, 2)  # [B, H, T, Rn]
+        q_rope = rotated[:, :, : self.heads].transpose(1, 2)  # [B, H, T, Rr]
+        if key_mask is not None and t == 1 and bool(key_mask[:, :end].all()):
+            key_mask = None
+        if t == 1 and key_mask is None:
+            mask = None  # one new token, no padding: every cached slot is visible
+        else:
+            mask = attention_mask(None if key_mask is None else key_mask[:, :end], start, t, None, x.device)
         attend = self.attend_absorbed if t == 1 else self.attend_expanded
         out = attend(q_nope, q_rope, cache.slots[:, :end], mask)  # [B, H, T, Dv]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.v_dim))
@@ -131,7 +174,7 @@ class MLAttention(nn.Module):
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, Rn+Rr]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
 
-    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, slots: Tensor, mask: Tensor) -> Tensor:
+    def attend_absorbed(self, q_nope: Tensor, q_rope: Tensor, slots: Tensor, mask: Tensor | None) -> Tensor:
         """kv_b folded into the query and the output: attention over the latents. → [B, H, T, Dv]
 
         q_nope·(W_uk c) = (W_ukᵀ q_nope)·c and Σ p·(W_uv c) = W_uv (Σ p·c), so the S cached latents are
@@ -144,7 +187,8 @@ class MLAttention(nn.Module):
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, Rn, R], [H, Dv, R]
         q = torch.cat((q_nope @ w_uk, q_rope), dim=-1)  # [B, H, T, R+Rr]
         scores = (q.view(b, h * t, -1) @ slots.transpose(1, 2)).view(b, h, t, -1) * self.scale  # [B, H, T, S]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax, as the reference
         out_latent = probs.view(b, h * t, -1) @ slots[..., : self.latent_dim]  # [B, H*T, R]
         return out_latent.view(b, h, t, -1) @ w_uv.transpose(1, 2)  # [B, H, T, Dv]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moekit.model.linear import Linear
 from moekit.spec.model_spec import MLPSpec
 
 _PLAIN = {
@@ -57,8 +58,8 @@ class MLP(nn.Module):
     def __init__(self, spec: MLPSpec, act: Activation):
         super().__init__()
         self.width = spec.width
-        self.gate_up = nn.Linear(spec.hidden_size, (2 if spec.gated else 1) * spec.width, bias=spec.bias)
-        self.down = nn.Linear(spec.width, spec.hidden_size, bias=spec.bias)
+        self.gate_up = Linear(spec.hidden_size, (2 if spec.gated else 1) * spec.width, bias=spec.bias)
+        self.down = Linear(spec.width, spec.hidden_size, bias=spec.bias)
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

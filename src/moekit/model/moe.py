@@ -3,29 +3,27 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moekit.model.experts import RoutedExperts
+from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
 from moekit.model.routing import RoutingDecision, route
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
 
-class Router(nn.Module):
+class Router(Linear):
     """logits = x Wᵀ (+ b); selection_bias is DeepSeek's e_score_correction_bias (choosing only)."""
 
     def __init__(self, spec: RouterSpec, hidden_size: int):
-        super().__init__()
+        super().__init__(hidden_size, spec.num_experts, bias=spec.bias)
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
-        self.bias = nn.Parameter(torch.empty(spec.num_experts)) if spec.bias else None
         self.selection_bias = nn.Parameter(torch.empty(spec.num_experts)) if spec.selection_bias else None
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] → [T, E] fp32. With spec.fp32 the weight is kept in fp32 and the GEMM runs there."""
         bias = self.bias.to(self.weight.dtype) if self.bias is not None else None
-        return F.linear(x.to(self.weight.dtype), self.weight, bias).float()
+        return self.kernel.apply(x.to(self.weight.dtype), self.weight, bias).float()
 
     def forward(self, x: torch.Tensor) -> RoutingDecision:
         bias = self.selection_bias.float() if self.selection_bias is not None else None
@@ -39,7 +37,7 @@ class MoE(nn.Module):
         self.router = Router(spec.router, d)
         self.experts = RoutedExperts(spec.expert, spec.num_experts, activation_for(spec.expert, extras))
         self.shared = MLP(spec.shared, activation_for(spec.shared, extras)) if spec.shared is not None else None
-        self.shared_gate = nn.Linear(d, 1, bias=False) if spec.shared_gate else None
+        self.shared_gate = Linear(d, 1, bias=False) if spec.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision]:
         """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major)."""

@@ -9,6 +9,16 @@ from torch import nn
 from moekit.spec.model_spec import NormSpec
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in fp32 and cast back: the reference's steps and their order.
+
+    Written out rather than F.rms_norm, which on CPU runs as about ten small ops where this is five.
+    """
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, width: int, eps: float = 1e-6):
         super().__init__()
@@ -16,11 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, then cast back before the weight: the order llama/mixtral/qwen use, so bf16
-        # rounds where theirs does.
-        # F.rms_norm computes x * rsqrt(mean(x²) + eps) in one kernel, bit for bit the reference's steps.
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * h.to(x.dtype)
+        # Cast back before the weight: the order llama/mixtral/qwen use, so bf16 rounds where theirs does.
+        return self.weight * rms_normalize(x, self.eps)
 
 
 class LayerNorm(nn.Module):

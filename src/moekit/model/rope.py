@@ -9,6 +9,10 @@ reference to the last bit before the cos/sin. Tables use the `cat(freqs, freqs)`
     rope.reserve(max_len)                      # once, when a cache is made
     cos, sin = rope.cos_sin(positions, dtype)  # [B, T, rot] each
     q = apply_rope(q, cos, sin)                # q [B, H, T, rot]
+
+The fast form for heads laid out [B, T, heads, rot] (what a fused projection gives):
+    cos, sin_signed = rope.cos_sin_signed(positions, dtype)   # [B, T, 1, rot]
+    qk = apply_rope_rolled(qk, cos, sin_signed)                # bit for bit apply_rope
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class Rope(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_table", torch.empty(0, dim), persistent=False)
         self.register_buffer("sin_table", torch.empty(0, dim), persistent=False)
+        self.register_buffer("sin_signed_table", torch.empty(0, dim), persistent=False)
         # Within one decoder forward every layer asks for the same positions; `shared_for` holds
         # that lookup (keyed by the tensor object itself) for exactly that long.
         self._shared: tuple | None = None
@@ -123,21 +128,41 @@ class Rope(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos_table = emb.cos() * self.attention_scaling
         self.sin_table = emb.sin() * self.attention_scaling
+        half = self.dim // 2
+        # rotate_half's minus moved onto the table: (-x2)·s and x2·(-s) are the same float.
+        self.sin_signed_table = torch.cat((-self.sin_table[:, :half], self.sin_table[:, half:]), dim=-1)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] int64 → cos, sin [B, T, rot] in `dtype`."""
+    def _lookup(self, positions: torch.Tensor, dtype: torch.dtype, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         shared = self._shared
         if shared is not None and shared[0] is positions and shared[1] == dtype:
-            return shared[2]
+            found = shared[2].get(signed)
+            if found is None:
+                found = shared[2][signed] = self._lookup_now(positions, dtype, signed)
+            return found
+        return self._lookup_now(positions, dtype, signed)
+
+    def _lookup_now(self, positions: torch.Tensor, dtype: torch.dtype, signed: bool):
         top = int(positions.max()) + 1 if positions.numel() else 0
         if top > self.cos_table.shape[0]:
             self.reserve(top)
-        return self.cos_table[positions].to(dtype), self.sin_table[positions].to(dtype)
+        sin = self.sin_signed_table if signed else self.sin_table
+        cos, sin = self.cos_table[positions].to(dtype), sin[positions].to(dtype)
+        if signed:  # [B, T, 1, rot]: broadcast over the heads axis of [B, T, heads, rot]
+            return cos.unsqueeze(2), sin.unsqueeze(2)
+        return cos, sin
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] int64 → cos, sin [B, T, rot] in `dtype`."""
+        return self._lookup(positions, dtype, signed=False)
+
+    def cos_sin_signed(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] int64 → cos, sin with rotate_half's sign [B, T, 1, rot] (apply_rope_rolled's)."""
+        return self._lookup(positions, dtype, signed=True)
 
     @contextmanager
     def shared_for(self, positions: torch.Tensor, dtype: torch.dtype):
         """Look cos/sin up once for a whole forward pass (positions must not change inside it)."""
-        self._shared = (positions, dtype, self.cos_sin(positions, dtype))
+        self._shared = (positions, dtype, {})
         try:
             yield
         finally:
@@ -153,6 +178,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, H, T, rot], cos/sin [B, T, rot] → x rotated (the rotate_half layout)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
+
+
+def apply_rope_rolled(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, rot], cos/sin_signed [B, T, 1, rot] → x rotated, bit for bit `apply_rope`.
+
+    roll by half swaps the halves in one op where rotate_half takes four (two slices, neg, cat).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

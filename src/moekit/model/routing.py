@@ -35,23 +35,28 @@ def _group_limited(choice: Tensor, n_group: int, topk_group: int) -> Tensor:
     grouped = choice.view(tokens, n_group, experts // n_group)  # [T, G, E/G]
     group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    keep = keep.unsqueeze(-1).expand(-1, -1, experts // n_group).reshape(tokens, experts)
-    return choice.masked_fill(~keep, float("-inf"))
+    drop = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, False)  # [T, G]
+    return grouped.masked_fill(drop.unsqueeze(-1), float("-inf")).view(tokens, experts)
 
 
-def _choose(scores: Tensor, spec: RouterSpec, selection_bias: Tensor | None) -> Tensor:
-    """scores [T, E] fp32 → topk_ids [T, K]; the bias and the group limit steer the choice only."""
+def _choose(scores: Tensor, spec: RouterSpec, selection_bias: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """scores [T, E] fp32 → (topk_ids [T, K], their scores or None when the choice was steered).
+
+    The bias and the group limit steer the choice only; without them top-K's values are the scores.
+    """
+    steered = selection_bias is not None or (spec.n_group > 1 and spec.topk_group < spec.n_group)
     choice = scores + selection_bias if selection_bias is not None else scores
     if spec.n_group > 1 and spec.topk_group < spec.n_group:
         choice = _group_limited(choice, spec.n_group, spec.topk_group)
-    return torch.topk(choice, k=spec.top_k, dim=-1)[1]
+    values, ids = torch.topk(choice, k=spec.top_k, dim=-1)
+    return ids, None if steered else values
 
 
 def _score_then_topk(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None) -> tuple[Tensor, Tensor]:
     scores = logits.sigmoid() if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-    topk_ids = _choose(scores, spec, selection_bias)
-    weights = scores.gather(1, topk_ids)  # [T, K]
+    topk_ids, weights = _choose(scores, spec, selection_bias)
+    if weights is None:
+        weights = scores.gather(1, topk_ids)  # [T, K] the unsteered scores of the chosen
     if spec.normalize:
         # deepseek adds 1e-20 (sigmoid scores never sum to 0); the softmax families divide plainly
         eps = 1e-20 if spec.scoring == "sigmoid" else 0.0

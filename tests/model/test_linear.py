@@ -1,0 +1,72 @@
+"""The projection kernels against F.linear, and preparation keeping exactly one layout of each weight."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+from moekit.model.linear import ONEDNN, PLAIN, TRANSPOSED, Linear, kernel_for, linear_reference
+
+ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_onednn = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU build has no oneDNN bf16")
+
+# (kernel, dtype, relative tolerance): transposed sums in another order; oneDNN is F.linear's own backend.
+KERNELS = [
+    pytest.param(TRANSPOSED, torch.float32, 1e-6, id="transposed-fp32"),
+    pytest.param(ONEDNN, torch.bfloat16, 2**-8, id="onednn-bf16", marks=needs_onednn),
+    pytest.param(PLAIN, torch.float32, 0.0, id="plain-fp32"),
+]
+
+
+def _weights(out_f: int, in_f: int, bias: bool, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(out_f, in_f, generator=gen) / in_f**0.5).to(dtype)
+    b = torch.randn(out_f, generator=gen).to(dtype) if bias else None
+    return w, b
+
+
+@pytest.mark.parametrize("kernel,dtype,rel", KERNELS)
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 5, 96)], ids=["one-row", "prefill", "batch-time"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepared_kernel_equals_f_linear(kernel, dtype, rel, shape, bias):
+    w, b = _weights(160, 96, bias, dtype, seed=len(shape) + bias)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = linear_reference(x, w, b).float()
+    got = kernel.apply(x, kernel.prepare(w), b)
+    assert got.shape == want.shape and got.dtype == dtype
+    scale = want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= rel * scale + 1e-7
+
+
+def test_kernel_choice_per_device_dtype_and_shape():
+    def weight(out_f, in_f, dtype=torch.float32, device="cpu"):
+        return torch.empty(out_f, in_f, dtype=dtype, device=device)
+
+    assert kernel_for(weight(32000, 512)) is TRANSPOSED  # LM head: [in, out] rows are the long ones
+    assert kernel_for(weight(512, 512)) is TRANSPOSED
+    assert kernel_for(weight(512, 1024)) is PLAIN  # the Hub's rows are longer
+    assert kernel_for(weight(32, 512)) is PLAIN  # a router: F.linear, as the reference scores
+    assert kernel_for(weight(512, 1024, torch.bfloat16)) is (ONEDNN if ONEDNN_BF16 else PLAIN)
+    assert kernel_for(weight(512, 512, torch.float16)) is PLAIN
+    assert kernel_for(weight(512, 512, device="meta")) is PLAIN  # anything but a CPU keeps F.linear
+
+
+@pytest.mark.parametrize("kernel,dtype", [(TRANSPOSED, torch.float32), pytest.param(ONEDNN, torch.bfloat16, marks=needs_onednn)])
+def test_linear_prepare_drops_the_hub_layout(kernel, dtype):
+    layer = Linear(64, 48, bias=True).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+        want = layer(x)
+    hub = weakref.ref(layer.weight)
+    layer.prepare(kernel)
+    gc.collect()
+    assert hub() is None, "the [out, in] weight is still alive next to the prepared one"
+    assert [name for name, _ in layer.named_parameters()] == ["weight", "bias"]
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="twice"):
+        layer.prepare(kernel)

@@ -54,7 +54,9 @@ def test_kernel_choice_per_device_dtype_and_shape():
     assert kernel_for(weight(512, 512, device="meta")) is PLAIN  # anything but a CPU keeps F.linear
 
 
-@pytest.mark.parametrize("kernel,dtype", [(TRANSPOSED, torch.float32), pytest.param(ONEDNN, torch.bfloat16, marks=needs_onednn)])
+@pytest.mark.parametrize(
+    "kernel,dtype", [(TRANSPOSED, torch.float32), pytest.param(ONEDNN, torch.bfloat16, marks=needs_onednn)]
+)
 def test_linear_prepare_drops_the_hub_layout(kernel, dtype):
     layer = Linear(64, 48, bias=True).to(dtype)
     x = torch.randn(3, 64).to(dtype)

@@ -195,11 +195,12 @@ def test_absorbed_attention_equals_expanded(variant, new_tokens):
 
 @pytest.mark.parametrize("variant", ["q_lora_yarn", "no_q_lora_yarn"])
 @torch.no_grad()
-def test_prepare_fuses_the_x_projections_without_changing_outputs(variant):
+def test_prepare_fuses_and_splits_projections_without_changing_outputs(variant):
     _, _, plain = build_pair(variant, seed=6)
     _, _, fused = build_pair(variant, seed=6)
     fused.prepare()
     assert fused.x_proj is not None and fused.kv_a_proj_with_mqa is None
+    assert fused.kv_b_proj is None and fused.w_uk.is_contiguous() and fused.w_uv_t.is_contiguous()
     n_params = sum(p.numel() for p in plain.parameters())
     assert sum(p.numel() for p in fused.parameters()) == n_params  # the parts are gone, not kept
     torch.manual_seed(7)

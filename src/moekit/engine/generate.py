@@ -181,7 +181,7 @@ def generate(
         _sync(device)
         start = time.perf_counter()
         decisions: Optional[list] = [] if record_routing else None
-        logits = decoder(ids.to(device), cache, positions.to(device), decisions)  # [B, P, V]
+        logits = decoder(ids.to(device), cache, positions.to(device), decisions, last_only=True)  # [B, 1, V]
         token = next_tokens(logits[:, -1], sampling, generator)  # [B]
         out[:, 0] = token
         _sync(device)

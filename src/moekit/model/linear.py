@@ -5,11 +5,11 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
 (F.linear on the Hub layout) is what every kernel must equal — tests/model/test_linear.py checks it.
 
   plain       F.linear on [out, in]: the reference, and the fallback (CUDA, fp16, no oneDNN).
-  transposed  fp32 on CPU: the weight stored [in, out] contiguous, x @ Wt. A one-row GEMM streams the
-              weight row by row, and every new row restarts the hardware prefetcher, so on one core
-              the layout with the longer rows wins: [in, out] when out ≥ in (2.4× F.linear on a
-              32000 × 512 LM head, 1.2–2.3× on expert-sized matrices), the Hub's [out, in] when in > out
-              (a 512 × 1024 gate_up: F.linear 16 GB/s, x @ Wt 12.5). Same products, another
+  transposed  fp32 on CPU: the weight stored [in, out] contiguous, x @ Wt. On one core MKL's one-row
+              GEMM streams a cold weight faster the longer its contiguous rows are (measured; each row
+              start seems to cost a prefetch ramp), so [in, out] when out ≥ in (2.4× F.linear on a
+              32000 × 512 LM head, 1.2–2.3× on expert-sized matrices) and the Hub's [out, in] when
+              in > out (a 512 × 1024 gate_up: F.linear 16 GB/s, x @ Wt 12.5). Same products, another
               summation order (~1e-7 relative).
   onednn      bf16 on CPU: oneDNN's blocked layout (`_reorder_linear_weight`) and its packed GEMM,
               1.4–1.8× F.linear in bf16 at every shape measured, and bit for bit the same result
@@ -59,13 +59,11 @@ class Kernel:
     name: str
     prepare: Callable[[Tensor], Tensor]  # Hub weight [out, in] → the layout `apply` reads
     apply: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]  # (x [.., in], prepared, bias) → [.., out]
-    # True when `prepared` can be sliced per row like a tensor (not an opaque oneDNN buffer)
-    strided: bool = True
 
 
 PLAIN = Kernel("plain", lambda w: w, linear_reference)
 TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed)
-ONEDNN = Kernel("onednn", _pack, _apply_packed, strided=False)
+ONEDNN = Kernel("onednn", _pack, _apply_packed)
 
 # What each dtype runs on a CPU; anything missing here, and every other device, runs PLAIN.
 CPU_KERNELS: dict[torch.dtype, Kernel] = {torch.float32: TRANSPOSED, torch.bfloat16: ONEDNN}
@@ -111,7 +109,8 @@ class Linear(nn.Module):
         return self.kernel.apply(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, kernel={self.kernel.name}"
+        bias = self.bias is not None
+        return f"in={self.in_features}, out={self.out_features}, bias={bias}, kernel={self.kernel.name}"
 
 
 def prepare_linears(module: nn.Module) -> None:

@@ -82,11 +82,14 @@ class MLAttention(nn.Module):
             self.q_b_proj = Linear(spec.q_lora_rank, h * qk, bias=False)
         self.kv_a_proj_with_mqa = Linear(d, self.latent_dim + self.rope_dim, bias=spec.qkv_bias)
         self.kv_a_layernorm = RMSNorm(self.latent_dim, LATENT_NORM_EPS)
-        # A plain nn.Linear, never re-laid out: decoding reads its weight per head (attend_absorbed).
+        # Read per head (see _kv_b_parts), never through a projection kernel: a plain nn.Linear.
         self.kv_b_proj = nn.Linear(self.latent_dim, h * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(h * self.v_dim, d, bias=spec.o_bias)
         self.x_proj: Linear | None = None  # q_a (or q) and kv_a fused by prepare()
         self.x_split: tuple[int, int] = (0, 0)
+        # kv_b_proj split per head by prepare(): w_uk [H, Rn, R], w_uv_t [H, R, Dv], each contiguous
+        self.w_uk: nn.Parameter | None = None
+        self.w_uv_t: nn.Parameter | None = None
 
     def new_cache(self, batch: int, max_len: int, dtype: torch.dtype, device) -> MLACache:
         self._rope[0].reserve(max_len)
@@ -94,13 +97,19 @@ class MLAttention(nn.Module):
         return MLACache(slots=slots, latent_dim=self.latent_dim)
 
     def prepare(self) -> None:
-        """After loading: fuse the two projections that read x (q_a or q, and kv_a) into one GEMM.
+        """After loading: fuse the two projections that read x (q_a or q, and kv_a) into one GEMM, and
+        split kv_b_proj into the per-head matrices both attention paths multiply by, each contiguous
+        (batched matmuls on strided views copy them on every call in bf16).
 
         Run before the projections are laid out for their kernel (Decoder.prepare's order); the parts
         are dropped, so the weights stay resident once.
         """
         if self.x_proj is not None:
             return
+        w_uk, w_uv_t = self._kv_b_parts()
+        self.w_uk = nn.Parameter(w_uk.contiguous(), requires_grad=False)
+        self.w_uv_t = nn.Parameter(w_uv_t.contiguous(), requires_grad=False)
+        self.kv_b_proj = None
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         second = self.kv_a_proj_with_mqa
         fused = Linear(first.in_features, first.out_features + second.out_features, bias=first.bias is not None)
@@ -115,6 +124,14 @@ class MLAttention(nn.Module):
             self.q_a_proj = None
         self.kv_a_proj_with_mqa = None
         self.x_proj = fused
+
+    def _kv_b_parts(self) -> tuple[Tensor, Tensor]:
+        """kv_b_proj's key half [H, Rn, R] and value half, transposed, [H, R, Dv] (views until prepared)."""
+        if self.w_uk is not None:
+            return self.w_uk, self.w_uv_t
+        w = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent_dim)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, Rn, R], [H, Dv, R]
+        return w_uk, w_uv.transpose(1, 2)
 
     def _from_x(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """x [B, T, D] → q [B, T, H·(Rn+Rr)], kv [B, T, R+Rr] (latent, then the unrotated rope key)."""
@@ -167,9 +184,9 @@ class MLAttention(nn.Module):
         slots [B, S, R+Rr] as the cache holds them; mask [B, 1, T, S].
         """
         latent, k_rope = slots.split([self.latent_dim, self.rope_dim], dim=-1)
-        b, s, _ = latent.shape
-        kv = self.kv_b_proj(latent).view(b, s, self.heads, self.nope + self.v_dim).transpose(1, 2)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, S, Rn], [B, H, S, Dv]
+        w_uk, w_uv_t = self._kv_b_parts()
+        latent = latent.unsqueeze(1)  # [B, 1, S, R]: one latent per slot, shared by every head
+        k_nope, v = latent @ w_uk.transpose(1, 2), latent @ w_uv_t  # [B, H, S, Rn], [B, H, S, Dv]
         k = torch.cat((k_nope, k_rope[:, None].expand(-1, self.heads, -1, -1)), dim=-1)  # [B, H, S, Rn+Rr]
         q = torch.cat((q_nope, q_rope), dim=-1)  # [B, H, T, Rn+Rr]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
@@ -183,13 +200,12 @@ class MLAttention(nn.Module):
         on CPU for one decode step).
         """
         b, h, t, _ = q_nope.shape
-        w = self.kv_b_proj.weight.view(h, self.nope + self.v_dim, self.latent_dim)
-        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [H, Rn, R], [H, Dv, R]
+        w_uk, w_uv_t = self._kv_b_parts()  # [H, Rn, R], [H, R, Dv]
         q = torch.cat((q_nope @ w_uk, q_rope), dim=-1)  # [B, H, T, R+Rr]
         scores = (q.view(b, h * t, -1) @ slots.transpose(1, 2)).view(b, h, t, -1) * self.scale  # [B, H, T, S]
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax, as the reference
         out_latent = probs.view(b, h * t, -1) @ slots[..., : self.latent_dim]  # [B, H*T, R]
-        return out_latent.view(b, h, t, -1) @ w_uv.transpose(1, 2)  # [B, H, T, Dv]
+        return out_latent.view(b, h, t, -1) @ w_uv_t  # [B, H, T, Dv]
 

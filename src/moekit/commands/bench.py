@@ -50,7 +50,9 @@ def _fmt(value: Optional[float], spec: str) -> str:
 
 @app.command("decode", help=DECODE_HELP)
 def decode(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors)."),
+    checkpoint: Optional[Path] = typer.Argument(
+        None, help="Checkpoint folder (config.json + *.safetensors). Default: the bundled demo model."
+    ),
     vs: Optional[str] = typer.Option(None, "--vs", help="Baseline to compare against: transformers."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 (both sides)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
@@ -65,7 +67,10 @@ def decode(
     if vs not in (None, "transformers"):
         raise MoekitError(f"--vs {vs}: the only baseline is transformers")
     from moekit.engine.bench_decode import BenchSettings, bench_decode
+    from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
+
+    checkpoint = checkpoint if checkpoint is not None else default_checkpoint()
 
     settings = BenchSettings(
         batches=_batches(batch), tokens=tokens, prompt_len=prompt_len, repeats=repeats, warmup=warmup

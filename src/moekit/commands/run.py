@@ -17,9 +17,11 @@ from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
 
-CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it, give --prompt-ids). It is required for now: the bundled default model comes in a later release.
+CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it, give --prompt-ids). Without one (or when the first argument is not an existing folder) moekit runs its bundled demo model, models/moekit-demo.
 
 Examples:
+
+  moekit run "def parse_args(argv):"                      # the bundled model
 
   moekit run path/to/checkpoint "def fibonacci(n):" --max-new-tokens 64
 
@@ -81,10 +83,14 @@ def _activation_table(engine, acts):
 
 
 def run(
-    checkpoint: Path = typer.Argument(
-        ..., help="Checkpoint folder: config.json + *.safetensors (+ tokenizer.json). Required for now."
+    first: Optional[str] = typer.Argument(
+        None,
+        metavar="[CHECKPOINT]",
+        help="Checkpoint folder: config.json + *.safetensors (+ tokenizer.json). Default: the bundled model.",
     ),
-    prompt: Optional[str] = typer.Argument(None, help="Text prompt (needs tokenizer.json in the folder)."),
+    second: Optional[str] = typer.Argument(
+        None, metavar="[PROMPT]", help="Text prompt (needs tokenizer.json in the folder)."
+    ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
@@ -100,10 +106,12 @@ def run(
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ) -> None:
+    from moekit.engine.default_model import split_checkpoint_and_prompt
     from moekit.engine.detokenize import TextStream
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams, check_sampling
 
+    checkpoint, prompt = split_checkpoint_and_prompt(first, second)
     ids = parse_ids(prompt_ids, "--prompt-ids")
     if (prompt is None) == (ids is None):
         raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")

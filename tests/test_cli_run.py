@@ -12,20 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
 from hf_tiny import MAX_POS, train_tokenizer, write_checkpoint  # noqa: E402
 
 MOEKIT = Path(sys.executable).parent / "moekit"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models; threads only add barrier waits on a busy machine
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +115,10 @@ def test_stop_ids_end_generation(capsys, ckpt):
     assert data["stopped"]
 
 
-def test_help_says_the_checkpoint_is_required():
+def test_help_names_the_bundled_default():
     result = subprocess.run([str(MOEKIT), "run", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    assert "required" in result.stdout.lower() and "--prompt-ids" in result.stdout
+    assert "bundled" in result.stdout.lower() and "--prompt-ids" in result.stdout
 
 
 def test_an_error_is_one_line_without_traceback(tmp_path):

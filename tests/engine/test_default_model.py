@@ -19,6 +19,8 @@ def test_one_argument_is_a_prompt_unless_it_is_a_folder(tmp_path):
     assert split_checkpoint_and_prompt(str(tmp_path), None) == (tmp_path, None)
     assert split_checkpoint_and_prompt(str(tmp_path), "hi") == (tmp_path, "hi")
     assert split_checkpoint_and_prompt(None, None) == (bundled_model_path(), None)
+    # with --prompt-ids the one argument can only be the checkpoint, even a missing one
+    assert split_checkpoint_and_prompt("nope", None, ids_given=True) == (Path("nope"), None)
 
 
 def test_run_with_no_checkpoint_uses_the_bundled_model():

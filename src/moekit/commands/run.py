@@ -111,8 +111,8 @@ def run(
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams, check_sampling
 
-    checkpoint, prompt = split_checkpoint_and_prompt(first, second)
     ids = parse_ids(prompt_ids, "--prompt-ids")
+    checkpoint, prompt = split_checkpoint_and_prompt(first, second, ids_given=ids is not None)
     if (prompt is None) == (ids is None):
         raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")
     if max_new_tokens <= 0:

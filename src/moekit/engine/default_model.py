@@ -28,11 +28,14 @@ def default_checkpoint() -> Path:
     return path
 
 
-def split_checkpoint_and_prompt(first: Optional[str], second: Optional[str]) -> tuple[Path, Optional[str]]:
-    """`run [CHECKPOINT] [PROMPT]`: two arguments are both; one is a checkpoint when it is an existing
-    folder, otherwise the prompt for the bundled model; none means the bundled model."""
+def split_checkpoint_and_prompt(
+    first: Optional[str], second: Optional[str], ids_given: bool = False
+) -> tuple[Path, Optional[str]]:
+    """`run [CHECKPOINT] [PROMPT]`: two arguments are both; one is the checkpoint when it is an
+    existing folder or when the prompt comes as ids, otherwise the prompt for the bundled model;
+    none means the bundled model."""
     if second is not None:
         return Path(first), second
-    if first is not None and Path(first).is_dir():
+    if first is not None and (ids_given or Path(first).is_dir()):
         return Path(first), None
     return default_checkpoint(), first

@@ -25,13 +25,7 @@ from torch import nn
 
 from moekit.errors import SpecError
 from moekit.spec.model_spec import RopeSpec
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction; DeepSeek squares it (with mscale_all_dim) into the softmax scale."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+from moekit.spec.rope import yarn_mscale
 
 
 def _default_inv_freq(theta: float, dim: int) -> torch.Tensor:

@@ -60,6 +60,13 @@ def rope_spec(f: ConfigFields, default_theta: float, default_params: Optional[Ma
     return RopeSpec(theta=float(theta), scaling=scaling, partial_rotary_factor=float(partial))
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1·m·ln(scale) + 1; DeepSeek squares it into the softmax scale."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
 def yarn_softmax_scale(rope: RopeSpec, head_dim: int) -> Optional[float]:
     """DeepSeek's attention scale under YaRN: 1/sqrt(d) × mscale², mscale = 0.1·m·ln(factor) + 1.
 
@@ -69,6 +76,5 @@ def yarn_softmax_scale(rope: RopeSpec, head_dim: int) -> Optional[float]:
     mscale_all_dim = params.get("mscale_all_dim", 0)
     if not params or not mscale_all_dim:
         return None
-    factor = params["factor"]
-    mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+    mscale = yarn_mscale(params["factor"], mscale_all_dim)
     return head_dim**-0.5 * mscale * mscale

@@ -9,44 +9,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_deepseek_v3 import NEW_TOKENS, VOCAB, greedy, load_ours, prompts
+from test_deepseek_v3 import NEW_TOKENS, TINY, greedy, load_ours, prompts
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cfg = transformers.DeepseekV2Config(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        first_k_dense_replace=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
+    # V3's tiny shape with V2-Lite's differences: q projected directly, no group limit, two shared
+    # experts, YaRN with mscale = mscale_all_dim
+    overrides = dict(
         q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
+        n_group=None,
+        topk_group=None,
         n_shared_experts=2,
         routed_scaling_factor=1.5,
-        max_position_embeddings=64,
         rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
+            **TINY["rope_parameters"],
             "mscale": 0.707,
             "mscale_all_dim": 0.707,
-            "original_max_position_embeddings": 16,
         },
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
     )
+    cfg = transformers.DeepseekV2Config(**{**TINY, **overrides})
     torch.manual_seed(7)
     model = transformers.DeepseekV2ForCausalLM(cfg).eval()
     with torch.no_grad():

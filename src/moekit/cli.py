@@ -30,6 +30,15 @@ def _register() -> None:
     app.add_typer(corpus.app, name="corpus")
     app.command("train", help=train.HELP)(train.train)
     app.command("eval", help=eval_cmd.HELP)(eval_cmd.evaluate)
+    from moekit.commands import cache_sim
+
+    app.command("cache-sim", help=cache_sim.HELP)(cache_sim.cache_sim)
+    from moekit.commands import profile
+
+    app.command("profile", help=profile.HELP)(profile.profile)
+    from moekit.commands import pack
+
+    app.command("pack", help=pack.HELP)(pack.pack)
 
 
 def main() -> None:

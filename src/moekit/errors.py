@@ -11,3 +11,7 @@ class SpecError(MoekitError):
 
 class CheckpointError(MoekitError):
     """A checkpoint folder that cannot be loaded: missing shard, truncated file, wrong shape."""
+
+
+class ExpertIntegrityError(MoekitError):
+    """An offloaded expert's bytes on disk no longer match the checksums they were recorded with."""

@@ -1,4 +1,5 @@
-from moekit.corpus.clean import Document, cap, clean, dedupe, normalise, split, strip_licence_header
+from moekit.corpus.clean import (Document, cap, cap_per_family, clean, dedupe, man_page_family, normalise, split,
+                                 strip_licence_header)
 
 from corpus_fixtures import SCRIPT
 
@@ -57,3 +58,23 @@ def test_cap_keeps_whole_documents_under_the_byte_budget():
     kept = cap(docs, 1000, seed=1)
     assert 0 < sum(len(d.text) for d in kept) <= 1000
     assert kept == cap(docs, 1000, seed=1)
+
+
+def test_a_man_page_family_is_the_command_before_the_first_separator():
+    assert man_page_family("/usr/share/man/man1/gcloud_compute_ssh.1.gz") == "gcloud"
+    assert man_page_family("/usr/share/man/man1/git-commit.1.gz") == "git"
+    assert man_page_family("/usr/share/man/man3/EVP_DigestInit.3ssl.gz") == "evp"
+    assert man_page_family("/usr/share/man/man1/ls.1.gz") == "ls"
+
+
+def test_the_family_cap_keeps_a_seeded_few_of_a_large_family_and_all_of_small_ones():
+    docs = [Document("manpages", f"/m/gcloud_{i}.1.gz", f"gcloud page {i}") for i in range(50)]
+    docs += [Document("manpages", f"/m/ls{i}.1.gz", f"ls page {i}") for i in range(3)]
+    kept, dropped = cap_per_family(docs, man_page_family, 5, seed=1)
+    assert dropped == 45 and len(kept) == 8
+    assert sum(d.origin.startswith("/m/gcloud") for d in kept) == 5
+    assert [d for d in docs if d in kept] == kept  # input order kept
+    again, _ = cap_per_family(list(reversed(docs)), man_page_family, 5, seed=1)
+    assert {d.origin for d in again} == {d.origin for d in kept}  # the choice ignores order
+    other, _ = cap_per_family(docs, man_page_family, 5, seed=2)
+    assert {d.origin for d in other} != {d.origin for d in kept}

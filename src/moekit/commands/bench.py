@@ -135,3 +135,122 @@ def decode(
         f"memory bandwidth: {bw}; median of {repeats} runs after {warmup} warm-up; "
         f"{tokens} new tokens per row after {prompt_len} prompt tokens; {_threads()} threads"
     )
+
+
+OFFLOAD_HELP = """Decode tokens/s with routed experts paged under each --expert-memory budget, vs baselines.
+
+Each configuration runs in its own process: moekit fully resident, moekit with no cache (every
+expert read on every use) at the smallest budget, moekit at each budget, and with --vs accelerate
+transformers + accelerate's disk offload at the same memory (moekit's dense weights + the budget).
+Reports hit rate, prefetch precision/recall, disk bytes per token, stall share and peak RSS growth
+against the bound (dense + budget) × 1.1.
+
+  moekit bench offload models/moekit-demo --expert-memory 12.5%,25%,50%,100% --vs accelerate
+"""
+
+
+@app.command("offload", help=OFFLOAD_HELP)
+def offload(
+    checkpoint: Optional[Path] = typer.Argument(None, help="Checkpoint folder. Default: the bundled demo model."),
+    expert_memory: str = typer.Option("12.5%,25%,50%,100%", "--expert-memory", help="Comma-separated budgets."),
+    vs: Optional[str] = typer.Option(None, "--vs", help="Also run this baseline at the same memory: accelerate."),
+    cache: str = typer.Option("lru", "--cache", help="Cache policy for moekit's runs."),
+    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Turn moekit's prefetch off."),
+    prompt: str = typer.Option("def parse_args(argv):\n    parser = argparse.ArgumentParser(", "--prompt",
+                               help="Text prompt (needs tokenizer.json); else --prompt-len random ids."),
+    prompt_len: int = typer.Option(16, "--prompt-len", help="Random prompt ids when the folder has no tokenizer."),
+    tokens: int = typer.Option(32, "--tokens", help="New tokens (greedy)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="float32 or bfloat16 (every run)."),
+    threads: int = typer.Option(1, "--threads", help="CPU threads for every run."),
+    json_path: Optional[Path] = typer.Option(None, "--json-out", help="Also write every run's raw result here."),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+) -> None:
+    from moekit.engine.default_model import default_checkpoint
+    from moekit.offload.bench import OffloadBench, run_bench, summary_rows
+
+    if vs not in (None, "accelerate"):
+        raise MoekitError(f"--vs {vs}: the only baseline here is accelerate")
+    if tokens < 2 or threads < 1:
+        raise MoekitError("--tokens must be at least 2 and --threads at least 1")
+    folder = checkpoint if checkpoint is not None else default_checkpoint()
+    budgets = tuple(b.strip() for b in expert_memory.split(",") if b.strip())
+    if not budgets:
+        raise MoekitError("--expert-memory: give at least one budget, e.g. 25%,50%")
+    ids = _offload_prompt(folder, prompt.replace("\\n", "\n"), prompt_len)
+    minimum = _minimum_budget(folder, dtype)
+    bench = OffloadBench(folder=str(folder), budgets=budgets, policy=cache, prefetch=not no_prefetch,
+                         prompt_ids=tuple(ids), new_tokens=tokens, threads=threads, dtype=dtype,
+                         vs_accelerate=vs == "accelerate")
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    with console.status("starting") as status:
+        results = run_bench(bench, minimum, on_start=lambda what: status.update(f"running: {what}"))
+    rows = summary_rows(bench, results)
+    if json_path is not None:
+        json_path.write_text(json.dumps({"settings": vars(bench) | {"prompt_ids": list(ids)}, "results": results,
+                                         "rows": rows}, indent=1) + "\n")
+    if json_out:
+        typer.echo(json.dumps({"rows": rows, "resident_tokens_per_s": results["resident"]["tokens_per_s"],
+                               "no_cache_tokens_per_s": results["no-cache"]["tokens_per_s"]}))
+        return
+    _print_offload_table(bench, results, rows)
+
+
+def _offload_prompt(folder: Path, text: str, length: int) -> list[int]:
+    import random
+
+    from moekit.engine.loader import load_tokenizer
+    from moekit.spec import load_spec
+
+    tokenizer = load_tokenizer(folder)
+    if tokenizer is not None:
+        return list(tokenizer.encode(text).ids)
+    vocab = load_spec(folder).vocab_size
+    rng = random.Random(0)
+    return [rng.randrange(3, vocab) for _ in range(length)]
+
+
+def _minimum_budget(folder: Path, dtype: str) -> str:
+    """K experts per MoE layer, in bytes: the smallest budget a run accepts (the no-cache baseline's)."""
+    from moekit.engine.loader import torch_dtype
+    from moekit.offload.attach import expert_nbytes, moe_layers
+    from moekit.spec import load_spec
+
+    spec = load_spec(folder)
+    layers = moe_layers(spec)
+    if not layers:
+        raise MoekitError(f"{folder}: a dense model has no routed experts to offload")
+    k = spec.layers[layers[0]].ffn.router.top_k
+    return str(k * len(layers) * expert_nbytes(spec, torch_dtype(dtype)))
+
+
+def _print_offload_table(bench, results: dict, rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moekit.calc.units import nbytes
+
+    def pct(x):
+        return "—" if x is None else f"{x:.1%}"
+
+    resident, no_cache = results["resident"], results["no-cache"]
+    table = Table(title=f"decode tokens/s under an expert budget · {bench.dtype} · {bench.threads} thread(s) · "
+                        f"{bench.policy}{'' if bench.prefetch else ', no prefetch'}")
+    for name in ("budget", "tok/s", "× resident", "× no cache", "accelerate tok/s", "× accelerate", "hit rate",
+                 "recall / precision", "disk / token", "stall share", "RSS growth / bound", "same tokens"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            r["budget"], f"{r['tokens_per_s']:.1f}", f"{r['vs_resident']:.2f}×", f"{r['vs_no_cache']:.2f}×",
+            _fmt(r["accelerate_tokens_per_s"], ".2f"), _fmt(r["vs_accelerate"], ".1f") + ("×" if r["vs_accelerate"] else ""),
+            pct(r["hit_rate"]), f"{pct(r['prefetch_recall'])} / {pct(r['prefetch_precision'])}",
+            "—" if r["disk_bytes_per_token"] is None else nbytes(r["disk_bytes_per_token"]),
+            pct(r["stall_share"]),
+            f"{nbytes(r['rss_growth_bytes'])} / {nbytes(r['rss_bound_bytes'])} {'ok' if r['rss_ok'] else 'OVER'}",
+            "yes" if r["same_tokens"] else "NO",
+        )
+    console = Console()
+    console.print(table)
+    console.print(f"baselines: resident {resident['tokens_per_s']:.1f} tok/s; no cache "
+                  f"{no_cache['tokens_per_s']:.1f} tok/s at the minimum budget ({nbytes(int(no_cache['budget_bytes']))})")

@@ -62,7 +62,8 @@ def build_cmd(
     for name, d in manifest["domains"].items():
         typer.echo(f"{name:9s} train {d['train_docs']:6d} docs {d['train_bytes'] / 1e6:6.2f} MB   "
                    f"held-out {d['heldout_docs']:5d} docs {d['heldout_bytes'] / 1e6:5.2f} MB   "
-                   f"(found {d['found']}, dropped {d['dropped_size']} by size, {d['dropped_duplicate']} duplicates)")
+                   f"(found {d['found']}, dropped {d['dropped_size']} by size, {d['dropped_duplicate']} duplicates, "
+                   f"{d.get('dropped_family_cap', 0)} over the per-family cap)")
     for name in manifest["empty_domains"]:
         typer.echo(f"warning: domain {name!r} is EMPTY (packages: {', '.join(manifest['domains'][name]['packages']) or 'none'})")
     typer.echo(f"wrote {out}/manifest.json")

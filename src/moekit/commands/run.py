@@ -28,6 +28,10 @@ Examples:
   moekit run path/to/checkpoint --prompt-ids 1,17,42 --max-new-tokens 24 --temperature 0 --json
 
   moekit run path/to/checkpoint "Hello" --show-activation
+
+  moekit run path/to/checkpoint "Hello" --expert-memory 25%        # routed experts paged from disk
+
+  moekit run path/to/checkpoint "Hello" --expert-memory 1GiB --cache lfu --pin profile.json --no-prefetch
 """
 
 
@@ -105,6 +109,13 @@ def run(
         False, "--show-activation", help="Per token: experts chosen, params touched, share of all params."
     ),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    expert_memory: Optional[str] = typer.Option(
+        None, "--expert-memory", help="Memory for routed experts: a share of all expert bytes (25%) or bytes (2GiB); "
+        "the rest stays on disk. Default: all resident."),
+    cache: str = typer.Option("lru", "--cache", help="Expert cache policy: lru, lfu, lfu-aging (or none: read on every use)."),
+    pin: Optional[Path] = typer.Option(None, "--pin", help="Profile from `moekit profile`: its experts stay resident."),
+    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not guess and preload each layer's experts ahead of it."),
+    prefetch_extra: int = typer.Option(2, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
 ) -> None:
     from moekit.engine.default_model import split_checkpoint_and_prompt
     from moekit.engine.detokenize import TextStream
@@ -123,7 +134,44 @@ def run(
     if trace is not None and not trace.parent.exists():
         raise MoekitError(f"--trace {trace}: folder {trace.parent} does not exist")
 
-    engine = load_engine(checkpoint, dtype=dtype, device=device)
+    offload = None
+    if expert_memory is not None:
+        from moekit.offload.options import OffloadOptions
+
+        offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=not no_prefetch,
+                                 prefetch_extra=prefetch_extra)
+    elif pin is not None or no_prefetch or cache != "lru":
+        raise MoekitError("--cache, --pin and --no-prefetch need --expert-memory")
+    engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress())
+    for note in engine.notes:
+        typer.echo(f"note: {note}", err=True)
+    try:
+        _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out)
+    finally:
+        engine.close()
+
+
+def _manifest_progress():
+    """A progress bar for the one-off checksum pass over every expert (first offloaded run)."""
+    state = {}
+
+    def progress(done: int, total: int) -> None:
+        from rich.progress import Progress
+
+        if "bar" not in state:
+            state["bar"] = Progress(transient=True, console=None)
+            state["bar"].start()
+            state["task"] = state["bar"].add_task("checksumming experts (once)", total=total)
+        state["bar"].update(state["task"], completed=done)
+        if done >= total:
+            state["bar"].stop()
+
+    return progress
+
+
+def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out):
+    from moekit.engine.detokenize import TextStream
+
     prompt_tokens = engine.encode(prompt) if ids is None else ids
     out = sys.stdout
 
@@ -145,8 +193,23 @@ def run(
                     out.write(("" if step == 0 else " ") + str(row_ids[0]))
                     out.flush()
 
+    snapshot = {}
+    if engine.store is not None:
+        shown = on_token
+
+        def on_token(step, row_ids):
+            if step == 0:
+                snapshot.update(engine.store.stats())
+            if shown is not None:
+                shown(step, row_ids)
+
     gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, on_token=on_token)
     acts = engine.meter(gen)
+    offload = None
+    if engine.store is not None:
+        from moekit.offload.report import offload_report
+
+        offload = offload_report(snapshot, engine.store.stats(), gen.timing.decode_tokens, gen.timing.decode_s)
     if trace is not None:
         from moekit.engine.trace import write_trace
 
@@ -161,6 +224,8 @@ def run(
             "activation": [a.as_dict() for a in acts],
             "timing": gen.timing.as_dict(),
         }
+        if offload is not None:
+            payload["offload"] = offload
         if engine.tokenizer is None:
             del payload["text"]
         out.write(json.dumps(payload) + "\n")
@@ -181,4 +246,37 @@ def run(
     if show_activation:
         from rich.console import Console
 
-        Console(file=out, width=max(100, Console().width)).print(_activation_table(engine, acts))
+        console = Console(file=out, width=max(100, Console().width))
+        console.print(_activation_table(engine, acts))
+        if offload is not None:
+            console.print(_offload_table(offload))
+
+
+def _offload_table(report: dict):
+    from rich.table import Table
+
+    from moekit.calc.units import nbytes as format_bytes
+
+    d = report["decode"]
+    table = Table(title=f"expert store: {report['policy']}, {report['slots_per_layer']} slots per layer, "
+                        f"prefetch {'on' if report['prefetch'] else 'off'}")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+
+    def pct(x):
+        return "—" if x is None else f"{x:.1%}"
+
+    rows = [
+        ("decode hit rate", pct(d["hit_rate"])),
+        *((f"  layer {l}", pct(h)) for l, h in d["hit_rate_per_layer"].items()),
+        ("disk bytes per decoded token", "—" if d["disk_bytes_per_token"] is None else format_bytes(d["disk_bytes_per_token"])),
+        ("stall per decoded token", "—" if d["stall_s_per_token"] is None else f"{d['stall_s_per_token'] * 1e3:.2f} ms"),
+        ("stall share of decode time", pct(d["stall_share"])),
+        ("prefetch precision / recall", f"{pct(report['prefetch_precision'])} / {pct(report['prefetch_recall'])}"),
+        ("prefill loads", f"{report['prefill']['loads']} ({format_bytes(report['prefill']['disk_bytes'])})"),
+        ("peak resident expert bytes", format_bytes(report["peak_resident_expert_bytes"])),
+        ("process peak RSS", format_bytes(report["peak_rss_bytes"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table

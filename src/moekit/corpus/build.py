@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from moekit.corpus.clean import Document, cap, clean, dedupe, split
+from moekit.corpus.clean import Document, cap, cap_per_family, clean, dedupe, split
 from moekit.corpus.sources import Source
 
 MANIFEST = "manifest.json"
@@ -29,7 +29,7 @@ class BuildOptions:
     max_bytes_per_domain: int = 12_000_000  # what an hour of CPU training can use, and then some
 
 
-def domain_documents(source: Source, on_doc: Callable[[], None] = lambda: None) -> tuple[list[Document], dict]:
+def domain_documents(source: Source, seed: int, on_doc: Callable[[], None] = lambda: None) -> tuple[list[Document], dict]:
     """Cleaned, deduplicated documents of one source, and the counts of what was dropped."""
     found, kept = 0, []
     for origin, raw in source.find():
@@ -39,7 +39,10 @@ def domain_documents(source: Source, on_doc: Callable[[], None] = lambda: None) 
         if doc is not None:
             kept.append(doc)
     unique, duplicates = dedupe(kept)
-    return unique, {"found": found, "dropped_size": found - len(kept), "dropped_duplicate": duplicates}
+    capped, over = (unique, 0) if source.family is None else cap_per_family(
+        unique, source.family, source.max_docs_per_family, seed)
+    return capped, {"found": found, "dropped_size": found - len(kept), "dropped_duplicate": duplicates,
+                    "dropped_family_cap": over}
 
 
 def _write_jsonl(path: Path, docs: list[Document]) -> int:
@@ -69,7 +72,7 @@ def build(out: Path, sources: list[Source], options: BuildOptions, progress=None
     dedupe_across: set[str] = set()
     for source in sources:
         tick = (lambda d=source.domain: progress(d)) if progress else (lambda: None)
-        docs, counts = domain_documents(source, tick)
+        docs, counts = domain_documents(source, options.seed, tick)
         # The same text in two domains (a script also shipped as a man page example) stays in the first.
         docs = [d for d in docs if d.hash not in dedupe_across]
         dedupe_across.update(d.hash for d in docs)

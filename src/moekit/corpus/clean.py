@@ -6,6 +6,7 @@ import hashlib
 import re
 import unicodedata
 from dataclasses import dataclass
+from typing import Callable
 
 _LICENCE_WORDS = re.compile(r"copyright|licen[cs]e|spdx|all rights reserved|warranty", re.IGNORECASE)
 _BLANK_RUNS = re.compile(r"\n{3,}")
@@ -90,6 +91,32 @@ def split(docs: list[Document], seed: int, fraction: float) -> tuple[list[Docume
     if len(docs) >= 2 and not train:
         train, heldout = heldout[:1], heldout[1:]
     return train, heldout
+
+
+def man_page_family(origin: str) -> str:
+    """The command family of a man page's path: `gcloud_compute_ssh.1.gz` and `gcloud_alpha.1.gz` → `gcloud`."""
+    stem = origin.rsplit("/", 1)[-1].split(".", 1)[0]
+    return re.split(r"[_\-]", stem, maxsplit=1)[0].lower()
+
+
+def cap_per_family(docs: list[Document], family: Callable[[str], str], max_docs: int, seed: int) -> tuple[list[Document], int]:
+    """At most `max_docs` documents of each family (a seeded, order-independent choice); returns (kept, dropped).
+
+    One installed SDK can ship thousands of templated pages of one command; uncapped, they crowd
+    out the rest of the domain and flatter its held-out perplexity.
+    """
+    if max_docs <= 0:
+        return list(docs), 0
+    ranked = sorted(docs, key=lambda d: hashlib.sha256(f"family:{seed}:{d.hash}".encode()).digest())
+    counts: dict[str, int] = {}
+    keep: set[int] = set()
+    for doc in ranked:
+        name = family(doc.origin)
+        if counts.get(name, 0) < max_docs:
+            counts[name] = counts.get(name, 0) + 1
+            keep.add(id(doc))
+    kept = [d for d in docs if id(d) in keep]
+    return kept, len(docs) - len(kept)
 
 
 def cap(docs: list[Document], max_bytes: int, seed: int) -> list[Document]:

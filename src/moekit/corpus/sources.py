@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from moekit.corpus.clean import man_page_family
 from moekit.corpus.roff import roff_to_text
+
+MAN_PAGES_PER_FAMILY = 40  # git has ~170 pages, gcloud ~16,000: a family is a voice, not the domain
 
 Doc = tuple[str, str]  # (origin: a path, or path#n for one fortune; raw text)
 
@@ -102,13 +105,16 @@ class Source:
     find: Callable[[], Iterator[Doc]]
     min_chars: int  # documents shorter than this after cleaning are dropped
     max_chars: int  # ... and longer than this (generated tables, vendored blobs)
+    family: Callable[[str], str] | None = None  # origin → its family, for the per-family cap
+    max_docs_per_family: int = 0  # 0: no cap
 
 
 def default_sources() -> list[Source]:
     man = Path("/usr/share/man")
     return [
         Source("manpages", "English technical prose: man pages (sections 1-8) of installed packages",
-               ("man-db", "manpages", "manpages-dev"), lambda: man_pages([man]), 300, 150_000),
+               ("man-db", "manpages", "manpages-dev"), lambda: man_pages([man]), 300, 150_000,
+               man_page_family, MAN_PAGES_PER_FAMILY),
         Source("python", "source code: the Python standard library's .py files",
                (), python_stdlib, 200, 150_000),
         Source("shell", "shell scripts: /usr/bin, /usr/sbin, /usr/lib, /etc files with a shell shebang",
@@ -117,7 +123,8 @@ def default_sources() -> list[Source]:
         Source("fortunes", "short English prose: fortune cookies (%-separated)",
                ("fortunes", "fortunes-min"), lambda: fortunes(Path("/usr/share/games/fortunes")), 20, 4_000),
         Source("chinese", "Chinese: man pages of manpages-zh (zh_CN, zh_TW)",
-               ("manpages-zh",), lambda: man_pages([man / "zh_CN", man / "zh_TW"]), 200, 150_000),
+               ("manpages-zh",), lambda: man_pages([man / "zh_CN", man / "zh_TW"]), 200, 150_000,
+               man_page_family, MAN_PAGES_PER_FAMILY),
     ]
 
 

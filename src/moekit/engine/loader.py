@@ -34,6 +34,13 @@ class Engine:
     dtype: str
     device: str
     folder: Path
+    store: Optional[object] = None  # moekit.offload.store.ExpertStore when experts are paged
+    notes: tuple[str, ...] = ()  # what loading decided that the user should hear
+
+    def close(self) -> None:
+        """Stop the expert store's reader threads (a no-op for a resident model)."""
+        if self.store is not None:
+            self.store.close()
 
     @property
     def bytes_per_param(self) -> int:
@@ -140,7 +147,11 @@ def torch_dtype(dtype: str):
     return getattr(torch, dtype)
 
 
-def load_engine(path: Union[str, Path], dtype: str = "float32", device: str = "cpu") -> Engine:
+def load_engine(
+    path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None
+) -> Engine:
+    """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
+    (None: every weight resident). progress(done, total) reports a first-run checksum manifest."""
     from moekit.model.decoder import Decoder
     from moekit.spec import load_spec
     from moekit.weights.checkpoint import open_checkpoint
@@ -150,9 +161,24 @@ def load_engine(path: Union[str, Path], dtype: str = "float32", device: str = "c
     dev = resolve_device(device)
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
-    decoder = Decoder(spec, dtype=tdtype, device=dev)
+    plan, notes = None, []
+    if offload is not None:
+        from moekit.offload.attach import plan_offload
+
+        plan = plan_offload(spec, tdtype, offload)
+        if plan.fully_resident:
+            notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
+            plan = None
+    decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
     decoder.load_checkpoint(ckpt)
     decoder.eval()
+    ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
+    store = None
+    if plan is not None:
+        from moekit.offload.attach import attach_store
+
+        store = attach_store(decoder, folder, plan, offload, progress=progress)
+        notes.extend(store.notes)
     return Engine(
         spec=spec,
         decoder=decoder,
@@ -161,4 +187,6 @@ def load_engine(path: Union[str, Path], dtype: str = "float32", device: str = "c
         dtype=dtype,
         device=str(dev),
         folder=folder,
+        store=store,
+        notes=tuple(notes),
     )

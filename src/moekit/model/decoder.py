@@ -61,12 +61,20 @@ class Block(nn.Module):
         else:
             self.ffn = MoE(layer.ffn, extras)
         self.residual = spec.multipliers.residual
+        # Called with the residual stream before attention and before the feed-forward, when set:
+        # the expert store's prefetcher guesses a coming layer's experts from it.
+        self.before_attn = None
+        self.before_ffn = None
 
     def forward(self, x, positions, layer_cache, start, key_mask):
         """x [B, T, D] → (x [B, T, D], RoutingDecision or None)."""
         # x is the decoder's own running sum (never a caller's tensor): residual adds go in place.
+        if self.before_attn is not None:
+            self.before_attn(x)
         h = self.attn(self.input_norm(x), positions, layer_cache, start, key_mask)
         x.add_(h * self.residual if self.residual != 1.0 else h)
+        if self.before_ffn is not None:
+            self.before_ffn(x)
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
@@ -89,23 +97,32 @@ def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
             keep = torch.float32
         for name, p in list(sub._parameters.items()):
             if p is not None and p.is_meta:
-                real = torch.empty_like(p, device=device, dtype=keep if p.is_floating_point() else p.dtype)
+                # torch.empty, not empty_like: empty_like of a meta Parameter first imports ~35 MB of
+                # torch internals (measured), which a memory-bounded run should not pay.
+                real = torch.empty(p.shape, device=device, dtype=keep if p.is_floating_point() else p.dtype)
                 sub._parameters[name] = nn.Parameter(real, requires_grad=False)
 
 
 class Decoder(nn.Module):
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device="cpu"):
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype = torch.float32, device="cpu", offload_experts: bool = False):
+        """offload_experts: build routed experts without weights (an expert store will serve them)."""
         super().__init__()
         self.spec = spec
         self.dtype = dtype
         self.device = torch.device(device)
         rope = Rope(spec.rope, _rope_width(spec), spec.max_position_embeddings).to(self.device)
         with torch.device("meta"):
-            self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+            # A given _weight skips nn.Embedding's random init, whose meta-device path imports
+            # torch's Python decompositions: ~70 MB of RSS and a slower start, for nothing.
+            self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size, _weight=torch.empty(spec.vocab_size, spec.hidden_size))
             self.layers = nn.ModuleList(Block(layer, rope, spec) for layer in spec.layers)
             self.norm = make_norm(spec.final_norm, spec.hidden_size)
             tied = spec.tie_word_embeddings
             self.lm_head = None if tied else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if offload_experts:
+            for sub in self.modules():
+                if isinstance(sub, RoutedExperts):
+                    sub.offload()
         _materialise(self, self.device, dtype)
         self.rope = rope
         self.requires_grad_(False)

@@ -32,12 +32,25 @@ class RoutedExperts(nn.Module):
         self.act = act
         self.kernels = (PLAIN, PLAIN)  # gate_up's and down's, set by prepare()
         self._weights: tuple[tuple, tuple] | None = None  # per-expert (gate_up, down), set by prepare()
+        self.store = None  # a moekit.offload.store.LayerStore once the weights live there instead
+
+    def offload(self) -> None:
+        """Drop the (still meta) weight stacks: the routed weights will come from an expert store.
+        Biases stay, they are a few numbers per expert."""
+        del self.gate_up, self.down
+        self.gate_up = self.down = None
+
+    @property
+    def offloaded(self) -> bool:
+        return self.gate_up is None
 
     def prepare(self) -> None:
         """Lay every expert's weights out for their kernel (moekit.model.linear.kernel_for), one
         expert at a time, dropping the stacks."""
         if self._weights is not None:
             raise RuntimeError("RoutedExperts.prepare called twice: the Hub layout is gone")
+        if self.offloaded:
+            return  # the store prepares each expert as it loads it (kernels_for_expert)
         kernels = []
         for name in ("gate_up", "down"):
             stack = getattr(self, name).detach()
@@ -55,15 +68,21 @@ class RoutedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, D] → [N, D]."""
+        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
+        return self.apply_expert(e, gate_up[e], down[e], x)
+
+    def apply_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D]."""
         up_bias = self.gate_up_bias[e] if self.gate_up_bias is not None else None
         down_bias = self.down_bias[e] if self.down_bias is not None else None
-        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
         up_kernel, down_kernel = self.kernels
-        h = up_kernel.apply(x, gate_up[e], up_bias)
-        return down_kernel.apply(self.act(h), down[e], down_bias)
+        h = up_kernel.apply(x, gate_up, up_bias)
+        return down_kernel.apply(self.act(h), down, down_bias)
 
     def forward(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """x [T, D] → Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]), [T, D]."""
+        if self.store is not None:
+            return self.store.forward(self, x, decision)
         if x.shape[0] == 1:
             return self._one_token(x, decision)
         return self._grouped(x, decision)

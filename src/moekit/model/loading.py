@@ -24,6 +24,7 @@ from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm
 
 Shape = tuple[int, ...]
+UNMAP_EVERY = 4 * 1024 * 1024  # bytes read through the checkpoint's mmaps before they are dropped
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class _Planner:
     def __init__(self, decoder):
         self.params = dict(decoder.named_parameters())
         self.pieces: list[Piece] = []
+        self.external: set[str] = set()  # Hub tensors an expert store reads instead of us
 
     def shape(self, target: str) -> Shape:
         return tuple(self.params[target].shape)
@@ -130,7 +132,10 @@ class _Planner:
             self.copy(f"{ours}.router.bias", f"{block}.{names.router}.bias")
         if moe.router.selection_bias is not None:
             self.copy(f"{ours}.router.selection_bias", f"{block}.{names.selection_bias}")
-        self.experts(f"{ours}.experts", block, moe, names)
+        if moe.experts.offloaded:
+            self.offloaded_experts(f"{ours}.experts", block, moe, names)
+        else:
+            self.experts(f"{ours}.experts", block, moe, names)
         if moe.shared is not None:
             self.mlp(f"{ours}.shared", f"{block}.{names.shared}", moe.shared)
         if moe.shared_gate is not None:
@@ -164,8 +169,32 @@ class _Planner:
                 self.add(f"{ours}.down_bias", down_b, _per_expert(1))
 
 
+    def offloaded_experts(self, ours: str, block: str, moe: MoE, names: HubNames) -> None:
+        """Only the biases are ours; the weight tensors are the store's and are not read here."""
+        ex = moe.experts
+        if names.experts == "per_expert":
+            kinds = [names.expert_gate, names.expert_up, names.expert_down]
+            self.external.update(f"{block}.experts.{j}.{k}.weight" for j in range(ex.num_experts) for k in kinds)
+            if ex.gate_up_bias is not None:
+                raise CheckpointError(f"{ours}: per-expert biases with an expert store are not supported")
+            return
+        gate_up, down = f"{block}.{names.stacked_gate_up}", f"{block}.{names.stacked_down}"
+        self.external.update((gate_up, down))
+        if ex.gate_up_bias is not None:
+            if names.experts == "stacked_interleaved":
+                rows = ex.gate_up_bias.shape[1]
+                self.add(f"{ours}.gate_up_bias", [(f"{gate_up}_bias", (ex.num_experts, rows))], _deinterleave_bias)
+                self.copy(f"{ours}.down_bias", f"{down}_bias")
+            else:
+                raise CheckpointError(f"{ours}: stacked expert biases of this layout are not supported with an expert store")
+
+
 def plan(decoder) -> list[Piece]:
     """Every parameter of `decoder` and the Hub tensors that make it."""
+    return _planned(decoder).pieces
+
+
+def _planned(decoder) -> _Planner:
     names = hub_names(decoder.spec.model_type)
     p = _Planner(decoder)
     p.copy("embed.weight", "model.embed_tokens.weight")
@@ -183,7 +212,7 @@ def plan(decoder) -> list[Piece]:
             p.mlp(f"{ours}.ffn", f"{hub}.mlp", block.ffn)
     left = set(p.params) - {piece.target for piece in p.pieces}
     assert not left, f"parameters with no Hub source: {sorted(left)}"
-    return p.pieces
+    return p
 
 
 def _ignored(name: str, decoder) -> bool:
@@ -197,7 +226,8 @@ def _ignored(name: str, decoder) -> bool:
 
 
 def load_into(decoder, ckpt) -> None:
-    pieces = plan(decoder)
+    planner = _planned(decoder)
+    pieces, external = planner.pieces, planner.external
     present = set(ckpt.files)
     for piece in pieces:
         for name, shape in piece.sources:
@@ -206,7 +236,7 @@ def load_into(decoder, ckpt) -> None:
             got = ckpt.shape(name)
             if got != shape:
                 raise CheckpointError(f"{ckpt.folder}: tensor {name} has shape {list(got)}, expected {list(shape)}")
-    used = {name for piece in pieces for name, _ in piece.sources}
+    used = {name for piece in pieces for name, _ in piece.sources} | external
     unused = sorted(n for n in present - used if not _ignored(n, decoder))
     if unused:
         more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
@@ -214,6 +244,15 @@ def load_into(decoder, ckpt) -> None:
             f"{ckpt.folder}: unexpected tensor {unused[0]}{more}; is this the model the config describes?"
         )
     params = dict(decoder.named_parameters())
+    mapped = 0
     with torch.no_grad():
         for piece in pieces:
-            piece.fill(params[piece.target], [ckpt.get(name) for name, _ in piece.sources])
+            sources = [ckpt.get(name) for name, _ in piece.sources]
+            piece.fill(params[piece.target], sources)
+            mapped += sum(t.numel() * t.element_size() for t in sources)
+            del sources
+            if mapped > UNMAP_EVERY:
+                # Pages read through the memory map count as this process's RSS until unmapped:
+                # without this a model's weights would be counted twice while it loads.
+                ckpt.close()
+                mapped = 0

@@ -124,6 +124,10 @@ class Checkpoint:
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensor_names)
 
+    def close(self) -> None:
+        """Drop the open file handles (and their memory maps); get() reopens on demand."""
+        self._handles.clear()
+
 
 def open_checkpoint(folder: str | Path) -> Checkpoint:
     """Open a checkpoint folder: validate config, shards and safetensors headers; read no data."""

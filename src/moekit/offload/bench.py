@@ -1,0 +1,120 @@
+"""`moekit bench offload`: decode speed under expert budgets, against named baselines, in one run.
+
+Every configuration runs in its own child process (moekit.offload.bench_worker, or
+moekit.offload.accelerate_baseline for transformers + accelerate), one after another, so each
+peak RSS is that configuration's own and no run's page cache or threads help another's timing
+more than the OS does. Baselines: the fully resident engine, moekit with no cache (every use
+read from disk) at the smallest budget, and accelerate's disk offload at the same memory (dense
+weights + the expert budget). No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from moekit.errors import MoekitError
+
+RSS_SLACK = 0.10  # the issue's bound: peak RSS growth ≤ (dense + budget) × 1.10
+
+
+@dataclass(frozen=True)
+class OffloadBench:
+    folder: str
+    budgets: tuple[str, ...]
+    policy: str
+    prefetch: bool
+    prompt_ids: tuple[int, ...]
+    new_tokens: int
+    threads: int
+    dtype: str
+    vs_accelerate: bool
+    timeout_s: float = 1800.0
+
+
+def run_child(argv: list[str], what: str, timeout_s: float) -> dict:
+    """A child's one JSON line, or a MoekitError carrying its last stderr line."""
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise MoekitError(f"{what} did not finish within {timeout_s:.0f} s") from None
+    lines = [x for x in done.stdout.splitlines() if x.strip()]
+    if done.returncode != 0 or not lines:
+        err = [x for x in done.stderr.splitlines() if x.strip()]
+        raise MoekitError(f"{what} failed: {err[-1] if err else f'exit status {done.returncode}'}")
+    return json.loads(lines[-1])
+
+
+def _moekit(b: OffloadBench, budget: Optional[str], policy: str, prefetch: bool) -> list[str]:
+    argv = [sys.executable, "-m", "moekit.offload.bench_worker", "--folder", b.folder,
+            "--policy", policy, "--prompt-ids", ",".join(map(str, b.prompt_ids)),
+            "--new-tokens", str(b.new_tokens), "--threads", str(b.threads), "--dtype", b.dtype]
+    if budget is not None:
+        argv += ["--expert-memory", budget]
+    if not prefetch:
+        argv.append("--no-prefetch")
+    return argv
+
+
+def run_bench(b: OffloadBench, minimum_budget: str, on_start: Callable[[str], None] = lambda _: None) -> dict:
+    """Every configuration's result, keyed: resident, no-cache, moekit@<budget>, accelerate@<budget>."""
+    results: dict[str, dict] = {}
+    on_start("moekit fully resident")
+    results["resident"] = run_child(_moekit(b, None, "lru", False), "the resident run", b.timeout_s)
+    on_start(f"moekit, no cache, at {minimum_budget}")
+    results["no-cache"] = run_child(_moekit(b, minimum_budget, "none", False), "the no-cache run", b.timeout_s)
+    for budget in b.budgets:
+        on_start(f"moekit {b.policy} at {budget}")
+        ours = run_child(_moekit(b, budget, b.policy, b.prefetch), f"moekit at {budget}", b.timeout_s)
+        results[f"moekit@{budget}"] = ours
+        if b.vs_accelerate:
+            from moekit.offload.accelerate_baseline import child_command
+
+            # The same memory: our resident weights plus the expert budget (at 100% that is the whole model).
+            memory = ours["dense_bytes"] + ours["budget_bytes"]
+            on_start(f"accelerate disk offload at {budget} ({memory / 1e6:.0f} MB)")
+            argv = child_command(b.folder, memory, list(b.prompt_ids), b.new_tokens, b.threads, b.dtype)
+            results[f"accelerate@{budget}"] = run_child(argv, f"accelerate at {budget}", b.timeout_s)
+    return results
+
+
+def rss_within_bound(result: dict) -> tuple[float, float, bool]:
+    """(growth, bound, ok): peak RSS growth over the pre-load RSS vs (dense + budget) × 1.1."""
+    growth = result["peak_rss_bytes"] - result["rss_before_load_bytes"]
+    budget = result["budget_bytes"] or 0
+    bound = (result["dense_bytes"] + budget) * (1 + RSS_SLACK)
+    return growth, bound, growth <= bound
+
+
+def summary_rows(b: OffloadBench, results: dict) -> list[dict]:
+    resident, no_cache = results["resident"], results["no-cache"]
+    rows = []
+    for budget in b.budgets:
+        ours = results[f"moekit@{budget}"]
+        acc = results.get(f"accelerate@{budget}")
+        report = ours["offload"] or {}
+        decode = report.get("decode", {})
+        growth, bound, ok = rss_within_bound(ours)
+        rows.append({
+            "budget": budget,
+            "tokens_per_s": ours["tokens_per_s"],
+            "vs_resident": ours["tokens_per_s"] / resident["tokens_per_s"],
+            "vs_no_cache": ours["tokens_per_s"] / no_cache["tokens_per_s"],
+            "accelerate_tokens_per_s": acc["tokens_per_s"] if acc else None,
+            "vs_accelerate": ours["tokens_per_s"] / acc["tokens_per_s"] if acc else None,
+            "hit_rate": decode.get("hit_rate"),
+            "prefetch_recall": report.get("prefetch_recall"),
+            "prefetch_precision": report.get("prefetch_precision"),
+            "disk_bytes_per_token": decode.get("disk_bytes_per_token"),
+            "stall_share": decode.get("stall_share"),
+            "rss_growth_bytes": growth,
+            "rss_bound_bytes": bound,
+            "rss_ok": ok,
+            "accelerate_peak_rss_bytes": acc["peak_rss_bytes"] if acc else None,
+            "same_tokens": ours["token_ids"] == resident["token_ids"],
+            "accelerate_same_tokens": None if acc is None else acc.get("token_ids") == resident["token_ids"],
+        })
+    return rows

@@ -1,0 +1,100 @@
+"""`--expert-memory`: a byte budget for routed experts, and how many experts per layer it buys.
+
+The budget covers routed experts only; dense weights (attention, embeddings, routers, shared
+experts) are resident regardless. It is split evenly across MoE layers, because every token visits
+every layer: a layer starved of slots would miss on every token whatever the others hold.
+
+No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from moekit.calc.units import nbytes
+from moekit.errors import MoekitError
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+EXAMPLES = "e.g. 25%, 12.5%, 2GiB, 512MiB, 1.5GB, 123456"
+
+_BUDGET = re.compile(r"^(?P<value>[+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*(?P<unit>%|[kmgt]i?b|b)?$")
+
+
+def parse_budget(text: str, total_expert_bytes: int) -> int:
+    """Bytes for routed experts: a share of `total_expert_bytes` ("25%") or a size ("2GiB", "1e9").
+    More than the total is clamped to the total (the caller reports a fully resident run)."""
+    if total_expert_bytes <= 0:
+        raise MoekitError("--expert-memory needs a model with routed experts; this one has none")
+    match = _BUDGET.match(str(text).strip().lower())
+    if match is None:
+        raise MoekitError(f"--expert-memory {text!r}: expected a share or a size ({EXAMPLES})")
+    value = float(match["value"])
+    if value <= 0:
+        raise MoekitError(f"--expert-memory {text!r}: must be above zero ({EXAMPLES})")
+    unit = match["unit"]
+    if unit == "%":
+        budget = total_expert_bytes * value / 100
+    else:
+        budget = value * UNITS[unit or "b"]
+    return min(int(budget), total_expert_bytes)
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    slots: int  # experts resident per MoE layer
+    expert_bytes: int  # one routed expert in memory
+    n_layers: int  # MoE layers sharing the budget
+    budget_bytes: int  # the budget as given
+    fully_resident: bool  # every expert fits: slots == num_experts
+    clamped: bool  # the budget exceeds what every expert needs; slots were capped at num_experts
+
+    @property
+    def used_bytes(self) -> int:
+        return self.slots * self.expert_bytes * self.n_layers
+
+
+def plan_slots(
+    budget_bytes: int,
+    expert_bytes: int,
+    n_moe_layers: int,
+    num_experts: int,
+    top_k: int,
+    text: str | None = None,
+) -> SlotPlan:
+    """Slots per layer = floor(budget / (expert bytes × layers)), capped at num_experts. Below
+    top_k slots one token's own experts would evict each other, so that is the minimum.
+    `text` is the user's --expert-memory, quoted in the error."""
+    if expert_bytes <= 0 or n_moe_layers <= 0 or num_experts <= 0:
+        raise MoekitError("--expert-memory needs a model with routed experts; this one has none")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k {top_k} must be in 1..{num_experts}")
+    per_slot = expert_bytes * n_moe_layers  # one more slot in every layer
+    fits = budget_bytes // per_slot
+    if fits < top_k:
+        minimum = top_k * per_slot
+        share = minimum / (num_experts * per_slot)
+        given = text if text is not None else nbytes(budget_bytes)
+        raise MoekitError(
+            f"--expert-memory {given} is below the minimum: {top_k} experts per layer × {n_moe_layers} "
+            f"layers = {nbytes(minimum)} ({share:.1%} of expert bytes)"
+        )
+    slots = min(fits, num_experts)
+    return SlotPlan(
+        slots=slots,
+        expert_bytes=expert_bytes,
+        n_layers=n_moe_layers,
+        budget_bytes=budget_bytes,
+        fully_resident=slots == num_experts,
+        clamped=budget_bytes > num_experts * per_slot,
+    )

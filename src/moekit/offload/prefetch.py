@@ -1,0 +1,62 @@
+"""Prefetch: guess a layer's experts from the residual stream before that layer gets there.
+
+Two guesses per MoE layer l, both with layer l's OWN post-attention norm and router:
+  early  from the residual between layer l-1's attention and its experts: the load overlaps
+         layer l-1's experts and layer l's attention;
+  late   from the residual entering layer l (after layer l-1's experts): closer, so righter, and
+         still ahead of layer l's attention.
+Each guess takes every token's top K + `extra` experts: the residual drifts a little per layer,
+so the true choice is often just below the top K. On the first demo model (64 experts, K = 2),
+measured over 5 domains × 32 greedy tokens: late top-K recall 68%, late top-(K+2) 81%, +4 90%;
+early top-K 57%. Each LayerStore scores the union of its guesses against what it then needed.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moekit.model.moe import MoE
+from moekit.model.routing import route
+
+
+def predict_experts(block, x: torch.Tensor, extra: int, limit: int) -> list[int]:
+    """The distinct experts `block`'s router points to for x [B, T, D]: each token's top K + extra,
+    the most-pointed-to first when there are more than `limit`."""
+    moe: MoE = block.ffn
+    flat = block.post_norm(x.reshape(-1, x.shape[-1]))  # [T, D]
+    router = moe.router
+    bias = router.selection_bias.float() if router.selection_bias is not None else None
+    logits = router.logits(flat)  # [T, E]
+    chosen = route(logits, router.spec, bias).topk_ids  # [T, K]
+    if extra > 0:
+        scores = logits if bias is None else logits.sigmoid() + bias
+        width = min(chosen.shape[1] + extra, scores.shape[1])
+        chosen = torch.cat([chosen, scores.topk(width, dim=-1).indices], dim=1)  # [T, 2K + extra]
+    ids = chosen.reshape(-1)
+    counts = torch.bincount(ids, minlength=router.spec.num_experts)  # [E]
+    used = int((counts > 0).sum())
+    top = torch.topk(counts, k=min(limit, used)).indices
+    return sorted(int(e) for e in top)
+
+
+def install_prefetch(decoder, stores: dict, extra: int, limit: int) -> None:
+    """Hook the early and the late guess for every MoE layer after the first."""
+    moe_layers = [i for i, b in enumerate(decoder.layers) if isinstance(b.ffn, MoE)]
+    for previous, layer in zip(moe_layers, moe_layers[1:]):
+        guess = _hook(decoder.layers[layer], stores[layer], extra, limit)
+        decoder.layers[previous].before_ffn = guess  # early
+        decoder.layers[layer].before_attn = guess  # late
+
+
+def remove_prefetch(decoder) -> None:
+    for block in decoder.layers:
+        block.before_attn = block.before_ffn = None
+
+
+def _hook(block, store, extra: int, limit: int) -> Callable[[torch.Tensor], None]:
+    def guess(x: torch.Tensor) -> None:
+        store.prefetch(predict_experts(block, x, extra, limit))
+
+    return guess

@@ -1,0 +1,229 @@
+"""Read one routed expert from disk into our layout: a few os.preadv calls, a crc32 check, no copies
+where none are needed.
+
+`ExpertReader(folder, manifest_or_extents, dtype).read(layer, e)` returns (gate_up [rows, D],
+down [D, F]) exactly as moekit.model.loading would have put them in gate_up[e] / down[e]
+(same bits: the same cast from the stored dtype, the same de-interleaving for gpt_oss).
+
+Thread-safe by construction: file descriptors are opened once and only ever read with
+positioned reads (no shared file offset), each read fills its own buffer, and os.preadv,
+zlib.crc32 (on large buffers) and torch's copies all release the GIL, so the store's worker
+threads overlap disk, checksum and compute. With a Manifest every extent is checked against its
+crc32 before a tensor is built from it; a mismatch or a short read is an ExpertIntegrityError
+naming the file, layer and expert. Plain extents (no crc32) are read unchecked (`moekit pack`
+checksums what it writes).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
+from moekit.offload.extents import ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
+from moekit.offload.manifest import MANIFEST_NAME, Manifest
+
+__all__ = ["ExpertIntegrityError", "ExpertReader", "TORCH_DTYPES"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+}
+ALIGN = 64  # each span starts on a cache line of the expert's buffer
+
+_CHANGED = f"the file changed since the manifest was written — re-run `moekit pack` or delete {MANIFEST_NAME}"
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One positioned read: adjacent extents of one file, landing at `at` in the expert's buffer."""
+
+    file: str
+    offset: int
+    length: int
+    at: int
+
+
+@dataclass(frozen=True)
+class _Plan:
+    spans: tuple[_Span, ...]
+    at: tuple[int, ...]  # buffer offset of each extent, in ExpertExtents.extents order
+    size: int  # buffer bytes
+
+
+def _plan(ex: ExpertExtents) -> _Plan:
+    """Coalesce the expert's extents into as few reads as the file order allows (per-expert
+    families store an expert's down, gate and up next to each other: one read)."""
+    order = sorted(range(len(ex.extents)), key=lambda i: (ex.extents[i].file, ex.extents[i].offset))
+    spans: list[_Span] = []
+    at = [0] * len(ex.extents)
+    size = 0
+    for i in order:
+        x = ex.extents[i]
+        last = spans[-1] if spans else None
+        if last is not None and last.file == x.file and last.offset + last.length == x.offset:
+            spans[-1] = _Span(last.file, last.offset, last.length + x.length, last.at)
+        else:
+            size = -(-size // ALIGN) * ALIGN
+            spans.append(_Span(x.file, x.offset, x.length, size))
+        at[i] = spans[-1].at + (x.offset - spans[-1].offset)
+        size = max(size, at[i] + x.length)
+    return _Plan(tuple(spans), tuple(at), size)
+
+
+def _view(buf: torch.Tensor, at: int, length: int, dtype: str, shape) -> torch.Tensor:
+    """Bytes at..at+length of the buffer as a tensor of a stored dtype and shape (no copy when aligned)."""
+    raw = buf[at : at + length]
+    if at % ITEMSIZE[dtype]:
+        raw = raw.clone()  # a dtype view needs an element-aligned start
+    return raw.view(TORCH_DTYPES[dtype]).view(shape)
+
+
+class ExpertReader:
+    """Routed experts read from disk (the checkpoint's safetensors or a packed file)."""
+
+    def __init__(self, folder: Union[str, Path], source: Union[Manifest, ExtentMap], dtype: Optional[torch.dtype]):
+        """dtype: what read() returns; None keeps each extent's stored dtype (for packing)."""
+        self._fds: dict[str, int] = {}
+        self.folder = Path(folder)
+        self.dtype = dtype
+        self.manifest = source if isinstance(source, Manifest) else None
+        self.extents: ExtentMap = source.experts if isinstance(source, Manifest) else dict(source)
+        self._plans = {key: _plan(ex) for key, ex in self.extents.items()}
+        for file in referenced_files(self.extents):
+            self._fds[file] = self._open(file)
+
+    def _open(self, file: str) -> int:
+        path = self.folder / file
+        try:
+            return os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.close()
+            m = self.manifest
+            if m is not None and m.source == "packed" and file == m.packed_file:
+                missing = f"packed file {file} listed in {MANIFEST_NAME} is missing; re-run moekit pack"
+                raise MoekitError(missing) from None
+            raise CheckpointError(f"{self.folder}: {file} is missing (it holds routed experts)") from None
+        except OSError as err:
+            self.close()
+            raise CheckpointError(f"{path}: cannot open ({err.strerror})") from None
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> "ExpertReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    # --- sizes -------------------------------------------------------------------------------
+
+    def shapes(self, layer: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(gate_up [rows, D], down [D, F]) of layer's experts in our layout."""
+        return our_shapes(self._experts(layer, 0))
+
+    def expert_nbytes(self, dtype: Optional[torch.dtype] = None) -> int:
+        """Bytes of one expert (the largest, should layers differ) held at `dtype` (default: the
+        reader's dtype; with neither, as stored)."""
+        dtype = dtype or self.dtype
+        if dtype is None:
+            return max(ex.nbytes for ex in self.extents.values())
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return max(ex.numel for ex in self.extents.values()) * itemsize
+
+    def expert_disk_bytes(self, layer: int, e: int) -> int:
+        """Bytes read from disk for one expert (its stored dtype, whatever the reader casts to)."""
+        return self._experts(layer, e).nbytes
+
+    # --- reading -----------------------------------------------------------------------------
+
+    def _experts(self, layer: int, e: int) -> ExpertExtents:
+        try:
+            return self.extents[layer, e]
+        except KeyError:
+            raise MoekitError(f"{self.folder}: layer {layer} expert {e} is not a routed expert of this model") from None
+
+    def read_bytes(self, layer: int, e: int) -> torch.Tensor:
+        """The expert's extents read into one uint8 buffer and checked against their crc32s."""
+        ex = self._experts(layer, e)
+        if not self._fds:
+            raise MoekitError(f"{self.folder}: the expert reader is closed (layer {layer} expert {e} requested)")
+        plan = self._plans[layer, e]
+        buf = torch.empty(plan.size, dtype=torch.uint8)
+        arr = buf.numpy()  # shares memory: preadv writes straight into the tensor
+        for span in plan.spans:
+            self._pread(arr[span.at : span.at + span.length], span, layer, e)
+        for x, at in zip(ex.extents, plan.at):
+            if x.crc32 is not None and zlib.crc32(arr[at : at + x.length]) != x.crc32:
+                raise ExpertIntegrityError(
+                    f"{self.folder}: layer {layer} expert {e}: checksum mismatch in {x.file} "
+                    f"(bytes {x.offset}..{x.end}); {_CHANGED}"
+                )
+        return buf
+
+    def _pread(self, into, span: _Span, layer: int, e: int) -> None:
+        done = 0
+        while done < span.length:  # Linux reads at most ~2 GiB per call
+            try:
+                n = os.preadv(self._fds[span.file], [into[done:]], span.offset + done)
+            except OSError as err:
+                raise MoekitError(
+                    f"{self.folder}: layer {layer} expert {e}: cannot read {span.file} ({err.strerror})"
+                ) from None
+            if n == 0:
+                raise ExpertIntegrityError(
+                    f"{self.folder}: layer {layer} expert {e}: {span.file} is truncated "
+                    f"(bytes {span.offset}..{span.offset + span.length} wanted, file ends at "
+                    f"{span.offset + done}); {_CHANGED}"
+                )
+            done += n
+
+    def read(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's dtype."""
+        ex = self._experts(layer, e)
+        buf = self.read_bytes(layer, e)
+        at = self._plans[layer, e].at
+        n = len(ex.gate_up)
+        up_shape, down_shape = our_shapes(ex)
+        if ex.layout == "interleaved_transposed":
+            (gx,), (dx,) = ex.gate_up, ex.down
+            gu = _view(buf, at[0], gx.length, gx.dtype, gx.shape)  # [D, 2F], gate/up interleaved
+            dn = _view(buf, at[1], dx.length, dx.dtype, dx.shape)  # [F, D]
+            f = up_shape[0] // 2
+            gate_up = self._empty(up_shape, gu.dtype)
+            gate_up[:f].copy_(gu[:, 0::2].t())
+            gate_up[f:].copy_(gu[:, 1::2].t())
+            down = self._empty(down_shape, dn.dtype)
+            down.copy_(dn.t())
+            return gate_up, down
+        return self._rows(buf, at[:n], ex.gate_up, up_shape), self._rows(buf, at[n:], ex.down, down_shape)
+
+    def _empty(self, shape, stored: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=self.dtype or stored)
+
+    def _rows(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
+        """Parts stacked row-wise: one view of the buffer when they already lie so in it."""
+        dtype = extents[0].dtype
+        total = sum(x.length for x in extents)
+        if all(x.dtype == dtype for x in extents) and all(a + x.length == b for a, b, x in zip(at, at[1:], extents)):
+            t = _view(buf, at[0], total, dtype, shape)
+            return t if self.dtype in (None, t.dtype) else t.to(self.dtype)
+        out = self._empty(shape, TORCH_DTYPES[dtype])
+        begin = 0
+        for a, x in zip(at, extents):
+            out[begin : begin + x.shape[0]].copy_(_view(buf, a, x.length, x.dtype, x.shape))
+            begin += x.shape[0]
+        return out

@@ -1,0 +1,282 @@
+"""The live expert store: each MoE layer's resident experts, loaded on demand, prefetched, accounted.
+
+A LayerStore pairs a SlotCache (which experts are resident: the same bookkeeping cache-sim replays)
+with the prepared weights themselves. A layer forward walks its needed experts in ascending id
+order, as `SlotCache.call` does, so hits and misses match a simulation of the same trace; each
+expert runs right after its access, so a prefill that needs more experts than there are slots can
+evict experts it has finished with. Outputs are then combined exactly as the resident engine
+combines them (router order for one token, ascending ids with one index_add_ each for many), which
+keeps generation bit-identical.
+
+Loads run on worker threads (pread + crc32 + cast + kernel layout release the GIL); the forward
+waits only for the experts it needs now, and the wait is the stall time. A failed load (checksum,
+short read) leaves the expert out of the cache and fails the forward: wrong weights are never used.
+
+Legend: T tokens, D hidden, E experts, K per token.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from moekit.model.linear import Kernel
+from moekit.model.routing import RoutingDecision
+from moekit.offload.slot_cache import SlotCache
+
+Weights = tuple[Tensor, Tensor]  # prepared (gate_up, down) of one expert
+
+
+@dataclass
+class LayerStats:
+    accesses: int = 0
+    hits: int = 0  # resident when the forward asked (prefetched ones included)
+    prefetch_hits: int = 0  # ... of which a prefetch brought in
+    loads: int = 0  # experts read from disk (on demand or prefetched)
+    disk_bytes: int = 0
+    predicted: int = 0  # prefetch: experts predicted for this layer
+    predicted_used: int = 0  # ... that the forward then needed
+    needed_after_prediction: int = 0  # experts needed by forwards that had a prediction
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else float("nan")
+
+    def as_dict(self) -> dict:
+        precision = self.predicted_used / self.predicted if self.predicted else None
+        recall = self.predicted_used / self.needed_after_prediction if self.needed_after_prediction else None
+        return {
+            "accesses": self.accesses,
+            "hits": self.hits,
+            "hit_rate": self.hit_rate if self.accesses else None,
+            "prefetch_hits": self.prefetch_hits,
+            "loads": self.loads,
+            "disk_bytes": self.disk_bytes,
+            "prefetch_precision": precision,
+            "prefetch_recall": recall,
+        }
+
+
+@dataclass
+class StoreClock:
+    """Process-wide figures of one store: stall time, resident bytes and their peak."""
+
+    stall_s: float = 0.0
+    resident_experts: int = 0
+    peak_resident_experts: int = 0
+
+    def hold(self, n: int) -> None:
+        self.resident_experts += n
+        self.peak_resident_experts = max(self.peak_resident_experts, self.resident_experts)
+
+
+class LayerStore:
+    def __init__(
+        self,
+        layer: int,
+        cache: SlotCache,
+        load: Callable[[int, int], Weights],  # (layer, expert) → prepared weights; runs on a worker
+        disk_bytes: int,  # bytes one expert's load reads
+        pool: ThreadPoolExecutor,
+        clock: StoreClock,
+        retain: bool = True,  # False: the "no cache" baseline, every use reads the expert again
+    ):
+        self.layer = layer
+        self.retain = retain
+        self.cache = cache
+        self._load = load
+        self._disk_bytes = disk_bytes
+        self._pool = pool
+        self._clock = clock
+        self._weights: dict[int, Future] = {}  # resident expert → its (maybe still loading) weights
+        self._prefetched: set[int] = set()  # admitted by a prefetch and not yet used
+        self._prediction: Optional[set[int]] = None
+        self.stats = LayerStats()
+
+    # --- residency -----------------------------------------------------------------------------
+
+    def _start_load(self, e: int, background: bool = True) -> None:
+        """Read expert e: on a worker (a prefetch, pins) or right here (the forward needs it now:
+        handing it to a worker would only add a thread wake-up to the wait)."""
+        self.stats.loads += 1
+        self.stats.disk_bytes += self._disk_bytes
+        self._clock.hold(1)
+        if background:
+            self._weights[e] = self._pool.submit(self._load, self.layer, e)
+            return
+        future: Future = Future()
+        began = time.perf_counter()
+        try:
+            future.set_result(self._load(self.layer, e))
+        except BaseException as err:  # kept in the future: _result raises it like a worker's
+            future.set_exception(err)
+        finally:
+            self._clock.stall_s += time.perf_counter() - began
+        self._weights[e] = future
+
+    def _drop(self, e: Optional[int]) -> None:
+        if e is None:
+            return
+        if self._weights.pop(e, None) is not None:
+            self._clock.hold(-1)
+        self._prefetched.discard(e)
+
+    def load_pinned(self) -> None:
+        """Read the pinned experts now, at start, and wait for them (errors surface here)."""
+        for e in sorted(self.cache.pinned):
+            if e not in self._weights:
+                self._start_load(e)
+        for e in sorted(self.cache.pinned):
+            self._result(e)
+
+    def _result(self, e: int) -> Weights:
+        future = self._weights[e]
+        if future.done():
+            return future.result()
+        began = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._clock.stall_s += time.perf_counter() - began
+
+    def _acquire(self, e: int, access) -> Weights:
+        """Expert e's weights after the SlotCache's access (hit or miss, and any victim) for it."""
+        self.stats.accesses += 1
+        if access.hit:
+            self.stats.hits += 1
+            if e in self._prefetched:
+                self.stats.prefetch_hits += 1
+        self._prefetched.discard(e)
+        self._drop(access.evicted)
+        if e not in self._weights:
+            self._start_load(e, background=False)
+        try:
+            return self._result(e)
+        except BaseException:
+            # Never keep a failed load: the next request reads the expert again (and fails again
+            # if the bytes are still wrong) instead of finding a broken entry.
+            self._drop(e)
+            self.cache.discard(e)
+            raise
+
+    # --- prefetch ------------------------------------------------------------------------------
+
+    def prefetch(self, predicted: list[int]) -> None:
+        """Start loading the experts a prediction says the next forward of this layer will need."""
+        # Guesses for one forward accumulate (early, then late) and are scored together.
+        self._prediction = set(predicted) if self._prediction is None else self._prediction | set(predicted)
+        for e in predicted:
+            if e in self.cache.resident:
+                continue
+            evicted = self.cache.admit(e, protect=self._prediction)
+            if e not in self.cache.resident:
+                continue  # no room without evicting another predicted expert
+            self._drop(evicted)
+            self._prefetched.add(e)
+            self._start_load(e)
+
+    def _score_prediction(self, needed: list[int]) -> None:
+        if self._prediction is None:
+            return
+        self.stats.predicted += len(self._prediction)
+        self.stats.predicted_used += len(self._prediction.intersection(needed))
+        self.stats.needed_after_prediction += len(needed)
+        self._prediction = None
+
+    # --- the forward ---------------------------------------------------------------------------
+
+    def forward(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
+        """What RoutedExperts.forward computes, with weights from this store. x [T, D] → [T, D]."""
+        out = self._one_token(experts, x, decision) if x.shape[0] == 1 else self._grouped(experts, x, decision)
+        if not self.retain:
+            for e in sorted(self.cache.resident - self.cache.pinned):
+                self._drop(e)
+                self.cache.discard(e)
+        return out
+
+    def _run(self, experts, needed: list[int], inputs: Callable[[int], Tensor]) -> dict[int, Tensor]:
+        """Expert outputs for every needed expert, each run right after its access (ascending ids)."""
+        self._score_prediction(needed)
+        outputs: dict[int, Tensor] = {}
+        for e, access in self.cache.forward(needed):  # the walk cache-sim replays
+            gate_up, down = self._acquire(e, access)
+            outputs[e] = experts.apply_expert(e, gate_up, down, inputs(e))
+        return outputs
+
+    def _one_token(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
+        ids = decision.topk_ids.tolist()[0]
+        weights = decision.topk_weights.tolist()[0]
+        y = self._run(experts, sorted(set(ids)), lambda e: x)
+        # The resident path's exact operations: out = y0·w0, then out += y_k·w_k in router order.
+        out = y[ids[0]].mul_(weights[0])  # a token's K ids are distinct: each y is used once
+        for e, w in zip(ids[1:], weights[1:]):
+            out.add_(y[e].mul_(w))
+        return out
+
+    def _grouped(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
+        top_k = decision.topk_ids.shape[1]
+        flat_ids = decision.topk_ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
+        token_of = order // top_k
+        weight_of = decision.topk_weights.reshape(-1)[order]
+        chosen = x[token_of]  # [T*K, D]
+        rows: dict[int, slice] = {}
+        begin = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows[e] = slice(begin, begin + n)
+                begin += n
+        y = self._run(experts, sorted(rows), lambda e: chosen[rows[e]])
+        out = torch.zeros_like(x)
+        for e in sorted(rows):  # ascending, one index_add_ each: the resident path's rounding
+            out.index_add_(0, token_of[rows[e]], (y[e] * weight_of[rows[e], None]).to(x.dtype))
+        return out
+
+
+@dataclass
+class ExpertStore:
+    """Every MoE layer's LayerStore, the worker pool and the figures `--json` reports."""
+
+    layers: dict[int, LayerStore]
+    pool: ThreadPoolExecutor
+    clock: StoreClock
+    expert_bytes: int  # one expert in memory, at the engine dtype
+    slots: int
+    policy: str
+    prefetch: bool
+    pinned: dict[int, list[int]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)  # what the user should know (clamps, caps)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+    def stats(self) -> dict:
+        per_layer = {str(l): s.stats.as_dict() for l, s in self.layers.items()}
+        total = LayerStats()
+        for s in self.layers.values():
+            for name in vars(total):
+                setattr(total, name, getattr(total, name) + getattr(s.stats, name))
+        overall = total.as_dict()
+        return {
+            "policy": self.policy,
+            "slots_per_layer": self.slots,
+            "prefetch": self.prefetch,
+            "expert_bytes": self.expert_bytes,
+            "budget_bytes": self.slots * self.expert_bytes * len(self.layers),
+            "pinned": sum(len(v) for v in self.pinned.values()),
+            "hit_rate": overall["hit_rate"],
+            "accesses": overall["accesses"],
+            "loads": overall["loads"],
+            "disk_bytes": overall["disk_bytes"],
+            "prefetch_precision": overall["prefetch_precision"],
+            "prefetch_recall": overall["prefetch_recall"],
+            "stall_s": self.clock.stall_s,
+            "peak_resident_expert_bytes": self.clock.peak_resident_experts * self.expert_bytes,
+            "layers": per_layer,
+        }

@@ -1,0 +1,6 @@
+"""tests/offload builds its checkpoints with tests/engine's hf_tiny (transformers' own save_pretrained)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))

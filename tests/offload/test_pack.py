@@ -1,0 +1,190 @@
+"""`moekit pack`: a valid safetensors file with each expert contiguous in our layout, a manifest that
+points at it, and reads from it identical to reads from the checkpoint."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hf_tiny import write_checkpoint
+from offload_files import MOEKIT, flip_byte, readonly_copy, run_unprivileged, write_tiny
+from moekit.errors import ExpertIntegrityError, MoekitError
+from moekit.offload.extents import PACKED_NAME, expert_extents
+from moekit.offload.manifest import MANIFEST_NAME, load_or_build_manifest
+from moekit.offload.pack import pack_experts
+from moekit.offload.reader import ExpertReader
+from moekit.spec import load_spec
+from moekit.weights.checkpoint import open_checkpoint
+
+# One family per Hub layout: per-expert tensors, stacked rows, gpt_oss's interleaved transposes.
+FAMILIES = ["mixtral", "granitemoe", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    return {f: write_checkpoint(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+@pytest.fixture
+def copy_of(pristine, tmp_path):
+    return lambda family: shutil.copytree(pristine[family], tmp_path / family)
+
+
+def _all_reads(reader):
+    return {key: reader.read(*key) for key in sorted(reader.extents)}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k][0], b[k][0]) and torch.equal(a[k][1], b[k][1]) for k in a)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reads_from_the_packed_file_equal_reads_from_the_checkpoint(copy_of, family):
+    folder = copy_of(family)
+    spec = load_spec(str(folder))
+    result = pack_experts(folder)
+    assert result.path == folder / PACKED_NAME and result.experts == len(expert_extents(folder, spec))
+    manifest = load_or_build_manifest(folder, spec)
+    assert manifest.source == "packed" and manifest.packed_file == PACKED_NAME and not manifest.built
+    assert {x.file for ex in manifest.experts.values() for x in ex.extents} == {PACKED_NAME}
+    for dtype in (torch.float32, torch.bfloat16):
+        with ExpertReader(folder, manifest, dtype) as packed:
+            with ExpertReader(folder, expert_extents(folder, spec), dtype) as direct:
+                assert _same(_all_reads(packed), _all_reads(direct))
+
+
+def test_packed_file_is_safetensors_with_each_expert_contiguous(copy_of):
+    folder = copy_of("gpt_oss")
+    spec = load_spec(str(folder))
+    pack_experts(folder)
+    manifest = load_or_build_manifest(folder, spec)
+    with ExpertReader(folder, expert_extents(folder, spec), None) as direct:
+        want = _all_reads(direct)
+    with safe_open(str(folder / PACKED_NAME), framework="pt") as fh:
+        names = set(fh.keys())
+        assert names == {f"layers.{l}.experts.{e}.{p}" for l, e in want for p in ("gate_up", "down")}
+        for (layer, e), (gate_up, down) in want.items():
+            assert torch.equal(fh.get_tensor(f"layers.{layer}.experts.{e}.gate_up"), gate_up)
+            assert torch.equal(fh.get_tensor(f"layers.{layer}.experts.{e}.down"), down)
+    ends = []
+    for key in sorted(manifest.experts):
+        (gu,), (dn,) = manifest.experts[key].gate_up, manifest.experts[key].down
+        assert dn.offset == gu.end  # gate_up then down, back to back
+        ends.append((gu.offset, dn.end))
+    assert all(a[1] == b[0] for a, b in zip(ends, ends[1:]))  # expert after expert, no gaps
+    assert ends[-1][1] == (folder / PACKED_NAME).stat().st_size
+
+
+def test_bf16_checkpoint_packs_in_bf16(tmp_path):
+    folder = write_tiny("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
+    spec = load_spec(str(folder))
+    result = pack_experts(folder)
+    manifest = load_or_build_manifest(folder, spec)
+    assert {x.dtype for ex in manifest.experts.values() for x in ex.extents} == {"BF16"}
+    stored = sum(ex.nbytes for ex in expert_extents(folder, spec).values())
+    assert stored < result.nbytes < stored + 8192  # the experts' bytes plus a header
+    with ExpertReader(folder, manifest, torch.float32) as packed:
+        with ExpertReader(folder, expert_extents(folder, spec), torch.float32) as direct:
+            assert _same(_all_reads(packed), _all_reads(direct))
+
+
+def test_the_checkpoint_still_loads_resident_after_packing(copy_of):
+    folder = copy_of("mixtral")
+    before = open_checkpoint(folder).tensor_names
+    pack_experts(folder)
+    assert open_checkpoint(folder).tensor_names == before  # the packed file is not a shard
+
+
+def test_a_missing_packed_file_is_a_clear_error(copy_of):
+    folder = copy_of("granitemoe")
+    pack_experts(folder)
+    (folder / PACKED_NAME).unlink()
+    missing = f"packed file {PACKED_NAME} listed in {MANIFEST_NAME} is missing; re-run moekit pack"
+    with pytest.raises(MoekitError, match=missing):
+        load_or_build_manifest(folder, load_spec(str(folder)))
+
+
+def test_a_flipped_byte_in_the_packed_file_names_the_expert(copy_of):
+    folder = copy_of("granitemoe")
+    pack_experts(folder)
+    manifest = load_or_build_manifest(folder, load_spec(str(folder)))
+    x = manifest.experts[1, 2].gate_up[0]
+    flip_byte(folder / x.file, x.offset + 7)
+    with ExpertReader(folder, manifest, torch.float32) as reader:
+        with pytest.raises(ExpertIntegrityError, match=f"layer 1 expert 2: checksum mismatch in {PACKED_NAME}"):
+            reader.read(1, 2)
+
+
+def test_pack_refuses_a_corrupted_checkpoint_its_manifest_knows(copy_of):
+    folder = copy_of("mixtral")
+    manifest = load_or_build_manifest(folder, load_spec(str(folder)))
+    x = manifest.experts[0, 1].down[0]
+    flip_byte(folder / x.file, x.offset)
+    with pytest.raises(ExpertIntegrityError, match="layer 0 expert 1: checksum mismatch"):
+        pack_experts(folder)
+    assert not (folder / PACKED_NAME).exists() and not list(folder.glob(".*tmp*"))
+
+
+def test_pack_out_elsewhere_is_found_by_absolute_path(copy_of, tmp_path):
+    folder = copy_of("mixtral")
+    elsewhere = tmp_path / "fast-disk"
+    elsewhere.mkdir()
+    result = pack_experts(folder, elsewhere / "experts.bin")
+    manifest = load_or_build_manifest(folder, load_spec(str(folder)))
+    assert manifest.packed_file == str((elsewhere / "experts.bin").resolve()) and result.path.exists()
+    with ExpertReader(folder, manifest, torch.float32) as reader:
+        reader.read(1, 5)
+
+
+def test_pack_refuses_to_overwrite_the_checkpoint(copy_of):
+    folder = copy_of("mixtral")
+    with pytest.raises(MoekitError, match="would overwrite the checkpoint's own files"):
+        pack_experts(folder, folder / "model.safetensors")
+
+
+def test_pack_refuses_a_dense_model(tmp_path):
+    folder = write_checkpoint("llama", tmp_path / "llama")
+    with pytest.raises(MoekitError, match="llama has no MoE layers"):
+        pack_experts(folder)
+
+
+def _moekit(capsys, *args):
+    from moekit import cli
+
+    capsys.readouterr()
+    argv, sys.argv = sys.argv, ["moekit", *map(str, args)]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return exit_.value.code or 0, out, err
+
+
+def test_cli_pack_exits_0_with_a_summary(copy_of, capsys):
+    folder = copy_of("granitemoe")
+    code, out, _ = _moekit(capsys, "pack", folder)
+    assert code == 0
+    assert "packed 12 experts of 2 MoE layers" in out and str(folder / PACKED_NAME) in out
+    assert load_or_build_manifest(folder, load_spec(str(folder))).source == "packed"
+
+
+def test_cli_pack_on_a_missing_folder_is_one_line_exit_2(tmp_path, capsys):
+    code, out, err = _moekit(capsys, "pack", tmp_path / "nope")
+    assert code == 2 and out == ""
+    assert err.strip().count("\n") == 0 and "no such checkpoint folder" in err
+
+
+def test_cli_pack_on_a_read_only_copy_is_one_line_exit_2(pristine):
+    with readonly_copy(pristine["mixtral"]) as folder:
+        done = run_unprivileged([str(MOEKIT), "pack", str(folder)])
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().count("\n") == 0
+        assert "cannot write here (read-only or permission denied)" in done.stderr
+        assert "Traceback" not in done.stderr
+        assert not (folder / PACKED_NAME).exists() and not (folder / MANIFEST_NAME).exists()

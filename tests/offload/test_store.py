@@ -1,0 +1,154 @@
+"""The live expert store: any budget, policy, pin set and prefetch setting generates exactly what the
+fully resident engine generates, on checkpoints written by transformers' save_pretrained."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from hf_tiny import write_checkpoint
+from moekit.engine.loader import load_engine
+from moekit.errors import ExpertIntegrityError, MoekitError
+from moekit.offload.options import OffloadOptions
+
+PROMPTS = [[5, 17, 42, 9, 77, 3, 101], [8, 64, 12]]  # two lengths: a left-padded batch
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen"), seed=1)
+
+
+def _ids(folder, offload=None, dtype="float32", prompts=PROMPTS, new=NEW):
+    engine = load_engine(folder, dtype=dtype, offload=offload)
+    try:
+        single = [engine.generate(p, max_new_tokens=new, stop_ids=()).token_ids[0] for p in prompts]
+        batch = engine.generate(prompts, max_new_tokens=new, stop_ids=()).token_ids
+        stats = engine.store.stats() if engine.store is not None else None
+    finally:
+        engine.close()
+    return single, batch, stats
+
+
+@pytest.mark.parametrize("budget", ["25%", "50%", "75%"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging", "none"])
+def test_every_budget_and_policy_generates_what_the_resident_engine_does(qwen, budget, policy):
+    want = _ids(qwen)[:2]
+    single, batch, stats = _ids(qwen, OffloadOptions(budget, policy=policy))
+    assert (single, batch) == want
+    assert stats["loads"] > 0 and stats["accesses"] > 0
+    if policy == "none":
+        assert stats["hit_rate"] == 0.0  # every use read again
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_bfloat16_with_and_without_prefetch_is_exact(qwen, prefetch):
+    want = _ids(qwen, dtype="bfloat16")[:2]
+    got = _ids(qwen, OffloadOptions("25%", prefetch=prefetch), dtype="bfloat16")
+    assert got[:2] == want
+    if prefetch:
+        assert got[2]["prefetch_recall"] is not None and 0 <= got[2]["prefetch_recall"] <= 1
+    else:
+        assert got[2]["prefetch_recall"] is None
+
+
+@pytest.mark.parametrize("family", ["mixtral", "granitemoe", "gpt_oss", "deepseek_v3", "qwen2_moe"])
+def test_other_layouts_are_exact_at_the_minimum_budget(family, tmp_path):
+    folder = write_checkpoint(family, tmp_path / family, seed=2)
+    spec_k = json.loads((folder / "config.json").read_text()).get("num_experts_per_tok", 2)
+    experts = json.loads((folder / "config.json").read_text())
+    n = experts.get("num_local_experts") or experts.get("num_experts") or experts.get("n_routed_experts")
+    budget = f"{100 * spec_k / n + 0.01:.2f}%"  # K experts per layer: the smallest budget allowed
+    assert _ids(folder, OffloadOptions(budget))[:2] == _ids(folder)[:2]
+
+
+def test_pins_from_a_profile_stay_resident_and_change_nothing(qwen, tmp_path):
+    # The tiny checkpoint has no tokenizer: count from token-id prompts, as `moekit profile` does from text.
+    from moekit.offload.pins import model_identity, profile_document
+    from moekit.offload.profile import count_experts
+
+    engine = load_engine(qwen)
+    counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
+    doc = profile_document(model_identity(qwen, engine.spec), counts, top=2, workload={})
+    engine.close()
+    pin = tmp_path / "profile.json"
+    pin.write_text(json.dumps(doc))
+    engine = load_engine(qwen, offload=OffloadOptions("50%", pin=pin))
+    try:
+        for layer, store in engine.store.layers.items():
+            assert store.cache.pinned == set(doc["pins"][str(layer)])
+        got = engine.generate(PROMPTS, max_new_tokens=NEW, stop_ids=()).token_ids
+        for layer, store in engine.store.layers.items():
+            assert set(doc["pins"][str(layer)]) <= store.cache.resident  # never evicted
+    finally:
+        engine.close()
+    assert got == _ids(qwen)[1]
+
+
+def test_a_pin_file_for_another_model_is_refused(qwen, tmp_path):
+    other = write_checkpoint("qwen3_moe", tmp_path / "other", seed=1, num_experts=16)
+    from moekit.offload.pins import model_identity, profile_document
+    from moekit.spec import load_spec
+
+    doc = profile_document(model_identity(other, load_spec(other)), {0: [1] * 16, 1: [1] * 16}, top=2, workload={})
+    pin = tmp_path / "p.json"
+    pin.write_text(json.dumps(doc))
+    with pytest.raises(MoekitError, match="made for another model"):
+        load_engine(qwen, offload=OffloadOptions("50%", pin=pin))
+
+
+def test_budgets_below_the_minimum_or_above_everything(qwen):
+    with pytest.raises(MoekitError, match="below the minimum"):
+        load_engine(qwen, offload=OffloadOptions("1%"))
+    engine = load_engine(qwen, offload=OffloadOptions("100GiB"))
+    assert engine.store is None and any("fully resident" in n for n in engine.notes)
+
+
+def test_live_hits_equal_the_cache_simulation_of_the_same_trace(qwen, tmp_path):
+    """Without prefetch, the store makes exactly the SlotCache.call sequence cache-sim replays."""
+    from moekit.engine.trace import write_trace
+    from moekit.offload.cache_sim import read_trace, simulate
+
+    engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lfu", prefetch=False))
+    try:
+        gen = engine.generate(PROMPTS[0], max_new_tokens=NEW, stop_ids=())
+        live = engine.store.stats()
+    finally:
+        engine.close()
+    write_trace(gen, tmp_path / "t.parquet")
+    sim = simulate(read_trace(tmp_path / "t.parquet"), "lfu", live["slots_per_layer"])
+    for layer, result in sim.layers.items():
+        ours = live["layers"][str(layer)]
+        assert (result.hits, result.hits + result.misses) == (ours["hits"], ours["accesses"])
+
+
+def test_a_corrupted_expert_fails_the_request_names_it_and_never_serves_wrong_weights(qwen, tmp_path):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(qwen, folder)
+    want = _ids(folder)[1]
+    _ids(folder, OffloadOptions("25%"))  # first run writes the checksum manifest
+    manifest = json.loads((folder / "moekit-experts.json").read_text())
+    from moekit.offload.manifest import from_json
+
+    m = from_json(manifest)
+    (layer, expert), ex = next(iter(sorted(m.experts.items())))
+    extent = ex.extents[0]
+    path = folder / extent.file
+    original = path.read_bytes()
+    spoiled = bytearray(original)
+    spoiled[extent.offset + 3] ^= 0x40
+    path.write_bytes(bytes(spoiled))
+
+    engine = load_engine(folder, offload=OffloadOptions("25%", policy="none", prefetch=False))
+    try:
+        with pytest.raises(ExpertIntegrityError, match=rf"layer {layer} expert {expert}\b.*{extent.file}|{extent.file}.*layer {layer} expert {expert}\b"):
+            for prompt in ([e] for e in range(150)):  # some prompt routes to the spoiled expert
+                engine.generate(prompt, max_new_tokens=4, stop_ids=())
+        # The process goes on: the same engine serves the next request once the file is whole again.
+        path.write_bytes(original)
+        assert engine.generate(PROMPTS, max_new_tokens=NEW, stop_ids=()).token_ids == want
+    finally:
+        engine.close()

@@ -7,8 +7,17 @@ specs in `moekit.spec` import without torch.
 __version__ = "0.1.0"
 
 
-def load(path, dtype: str = "float32", device: str = "cpu"):
-    """Load a Hugging Face MoE checkpoint folder into the native engine."""
+def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, **offload):
+    """Load a Hugging Face MoE checkpoint folder into the native engine.
+
+    expert_memory ("25%", "2GiB", or bytes) pages routed experts from disk under that budget;
+    `offload` takes the rest of moekit.offload.options.OffloadOptions (policy, pin, prefetch, ...).
+    Call `engine.close()` when done with an offloaded engine (it stops the reader threads)."""
     from moekit.engine.loader import load_engine
 
-    return load_engine(path, dtype=dtype, device=device)
+    options = None
+    if expert_memory is not None:
+        from moekit.offload.options import OffloadOptions
+
+        options = OffloadOptions(expert_memory=str(expert_memory), **offload)
+    return load_engine(path, dtype=dtype, device=device, offload=options)

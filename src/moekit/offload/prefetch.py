@@ -18,26 +18,26 @@ from typing import Callable
 import torch
 
 from moekit.model.moe import MoE
-from moekit.model.routing import route
 
 
 def predict_experts(block, x: torch.Tensor, extra: int, limit: int) -> list[int]:
-    """The distinct experts `block`'s router points to for x [B, T, D]: each token's top K + extra,
-    the most-pointed-to first when there are more than `limit`."""
+    """The distinct experts `block`'s router points to for x [B, T, D]: each token's top K + extra
+    by router score, the most-pointed-to first when there are more than `limit`.
+
+    A guess, so no family's exact selection (DeepSeek's groups) is replayed: the score order is
+    the logits' (softmax is monotone) or, with a selection bias, sigmoid + bias."""
     moe: MoE = block.ffn
     flat = block.post_norm(x.reshape(-1, x.shape[-1]))  # [T, D]
     router = moe.router
-    bias = router.selection_bias.float() if router.selection_bias is not None else None
     logits = router.logits(flat)  # [T, E]
-    chosen = route(logits, router.spec, bias).topk_ids  # [T, K]
-    if extra > 0:
-        scores = logits if bias is None else logits.sigmoid() + bias
-        width = min(chosen.shape[1] + extra, scores.shape[1])
-        chosen = torch.cat([chosen, scores.topk(width, dim=-1).indices], dim=1)  # [T, 2K + extra]
-    ids = chosen.reshape(-1)
-    counts = torch.bincount(ids, minlength=router.spec.num_experts)  # [E]
-    used = int((counts > 0).sum())
-    top = torch.topk(counts, k=min(limit, used)).indices
+    if router.selection_bias is not None:
+        logits = logits.sigmoid() + router.selection_bias.float()
+    width = min(router.spec.top_k + extra, logits.shape[1])
+    ids = logits.topk(width, dim=-1).indices  # [T, K + extra]
+    if ids.numel() <= limit:
+        return sorted(set(ids.reshape(-1).tolist()))
+    counts = torch.bincount(ids.reshape(-1), minlength=logits.shape[1])  # [E]
+    top = torch.topk(counts, k=min(limit, int((counts > 0).sum()))).indices
     return sorted(int(e) for e in top)
 
 

@@ -156,8 +156,8 @@ class ExpertReader:
         except KeyError:
             raise MoekitError(f"{self.folder}: layer {layer} expert {e} is not a routed expert of this model") from None
 
-    def read_bytes(self, layer: int, e: int) -> torch.Tensor:
-        """The expert's extents read into one uint8 buffer and checked against their crc32s."""
+    def read_bytes(self, layer: int, e: int, verify: bool = True) -> torch.Tensor:
+        """The expert's extents read into one uint8 buffer, checked against their crc32s (`verify`)."""
         ex = self._experts(layer, e)
         if not self._fds:
             raise MoekitError(f"{self.folder}: the expert reader is closed (layer {layer} expert {e} requested)")
@@ -167,7 +167,7 @@ class ExpertReader:
         for span in plan.spans:
             self._pread(arr[span.at : span.at + span.length], span, layer, e)
         for x, at in zip(ex.extents, plan.at):
-            if x.crc32 is not None and zlib.crc32(arr[at : at + x.length]) != x.crc32:
+            if verify and x.crc32 is not None and zlib.crc32(arr[at : at + x.length]) != x.crc32:
                 raise ExpertIntegrityError(
                     f"{self.folder}: layer {layer} expert {e}: checksum mismatch in {x.file} "
                     f"(bytes {x.offset}..{x.end}); {_CHANGED}"
@@ -191,10 +191,10 @@ class ExpertReader:
                 )
             done += n
 
-    def read(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, e: int, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's dtype."""
         ex = self._experts(layer, e)
-        buf = self.read_bytes(layer, e)
+        buf = self.read_bytes(layer, e, verify)
         at = self._plans[layer, e].at
         n = len(ex.gate_up)
         up_shape, down_shape = our_shapes(ex)

@@ -37,8 +37,9 @@ PROMPTS = [
 ]
 
 
-def run_config(folder: str, budget: str, policy: str, prefetch: bool, new_tokens: int) -> dict:
-    engine = load_engine(folder, dtype="bfloat16", offload=OffloadOptions(budget, policy=policy, prefetch=prefetch))
+def run_config(folder: str, budget: str, policy: str, prefetch: bool, new_tokens: int, extra: int = 2) -> dict:
+    options = OffloadOptions(budget, policy=policy, prefetch=prefetch, prefetch_extra=extra)
+    engine = load_engine(folder, dtype="bfloat16", offload=options)
     calls: dict[int, list[tuple[int, ...]]] = {}
     began = time.perf_counter()
     decode_s = decode_tokens = 0.0
@@ -72,14 +73,17 @@ def main() -> None:
     parser.add_argument("folder", nargs="?", default="models/moekit-demo")
     parser.add_argument("--budgets", default="12.5%,25%,50%")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--policies", default=",".join(LIVE_POLICIES))
+    parser.add_argument("--prefetch-extra", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     for budget in args.budgets.split(","):
-        for policy in LIVE_POLICIES:
+        for policy in args.policies.split(","):
             cold = run_config(args.folder, budget, policy, prefetch=False, new_tokens=args.new_tokens)
-            warm = run_config(args.folder, budget, policy, prefetch=True, new_tokens=args.new_tokens)
+            warm = run_config(args.folder, budget, policy, prefetch=True, new_tokens=args.new_tokens,
+                              extra=args.prefetch_extra)
             slots = cold["stats"]["slots_per_layer"]
             row = {
                 "budget": budget,
@@ -88,6 +92,7 @@ def main() -> None:
                 "live_hit_rate": cold["stats"]["hit_rate"],
                 "sim_hit_rate": simulate(cold["calls"], policy, slots),
                 "belady_hit_rate": simulate(cold["calls"], "belady", slots),
+                "prefetch_extra": args.prefetch_extra,
                 "prefetch_hit_rate": warm["stats"]["hit_rate"],
                 "prefetch_recall": warm["stats"]["prefetch_recall"],
                 "prefetch_precision": warm["stats"]["prefetch_precision"],
@@ -97,7 +102,8 @@ def main() -> None:
             rows.append(row)
             print(f"{budget:>6} {policy:>9} slots {slots:3d}  live {row['live_hit_rate']:.3f}  sim {row['sim_hit_rate']:.3f}  "
                   f"belady {row['belady_hit_rate']:.3f}  | prefetch: hit {row['prefetch_hit_rate']:.3f} "
-                  f"recall {row['prefetch_recall']:.3f} precision {row['prefetch_precision']:.3f}", flush=True)
+                  f"recall {row['prefetch_recall']:.3f} precision {row['prefetch_precision']:.3f} | tok/s "
+                  f"{row['decode_tok_s_no_prefetch']:.0f} → {row['decode_tok_s_prefetch']:.0f}", flush=True)
     if args.out is not None:
         args.out.write_text(json.dumps({"prompts": PROMPTS, "new_tokens": args.new_tokens, "rows": rows}, indent=1) + "\n")
 

@@ -33,11 +33,12 @@ def _ids(folder, offload=None, dtype="float32", prompts=PROMPTS, new=NEW):
     return single, batch, stats
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("budget", ["25%", "50%", "75%"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging", "none"])
-def test_every_budget_and_policy_generates_what_the_resident_engine_does(qwen, budget, policy):
+def test_every_budget_and_policy_generates_what_the_resident_engine_does(qwen, budget, policy, prefetch):
     want = _ids(qwen)[:2]
-    single, batch, stats = _ids(qwen, OffloadOptions(budget, policy=policy))
+    single, batch, stats = _ids(qwen, OffloadOptions(budget, policy=policy, prefetch=prefetch))
     assert (single, batch) == want
     assert stats["loads"] > 0 and stats["accesses"] > 0
     if policy == "none":

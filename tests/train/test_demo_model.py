@@ -40,4 +40,4 @@ def test_the_demo_model_is_fine_grained_sparse_and_small():
     assert moe.num_experts >= 32 and moe.router.top_k <= 4
     size = sum(p.stat().st_size for p in DEMO.iterdir())
     assert size <= 40_000_000
-    assert counts.active_params_non_embedding / counts.total_params < 0.10
+    assert counts.active_params / counts.total_params < 0.10  # the (tied) embedding counted in full

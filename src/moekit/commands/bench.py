@@ -140,7 +140,7 @@ def decode(
 OFFLOAD_HELP = """Decode tokens/s with routed experts paged under each --expert-memory budget, vs baselines.
 
 Each configuration runs in its own process: moekit fully resident, moekit with no cache (every
-expert read on every use) at the smallest budget, moekit at each budget, and with --vs accelerate
+expert read on every use) at the smallest budget, moekit at each budget without and with prefetch, and with --vs accelerate
 transformers + accelerate's disk offload at the same memory (moekit's dense weights + the budget).
 Reports hit rate, prefetch precision/recall, disk bytes per token, stall share and peak RSS growth
 against the bound (dense + budget) × 1.1.
@@ -155,7 +155,7 @@ def offload(
     expert_memory: str = typer.Option("12.5%,25%,50%,100%", "--expert-memory", help="Comma-separated budgets."),
     vs: Optional[str] = typer.Option(None, "--vs", help="Also run this baseline at the same memory: accelerate."),
     cache: str = typer.Option("lru", "--cache", help="Cache policy for moekit's runs."),
-    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Turn moekit's prefetch off."),
+    prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond K in the prefetch runs."),
     prompt: str = typer.Option("def parse_args(argv):\n    parser = argparse.ArgumentParser(", "--prompt",
                                help="Text prompt (needs tokenizer.json); else --prompt-len random ids."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Random prompt ids when the folder has no tokenizer."),
@@ -178,7 +178,7 @@ def offload(
         raise MoekitError("--expert-memory: give at least one budget, e.g. 25%,50%")
     ids = _offload_prompt(folder, prompt.replace("\\n", "\n"), prompt_len)
     minimum = _minimum_budget(folder, dtype)
-    bench = OffloadBench(folder=str(folder), budgets=budgets, policy=cache, prefetch=not no_prefetch,
+    bench = OffloadBench(folder=str(folder), budgets=budgets, policy=cache, prefetch_extra=prefetch_extra,
                          prompt_ids=tuple(ids), new_tokens=tokens, threads=threads, dtype=dtype,
                          vs_accelerate=vs == "accelerate")
     from rich.console import Console
@@ -236,18 +236,21 @@ def _print_offload_table(bench, results: dict, rows: list[dict]) -> None:
 
     resident, no_cache = results["resident"], results["no-cache"]
     table = Table(title=f"decode tokens/s under an expert budget · {bench.dtype} · {bench.threads} thread(s) · "
-                        f"{bench.policy}{'' if bench.prefetch else ', no prefetch'}")
+                        f"{bench.policy}")
     for name in ("budget", "tok/s", "× resident", "× no cache", "accelerate tok/s", "× accelerate", "hit rate",
-                 "recall / precision", "disk / token", "stall share", "RSS growth / bound", "same tokens"):
+                 "disk / token", "stall share", "RSS growth / bound", "prefetch: tok/s", "hit rate",
+                 "recall / precision", "same tokens"):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
             r["budget"], f"{r['tokens_per_s']:.1f}", f"{r['vs_resident']:.2f}×", f"{r['vs_no_cache']:.2f}×",
             _fmt(r["accelerate_tokens_per_s"], ".2f"), _fmt(r["vs_accelerate"], ".1f") + ("×" if r["vs_accelerate"] else ""),
-            pct(r["hit_rate"]), f"{pct(r['prefetch_recall'])} / {pct(r['prefetch_precision'])}",
+            pct(r["hit_rate"]),
             "—" if r["disk_bytes_per_token"] is None else nbytes(r["disk_bytes_per_token"]),
             pct(r["stall_share"]),
             f"{nbytes(r['rss_growth_bytes'])} / {nbytes(r['rss_bound_bytes'])} {'ok' if r['rss_ok'] else 'OVER'}",
+            _fmt(r["prefetch_tokens_per_s"], ".1f"), pct(r["prefetch_hit_rate"]),
+            f"{pct(r['prefetch_recall'])} / {pct(r['prefetch_precision'])}",
             "yes" if r["same_tokens"] else "NO",
         )
     console = Console()

@@ -31,7 +31,7 @@ Examples:
 
   moekit run path/to/checkpoint "Hello" --expert-memory 25%        # routed experts paged from disk
 
-  moekit run path/to/checkpoint "Hello" --expert-memory 1GiB --cache lfu --pin profile.json --no-prefetch
+  moekit run path/to/checkpoint "Hello" --expert-memory 1GiB --cache lfu --pin profile.json --prefetch
 """
 
 
@@ -114,8 +114,9 @@ def run(
         "the rest stays on disk. Default: all resident."),
     cache: str = typer.Option("lru", "--cache", help="Expert cache policy: lru, lfu, lfu-aging (or none: read on every use)."),
     pin: Optional[Path] = typer.Option(None, "--pin", help="Profile from `moekit profile`: its experts stay resident."),
-    no_prefetch: bool = typer.Option(False, "--no-prefetch", help="Do not guess and preload each layer's experts ahead of it."),
-    prefetch_extra: int = typer.Option(2, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Guess each layer's experts ahead of it and read them "
+                                  "on worker threads (off by default: see docs/BENCHMARKS.md)."),
+    prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
 ) -> None:
     from moekit.engine.default_model import split_checkpoint_and_prompt
     from moekit.engine.detokenize import TextStream
@@ -138,10 +139,10 @@ def run(
     if expert_memory is not None:
         from moekit.offload.options import OffloadOptions
 
-        offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=not no_prefetch,
+        offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
                                  prefetch_extra=prefetch_extra)
-    elif pin is not None or no_prefetch or cache != "lru":
-        raise MoekitError("--cache, --pin and --no-prefetch need --expert-memory")
+    elif pin is not None or prefetch or cache != "lru":
+        raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
     engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress())
     for note in engine.notes:
         typer.echo(f"note: {note}", err=True)

@@ -109,6 +109,17 @@ def _high_water_rss_bytes() -> Optional[int]:
     return None
 
 
+def _experts_implementation(folder: Path, dtype) -> dict:
+    """transformers' default grouped-GEMM experts need 16-byte row strides; where a width breaks that
+    (the demo model's 52-wide experts in bf16: 104 bytes) its own eager loop is the way it runs."""
+    import torch
+
+    config = json.loads((Path(folder) / "config.json").read_text())
+    size = torch.empty((), dtype=dtype).element_size()
+    widths = [config.get("moe_intermediate_size") or config.get("intermediate_size") or 0, config.get("hidden_size", 0)]
+    return {} if all(w * size % 16 == 0 for w in widths) else {"experts_implementation": "eager"}
+
+
 def run_accelerate(
     folder,
     memory_bytes: int,
@@ -144,6 +155,7 @@ def run_accelerate(
             max_memory={"cpu": int(memory_bytes)},
             offload_folder=offload_dir,
             dtype=getattr(torch, dtype),
+            **_experts_implementation(folder, getattr(torch, dtype)),
         ).eval()
         load_s = time.perf_counter() - start
         device_map = dict(getattr(model, "hf_device_map", {}) or {"": "cpu"})

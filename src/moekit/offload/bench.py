@@ -1,6 +1,6 @@
 """`moekit bench offload`: decode speed under expert budgets, against named baselines, in one run.
 
-Every configuration runs in its own child process (moekit.offload.bench_worker, or
+moekit runs at every budget twice, without and with prefetch. Every configuration runs in its own child process (moekit.offload.bench_worker, or
 moekit.offload.accelerate_baseline for transformers + accelerate), one after another, so each
 peak RSS is that configuration's own and no run's page cache or threads help another's timing
 more than the OS does. Baselines: the fully resident engine, moekit with no cache (every use
@@ -26,7 +26,7 @@ class OffloadBench:
     folder: str
     budgets: tuple[str, ...]
     policy: str
-    prefetch: bool
+    prefetch_extra: int
     prompt_ids: tuple[int, ...]
     new_tokens: int
     threads: int
@@ -49,13 +49,14 @@ def run_child(argv: list[str], what: str, timeout_s: float) -> dict:
 
 
 def _moekit(b: OffloadBench, budget: Optional[str], policy: str, prefetch: bool) -> list[str]:
+    """The worker's command line; prefetch on adds the guessing (and its extra width)."""
     argv = [sys.executable, "-m", "moekit.offload.bench_worker", "--folder", b.folder,
             "--policy", policy, "--prompt-ids", ",".join(map(str, b.prompt_ids)),
             "--new-tokens", str(b.new_tokens), "--threads", str(b.threads), "--dtype", b.dtype]
     if budget is not None:
         argv += ["--expert-memory", budget]
-    if not prefetch:
-        argv.append("--no-prefetch")
+    if prefetch:
+        argv += ["--prefetch", "--prefetch-extra", str(b.prefetch_extra)]
     return argv
 
 
@@ -68,8 +69,12 @@ def run_bench(b: OffloadBench, minimum_budget: str, on_start: Callable[[str], No
     results["no-cache"] = run_child(_moekit(b, minimum_budget, "none", False), "the no-cache run", b.timeout_s)
     for budget in b.budgets:
         on_start(f"moekit {b.policy} at {budget}")
-        ours = run_child(_moekit(b, budget, b.policy, b.prefetch), f"moekit at {budget}", b.timeout_s)
+        ours = run_child(_moekit(b, budget, b.policy, False), f"moekit at {budget}", b.timeout_s)
         results[f"moekit@{budget}"] = ours
+        if ours["budget_bytes"]:  # a budget that holds everything runs resident: nothing to guess
+            on_start(f"moekit {b.policy} at {budget} with prefetch")
+            results[f"prefetch@{budget}"] = run_child(_moekit(b, budget, b.policy, True),
+                                                      f"moekit at {budget} with prefetch", b.timeout_s)
         if b.vs_accelerate:
             from moekit.offload.accelerate_baseline import child_command
 
@@ -95,8 +100,10 @@ def summary_rows(b: OffloadBench, results: dict) -> list[dict]:
     for budget in b.budgets:
         ours = results[f"moekit@{budget}"]
         acc = results.get(f"accelerate@{budget}")
+        guessed = results.get(f"prefetch@{budget}")
         report = ours["offload"] or {}
         decode = report.get("decode", {})
+        guess = (guessed or {}).get("offload") or {}
         growth, bound, ok = rss_within_bound(ours)
         rows.append({
             "budget": budget,
@@ -106,15 +113,20 @@ def summary_rows(b: OffloadBench, results: dict) -> list[dict]:
             "accelerate_tokens_per_s": acc["tokens_per_s"] if acc else None,
             "vs_accelerate": ours["tokens_per_s"] / acc["tokens_per_s"] if acc else None,
             "hit_rate": decode.get("hit_rate"),
-            "prefetch_recall": report.get("prefetch_recall"),
-            "prefetch_precision": report.get("prefetch_precision"),
+            "prefetch_tokens_per_s": guessed["tokens_per_s"] if guessed else None,
+            "prefetch_vs_resident": guessed["tokens_per_s"] / resident["tokens_per_s"] if guessed else None,
+            "prefetch_hit_rate": guess.get("decode", {}).get("hit_rate"),
+            "prefetch_recall": guess.get("prefetch_recall"),
+            "prefetch_precision": guess.get("prefetch_precision"),
+            "prefetch_disk_bytes_per_token": guess.get("decode", {}).get("disk_bytes_per_token"),
             "disk_bytes_per_token": decode.get("disk_bytes_per_token"),
             "stall_share": decode.get("stall_share"),
             "rss_growth_bytes": growth,
             "rss_bound_bytes": bound,
             "rss_ok": ok,
             "accelerate_peak_rss_bytes": acc["peak_rss_bytes"] if acc else None,
-            "same_tokens": ours["token_ids"] == resident["token_ids"],
+            "same_tokens": ours["token_ids"] == resident["token_ids"]
+            and (guessed is None or guessed["token_ids"] == resident["token_ids"]),
             "accelerate_same_tokens": None if acc is None else acc.get("token_ids") == resident["token_ids"],
         })
     return rows

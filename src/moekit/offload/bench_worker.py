@@ -55,7 +55,7 @@ def warm_kernels(dtype) -> None:
 
 
 def run(folder: str, expert_memory: Optional[str], policy: str, prefetch: bool, prompt_ids: list[int],
-        new_tokens: int, threads: int, dtype: str, pin: Optional[str] = None, prefetch_extra: int = 2) -> dict:
+        new_tokens: int, threads: int, dtype: str, pin: Optional[str] = None, prefetch_extra: int = 4) -> dict:
     import torch
 
     from moekit.engine.loader import load_engine
@@ -112,9 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--folder", required=True)
     parser.add_argument("--expert-memory", default=None, help="omit for the fully resident engine")
     parser.add_argument("--policy", default="lru")
-    parser.add_argument("--no-prefetch", action="store_true")
+    parser.add_argument("--prefetch", action="store_true", help="guess and preload each layer's experts")
+    parser.add_argument("--no-prefetch", action="store_true", help="(the default; accepted for symmetry)")
     parser.add_argument("--pin", default=None)
-    parser.add_argument("--prefetch-extra", type=int, default=2)
+    parser.add_argument("--prefetch-extra", type=int, default=4)
     parser.add_argument("--prompt-ids", required=True)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
@@ -123,7 +124,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        result = run(args.folder, args.expert_memory, args.policy, not args.no_prefetch, ids,
+        result = run(args.folder, args.expert_memory, args.policy, args.prefetch and not args.no_prefetch, ids,
                      args.new_tokens, args.threads, args.dtype, args.pin, args.prefetch_extra)
     except (MoekitError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -14,6 +14,9 @@ class OffloadOptions:
     expert_memory: str  # "25%", "2GiB", a byte count: what routed experts may hold in memory
     policy: str = "lru"  # a live policy name (moekit.offload.policies) or NO_CACHE
     pin: Optional[Path] = None  # a profile from `moekit profile`: its experts stay resident
-    prefetch: bool = True  # guess each layer's experts from the residual stream ahead of it
-    prefetch_extra: int = 2  # experts guessed per token beyond its K (recall for a little more reading)
+    # Guess each layer's experts from the residual stream ahead of it and read them on worker
+    # threads. Off by default: on the 2-core CPU it was measured on, the wrong guesses' reads cost
+    # more than the right ones save (docs/BENCHMARKS.md); with spare cores and a slow disk it pays.
+    prefetch: bool = False
+    prefetch_extra: int = 4  # experts guessed per token beyond its K: recall 87% on the demo model
     workers: int = 2  # threads reading experts from disk

@@ -31,6 +31,9 @@ _HIT = Access(hit=True, evicted=None)  # shared: an access is made per expert pe
 _MISS = Access(hit=False, evicted=None)
 
 
+COLD = 1 << 40  # a guess enters this many ticks in the past: older than any use, in guess order
+
+
 def most_pins(slots: int) -> int:
     """Pins one layer may hold: half its slots, so the other half follows the prompt (a profile
     from another workload must not crowd out what this one uses). The live store and cache-sim cap
@@ -126,7 +129,11 @@ class SlotCache:
             evicted = self._evict(candidates, now)
         self.clock += 1
         self._resident.add(e)
-        self.policy.on_insert(e, now)
+        # A guess enters at the cold end: if it is wrong it is the first to leave, instead of
+        # pushing out an expert that was really used (measured on the 2 GB checkpoint at 25%: with
+        # guesses entering as fresh, prefetch raised disk reads per token from 5.1 MB to 9.9 MB and
+        # made decoding slower). Its first real use (on_hit) makes it fresh.
+        self.policy.on_insert(e, now - COLD)
         self.prefetched += 1
         return evicted
 

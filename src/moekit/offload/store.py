@@ -106,18 +106,7 @@ class LayerStore:
         self.stats.loads += 1
         self.stats.disk_bytes += self._disk_bytes
         self._clock.hold(1)
-        if background:
-            self._weights[e] = self._pool.submit(self._load, self.layer, e)
-            return
-        future: Future = Future()
-        began = time.perf_counter()
-        try:
-            future.set_result(self._load(self.layer, e))
-        except BaseException as err:  # kept in the future: _result raises it like a worker's
-            future.set_exception(err)
-        finally:
-            self._clock.stall_s += time.perf_counter() - began
-        self._weights[e] = future
+        self._weights[e] = self._pool.submit(self._load, self.layer, e) if background else self._inline(e)
 
     def _drop(self, e: Optional[int]) -> None:
         if e is None:
@@ -138,11 +127,27 @@ class LayerStore:
         future = self._weights[e]
         if future.done():
             return future.result()
+        if future.cancel():
+            # Still queued behind other guesses: read it here and now rather than wait for them.
+            self._weights[e] = future = self._inline(e)
+            return future.result()
         began = time.perf_counter()
         try:
             return future.result()
         finally:
             self._clock.stall_s += time.perf_counter() - began
+
+    def _inline(self, e: int) -> Future:
+        """Load e on this thread into a finished Future (its error kept in it); the time is stall."""
+        future: Future = Future()
+        began = time.perf_counter()
+        try:
+            future.set_result(self._load(self.layer, e))
+        except BaseException as err:  # kept in the future: _result raises it like a worker's
+            future.set_exception(err)
+        finally:
+            self._clock.stall_s += time.perf_counter() - began
+        return future
 
     def _acquire(self, e: int, access) -> Weights:
         """Expert e's weights after the SlotCache's access (hit or miss, and any victim) for it."""

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
 from hf_tiny import train_tokenizer, write_checkpoint  # noqa: E402
-from test_cli_run import moekit  # noqa: E402
+from cli_runner import moekit  # noqa: E402
 
 
 @pytest.fixture(scope="module")

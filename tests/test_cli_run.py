@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
+from cli_runner import moekit  # noqa: E402
 from hf_tiny import MAX_POS, train_tokenizer, write_checkpoint  # noqa: E402
 
 MOEKIT = Path(sys.executable).parent / "moekit"
@@ -29,22 +30,6 @@ def ckpt_with_tokenizer(tmp_path_factory) -> Path:
     folder = write_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral_tok"), vocab_size=300)
     train_tokenizer(folder / "tokenizer.json", vocab_size=300)
     return folder
-
-
-def moekit(capsys, *args: str) -> tuple[int, str, str]:
-    """Run `moekit ARGS` through cli.main(); (exit code, stdout, stderr)."""
-    from moekit import cli
-
-    capsys.readouterr()  # drop what set-up printed (save_pretrained's progress bar)
-    argv = sys.argv
-    sys.argv = ["moekit", *map(str, args)]
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            cli.main()
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return exit_.value.code or 0, out, err
 
 
 def fails(capsys, *args: str) -> str:

@@ -4,12 +4,12 @@ points at it, and reads from it identical to reads from the checkpoint."""
 from __future__ import annotations
 
 import shutil
-import sys
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from cli_runner import moekit
 from hf_tiny import write_checkpoint
 from offload_files import MOEKIT, flip_byte, readonly_copy, run_unprivileged, write_tiny
 from moekit.errors import ExpertIntegrityError, MoekitError
@@ -152,30 +152,16 @@ def test_pack_refuses_a_dense_model(tmp_path):
         pack_experts(folder)
 
 
-def _moekit(capsys, *args):
-    from moekit import cli
-
-    capsys.readouterr()
-    argv, sys.argv = sys.argv, ["moekit", *map(str, args)]
-    try:
-        with pytest.raises(SystemExit) as exit_:
-            cli.main()
-    finally:
-        sys.argv = argv
-    out, err = capsys.readouterr()
-    return exit_.value.code or 0, out, err
-
-
 def test_cli_pack_exits_0_with_a_summary(copy_of, capsys):
     folder = copy_of("granitemoe")
-    code, out, _ = _moekit(capsys, "pack", folder)
+    code, out, _ = moekit(capsys, "pack", folder)
     assert code == 0
     assert "packed 12 experts of 2 MoE layers" in out and str(folder / PACKED_NAME) in out
     assert load_or_build_manifest(folder, load_spec(str(folder))).source == "packed"
 
 
 def test_cli_pack_on_a_missing_folder_is_one_line_exit_2(tmp_path, capsys):
-    code, out, err = _moekit(capsys, "pack", tmp_path / "nope")
+    code, out, err = moekit(capsys, "pack", tmp_path / "nope")
     assert code == 2 and out == ""
     assert err.strip().count("\n") == 0 and "no such checkpoint folder" in err
 

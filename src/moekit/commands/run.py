@@ -119,7 +119,6 @@ def run(
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
 ) -> None:
     from moekit.engine.default_model import split_checkpoint_and_prompt
-    from moekit.engine.detokenize import TextStream
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams, check_sampling
 

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 from moekit.errors import CheckpointError
+from moekit.weights.checkpoint import Header, read_header
 from moekit.model.hub_names import hub_names
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
@@ -43,9 +43,6 @@ PACKED_NAME = "experts.packed.safetensors"
 # cast from exactly as loading.py's copy_ does).
 ITEMSIZE: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 
-# A header larger than this is a corrupted length field, not a real header (DeepSeek-V3's largest
-# shard header is about 100 KB).
-MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -84,42 +81,6 @@ class ExpertExtents:
 
 
 ExtentMap = dict[tuple[int, int], ExpertExtents]  # (layer, expert) → its extents
-
-
-@dataclass(frozen=True)
-class Header:
-    """A safetensors file's header: where data starts, and each tensor's entry."""
-
-    data_start: int  # 8 + header length
-    tensors: dict[str, dict]  # name → {"dtype", "shape", "data_offsets"}
-    file_size: int
-
-
-def read_header(path: Path) -> Header:
-    """Parse a safetensors header; a truncated or corrupted one is one CheckpointError line."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes)")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > min(size - 8, MAX_HEADER):
-                raise CheckpointError(f"{path}: truncated or corrupted safetensors header")
-            raw = fh.read(header_len)
-    except OSError as err:
-        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: corrupted safetensors header") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: corrupted safetensors header")
-    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
-    for name, entry in tensors.items():
-        if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
-            raise CheckpointError(f"{path}: corrupted safetensors header (entry {name})")
-    return Header(data_start=8 + header_len, tensors=tensors, file_size=size)
 
 
 def weight_files(folder: Path) -> dict[str, str]:

@@ -25,7 +25,6 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from moekit.model.linear import Kernel
 from moekit.model.routing import RoutingDecision
 from moekit.offload.slot_cache import SlotCache
 

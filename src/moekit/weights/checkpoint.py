@@ -33,23 +33,53 @@ def read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({err})") from None
 
 
+# A header larger than this is a corrupted length field, not a real header (DeepSeek-V3's largest
+# shard header is about 100 KB).
+MAX_HEADER = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Header:
+    """A safetensors file's header: where data starts, and each tensor's entry."""
+
+    data_start: int  # 8 + header length
+    tensors: dict[str, dict]  # name → {"dtype", "shape", "data_offsets"}
+    file_size: int
+
+
+def read_header(path: Path) -> Header:
+    """Parse a safetensors header; a truncated or corrupted one is one CheckpointError line."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes)")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, MAX_HEADER):
+                raise CheckpointError(f"{path}: truncated or corrupted safetensors header")
+            raw = fh.read(header_len)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot read ({err.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(f"{path}: corrupted safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupted safetensors header")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    for name, entry in tensors.items():
+        if not (isinstance(entry, dict) and {"dtype", "shape", "data_offsets"} <= entry.keys()):
+            raise CheckpointError(f"{path}: corrupted safetensors header (entry {name})")
+    return Header(data_start=8 + header_len, tensors=tensors, file_size=size)
+
+
 def _check_header(path: Path) -> None:
     """Refuse a truncated or corrupted file before safetensors or the mmap touches it."""
-    size = path.stat().st_size
-    with path.open("rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated safetensors file ({size} bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise CheckpointError(f"{path}: truncated or corrupted safetensors header")
-        try:
-            header = json.loads(fh.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise CheckpointError(f"{path}: corrupted safetensors header") from None
-    data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + header_len + data_end > size:
-        missing = 8 + header_len + data_end - size
+    header = read_header(path)
+    data_end = max((v["data_offsets"][1] for v in header.tensors.values()), default=0)
+    if header.data_start + data_end > header.file_size:
+        missing = header.data_start + data_end - header.file_size
         raise CheckpointError(f"{path}: truncated safetensors file ({missing} bytes missing)")
 
 

@@ -1,0 +1,23 @@
+"""Run `moekit ARGS` in-process, as a user would from a shell, for the CLI tests."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+
+def moekit(capsys, *args) -> tuple[int, str, str]:
+    """Run `moekit ARGS` through cli.main(); (exit code, stdout, stderr)."""
+    from moekit import cli
+
+    capsys.readouterr()  # drop what set-up printed (save_pretrained's progress bar)
+    argv = sys.argv
+    sys.argv = ["moekit", *map(str, args)]
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main()
+    finally:
+        sys.argv = argv
+    out, err = capsys.readouterr()
+    return exit_.value.code or 0, out, err

@@ -11,6 +11,8 @@ token, just runs its K experts. tests/model/test_experts.py checks that the two 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -18,6 +20,8 @@ from moekit.model.linear import PLAIN, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
+
+WeightsOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert id → its prepared (gate_up, down)
 
 
 class RoutedExperts(nn.Module):
@@ -66,10 +70,14 @@ class RoutedExperts(nn.Module):
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (kernels[0], kernels[1])
 
+    def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up, down) as this module holds them."""
+        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
+        return gate_up[e], down[e]
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, D] → [N, D]."""
-        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
-        return self.apply_expert(e, gate_up[e], down[e], x)
+        return self.apply_expert(e, *self.resident_weights(e), x)
 
     def apply_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D]."""
@@ -83,19 +91,25 @@ class RoutedExperts(nn.Module):
         """x [T, D] → Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]), [T, D]."""
         if self.store is not None:
             return self.store.forward(self, x, decision)
-        if x.shape[0] == 1:
-            return self._one_token(x, decision)
-        return self._grouped(x, decision)
+        return self.combine(x, decision, self.resident_weights)
 
-    def _one_token(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+    def combine(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
+        """The forward with expert e's weights from `weights(e)`. For several tokens it is asked in
+        ascending e, once per expert used, each right before that expert runs (an expert store
+        relies on this order); for one token, in router order."""
+        if x.shape[0] == 1:
+            return self._one_token(x, decision, weights)
+        return self._grouped(x, decision, weights)
+
+    def _one_token(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         ids = decision.topk_ids.tolist()[0]
-        weights = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
-        out = self.expert(ids[0], x).mul_(weights[0])
-        for e, w in zip(ids[1:], weights[1:]):
-            out.add_(self.expert(e, x).mul_(w))  # in place, the same roundings as out + y·w
+        scales = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
+        out = self.apply_expert(ids[0], *weights(ids[0]), x).mul_(scales[0])
+        for e, w in zip(ids[1:], scales[1:]):
+            out.add_(self.apply_expert(e, *weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
         return out
 
-    def _grouped(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+    def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         top_k = decision.topk_ids.shape[1]
         flat_ids = decision.topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert
@@ -109,7 +123,7 @@ class RoutedExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(begin, begin + n)
-            y = self.expert(e, chosen[rows]) * weight_of[rows, None]
+            y = self.apply_expert(e, *weights(e), chosen[rows]) * weight_of[rows, None]
             # One index_add_ per expert, as the reference does: in bf16 a single call over all
             # experts would round the sums differently.
             out.index_add_(0, token_of[rows], y.to(x.dtype))

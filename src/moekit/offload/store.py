@@ -4,9 +4,8 @@ A LayerStore pairs a SlotCache (which experts are resident: the same bookkeeping
 with the prepared weights themselves. A layer forward walks its needed experts in ascending id
 order, as `SlotCache.call` does, so hits and misses match a simulation of the same trace; each
 expert runs right after its access, so a prefill that needs more experts than there are slots can
-evict experts it has finished with. Outputs are then combined exactly as the resident engine
-combines them (router order for one token, ascending ids with one index_add_ each for many), which
-keeps generation bit-identical.
+evict experts it has finished with. The arithmetic is RoutedExperts.combine itself, the resident
+engine's own code with the weights supplied from here, which keeps generation bit-identical.
 
 Loads run on worker threads (pread + crc32 + cast + kernel layout release the GIL); the forward
 waits only for the experts it needs now, and the wait is the stall time. A failed load (checksum,
@@ -22,7 +21,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-import torch
 from torch import Tensor
 
 from moekit.model.routing import RoutingDecision
@@ -196,50 +194,27 @@ class LayerStore:
 
     def forward(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
         """What RoutedExperts.forward computes, with weights from this store. x [T, D] → [T, D]."""
-        out = self._one_token(experts, x, decision) if x.shape[0] == 1 else self._grouped(experts, x, decision)
+        needed = sorted(set(decision.topk_ids.reshape(-1).tolist()))
+        self._score_prediction(needed)
+        walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
+        if x.shape[0] == 1:
+            # RoutedExperts runs one token's experts in router order: take them all first (K fit
+            # in the slots, and the walk protects the ones still to come).
+            fetched = {e: self._acquire(e, access) for e, access in walk}
+            out = experts.combine(x, decision, fetched.__getitem__)
+        else:
+            # Several tokens: asked in ascending ids, each right before it runs, so a prefill that
+            # needs more experts than there are slots may evict the ones it has finished with.
+            def weights(e: int) -> Weights:
+                taken, access = next(walk)
+                assert taken == e, f"expert {e} asked, the walk is at {taken}"  # both ascend over `needed`
+                return self._acquire(e, access)
+
+            out = experts.combine(x, decision, weights)
         if not self.retain:
             for e in sorted(self.cache.resident - self.cache.pinned):
                 self._drop(e)
                 self.cache.discard(e)
-        return out
-
-    def _run(self, experts, needed: list[int], inputs: Callable[[int], Tensor]) -> dict[int, Tensor]:
-        """Expert outputs for every needed expert, each run right after its access (ascending ids)."""
-        self._score_prediction(needed)
-        outputs: dict[int, Tensor] = {}
-        for e, access in self.cache.forward(needed):  # the walk cache-sim replays
-            gate_up, down = self._acquire(e, access)
-            outputs[e] = experts.apply_expert(e, gate_up, down, inputs(e))
-        return outputs
-
-    def _one_token(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
-        ids = decision.topk_ids.tolist()[0]
-        weights = decision.topk_weights.tolist()[0]
-        y = self._run(experts, sorted(set(ids)), lambda e: x)
-        # The resident path's exact operations: out = y0·w0, then out += y_k·w_k in router order.
-        out = y[ids[0]].mul_(weights[0])  # a token's K ids are distinct: each y is used once
-        for e, w in zip(ids[1:], weights[1:]):
-            out.add_(y[e].mul_(w))
-        return out
-
-    def _grouped(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
-        top_k = decision.topk_ids.shape[1]
-        flat_ids = decision.topk_ids.reshape(-1)  # [T*K]
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=experts.num_experts).tolist()
-        token_of = order // top_k
-        weight_of = decision.topk_weights.reshape(-1)[order]
-        chosen = x[token_of]  # [T*K, D]
-        rows: dict[int, slice] = {}
-        begin = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows[e] = slice(begin, begin + n)
-                begin += n
-        y = self._run(experts, sorted(rows), lambda e: chosen[rows[e]])
-        out = torch.zeros_like(x)
-        for e in sorted(rows):  # ascending, one index_add_ each: the resident path's rounding
-            out.index_add_(0, token_of[rows[e]], (y[e] * weight_of[rows[e], None]).to(x.dtype))
         return out
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moekit.errors import MoekitError
+from moekit.offload.child import json_main, parse_ids, run_json_child
 
 DTYPES = ("float32", "bfloat16")
 MISSING_LIBRARIES = "the accelerate baseline needs transformers and accelerate: pip install accelerate transformers"
@@ -243,25 +243,6 @@ def child_command(
     return argv
 
 
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
-def parse_child_output(returncode: int, stdout: str, stderr: str) -> dict:
-    """The child's one JSON line, or a MoekitError carrying the child's last stderr line."""
-    if returncode != 0:
-        why = _last_line(stderr) or f"exit status {returncode}"
-        raise MoekitError(f"accelerate baseline failed: {why}")
-    try:
-        result = json.loads(_last_line(stdout))
-    except json.JSONDecodeError:
-        raise MoekitError(f"accelerate baseline printed no JSON result: {_last_line(stdout)[:200]!r}") from None
-    if not isinstance(result, dict):
-        raise MoekitError("accelerate baseline printed JSON that is not an object")
-    return result
-
-
 def measure_accelerate(
     folder,
     memory_bytes: int,
@@ -275,18 +256,7 @@ def measure_accelerate(
     """`run_accelerate` in a child process: its memory is isolated and its peak RSS is its own."""
     check_request(Path(folder), memory_bytes, prompt_ids, new_tokens, threads, dtype)
     argv = child_command(folder, memory_bytes, prompt_ids, new_tokens, threads, dtype, offload_root)
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise MoekitError(f"accelerate baseline did not finish within {timeout_s} s") from None
-    return parse_child_output(done.returncode, done.stdout, done.stderr)
-
-
-def _parse_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise MoekitError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    return run_json_child(argv, "accelerate baseline", timeout_s)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -303,22 +273,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--offload-root", default=None, help="where the temporary offload folder is made")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON line (the default too)")
     args = parser.parse_args(argv)
-    try:
-        result = run_accelerate(
-            args.folder,
-            args.memory_bytes,
-            _parse_ids(args.prompt_ids),
-            args.new_tokens,
-            args.threads,
-            args.dtype,
-            args.offload_root,
-        )
-    except MoekitError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
-    return 0
-
+    return json_main(lambda: run_accelerate(
+        args.folder,
+        args.memory_bytes,
+        parse_ids(args.prompt_ids),
+        args.new_tokens,
+        args.threads,
+        args.dtype,
+        args.offload_root,
+    ))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,13 +10,12 @@ weights + the expert budget). No torch here.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from moekit.errors import MoekitError
+from moekit.offload.child import run_json_child
+
 
 RSS_SLACK = 0.10  # the issue's bound: peak RSS growth ≤ (dense + budget) × 1.10
 
@@ -35,19 +34,6 @@ class OffloadBench:
     timeout_s: float = 1800.0
 
 
-def run_child(argv: list[str], what: str, timeout_s: float) -> dict:
-    """A child's one JSON line, or a MoekitError carrying its last stderr line."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise MoekitError(f"{what} did not finish within {timeout_s:.0f} s") from None
-    lines = [x for x in done.stdout.splitlines() if x.strip()]
-    if done.returncode != 0 or not lines:
-        err = [x for x in done.stderr.splitlines() if x.strip()]
-        raise MoekitError(f"{what} failed: {err[-1] if err else f'exit status {done.returncode}'}")
-    return json.loads(lines[-1])
-
-
 def _moekit(b: OffloadBench, budget: Optional[str], policy: str, prefetch: bool) -> list[str]:
     """The worker's command line; prefetch on adds the guessing (and its extra width)."""
     argv = [sys.executable, "-m", "moekit.offload.bench_worker", "--folder", b.folder,
@@ -64,16 +50,16 @@ def run_bench(b: OffloadBench, minimum_budget: str, on_start: Callable[[str], No
     """Every configuration's result, keyed: resident, no-cache, moekit@<budget>, accelerate@<budget>."""
     results: dict[str, dict] = {}
     on_start("moekit fully resident")
-    results["resident"] = run_child(_moekit(b, None, "lru", False), "the resident run", b.timeout_s)
+    results["resident"] = run_json_child(_moekit(b, None, "lru", False), "the resident run", b.timeout_s)
     on_start(f"moekit, no cache, at {minimum_budget}")
-    results["no-cache"] = run_child(_moekit(b, minimum_budget, "none", False), "the no-cache run", b.timeout_s)
+    results["no-cache"] = run_json_child(_moekit(b, minimum_budget, "none", False), "the no-cache run", b.timeout_s)
     for budget in b.budgets:
         on_start(f"moekit {b.policy} at {budget}")
-        ours = run_child(_moekit(b, budget, b.policy, False), f"moekit at {budget}", b.timeout_s)
+        ours = run_json_child(_moekit(b, budget, b.policy, False), f"moekit at {budget}", b.timeout_s)
         results[f"moekit@{budget}"] = ours
         if ours["budget_bytes"]:  # a budget that holds everything runs resident: nothing to guess
             on_start(f"moekit {b.policy} at {budget} with prefetch")
-            results[f"prefetch@{budget}"] = run_child(_moekit(b, budget, b.policy, True),
+            results[f"prefetch@{budget}"] = run_json_child(_moekit(b, budget, b.policy, True),
                                                       f"moekit at {budget} with prefetch", b.timeout_s)
         if b.vs_accelerate:
             from moekit.offload.accelerate_baseline import child_command
@@ -82,7 +68,7 @@ def run_bench(b: OffloadBench, minimum_budget: str, on_start: Callable[[str], No
             memory = ours["dense_bytes"] + ours["budget_bytes"]
             on_start(f"accelerate disk offload at {budget} ({memory / 1e6:.0f} MB)")
             argv = child_command(b.folder, memory, list(b.prompt_ids), b.new_tokens, b.threads, b.dtype)
-            results[f"accelerate@{budget}"] = run_child(argv, f"accelerate at {budget}", b.timeout_s)
+            results[f"accelerate@{budget}"] = run_json_child(argv, f"accelerate at {budget}", b.timeout_s)
     return results
 
 

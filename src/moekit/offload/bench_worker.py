@@ -10,13 +10,12 @@ figures the RSS bound is checked against (RSS before loading, peak RSS, dense an
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moekit.errors import MoekitError
+from moekit.offload.child import json_main, parse_ids
 
 
 def current_rss_bytes() -> int:
@@ -122,16 +121,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", action="store_true", help="(always JSON; accepted for symmetry)")
     args = parser.parse_args(argv)
-    try:
-        ids = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
-        result = run(args.folder, args.expert_memory, args.policy, args.prefetch and not args.no_prefetch, ids,
-                     args.new_tokens, args.threads, args.dtype, args.pin, args.prefetch_extra)
-    except (MoekitError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(json.dumps(result))
-    return 0
-
+    return json_main(lambda: run(args.folder, args.expert_memory, args.policy, args.prefetch and not args.no_prefetch,
+                                 parse_ids(args.prompt_ids), args.new_tokens, args.threads, args.dtype, args.pin,
+                                 args.prefetch_extra))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,8 +8,6 @@ projector must equal what Llama4ForConditionalGeneration adds on top.
 from __future__ import annotations
 
 import copy
-import json
-from importlib import resources
 
 import pytest
 import torch
@@ -23,12 +21,8 @@ from transformers import (
 
 from moekit.calc.params import count_params
 from moekit.spec import list_presets, spec_from_config
+from moekit.spec.loading import preset_config
 
-PRESET_DIR = resources.files("moekit.spec").joinpath("presets")
-
-
-def preset_config(name: str) -> dict:
-    return json.loads(PRESET_DIR.joinpath(f"{name}.json").read_text())
 
 
 def _numel(module: torch.nn.Module) -> int:

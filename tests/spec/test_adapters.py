@@ -10,21 +10,14 @@ from importlib import resources
 import pytest
 
 from moekit.errors import SpecError
+from spec_fixtures import TINY
 from moekit.spec import AttentionSpec, MambaSpec, MLPSpec, MoESpec, load_spec, spec_from_config
 from moekit.spec.loading import supported_model_types
 
-_TINY = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 
 
 def tiny(model_type: str, **extra: object) -> dict:
-    return {"model_type": model_type, **_TINY, **extra}
+    return {"model_type": model_type, **TINY, **extra}
 
 
 def test_every_family_of_the_brief_has_an_adapter() -> None:

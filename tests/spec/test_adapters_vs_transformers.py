@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 import math
-from importlib import resources
 
 import pytest
 import torch
@@ -23,13 +21,10 @@ from transformers import (
     Llama4ForConditionalGeneration,
 )
 
+from spec_fixtures import TINY
 from moekit.spec import AttentionSpec, ModelSpec, list_presets, spec_from_config
+from moekit.spec.loading import preset_config
 
-PRESETS = resources.files("moekit.spec").joinpath("presets")
-
-
-def preset(name: str) -> dict:
-    return json.loads(PRESETS.joinpath(f"{name}.json").read_text())
 
 
 def hf_model(config: dict) -> tuple[torch.nn.Module, torch.nn.Module, list[torch.nn.Module]]:
@@ -120,20 +115,12 @@ def check_against_transformers(config: dict) -> None:
 
 @pytest.mark.parametrize("name", list_presets())
 def test_presets_describe_the_model_transformers_builds(name: str) -> None:
-    check_against_transformers(preset(name))
+    check_against_transformers(preset_config(name))
 
 
-_TINY = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
 _YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale_all_dim": 1.0}
 _MLA = {
-    **_TINY,
+    **TINY,
     "hidden_size": 64,
     "q_lora_rank": 24,
     "kv_lora_rank": 16,
@@ -148,15 +135,15 @@ _MLA = {
 }
 
 VARIANTS = {
-    "mixtral-window-eos-list": {**_TINY, "model_type": "mixtral", "sliding_window": 16, "eos_token_id": [2, 7]},
+    "mixtral-window-eos-list": {**TINY, "model_type": "mixtral", "sliding_window": 16, "eos_token_id": [2, 7]},
     "mixtral-old-rope-style": {
-        **_TINY,
+        **TINY,
         "model_type": "mixtral",
         "rope_theta": 5e5,
         "rope_scaling": {"type": "linear", "factor": 2.0},
     },
     "qwen3_moe-sliding-sparse-step": {
-        **_TINY,
+        **TINY,
         "model_type": "qwen3_moe",
         "use_sliding_window": True,
         "sliding_window": 8,
@@ -165,7 +152,7 @@ VARIANTS = {
         "num_experts_per_tok": 2,
     },
     "qwen2_moe-sliding": {
-        **_TINY,
+        **TINY,
         "model_type": "qwen2_moe",
         "use_sliding_window": True,
         "sliding_window": 8,
@@ -174,7 +161,7 @@ VARIANTS = {
         "mlp_only_layers": [2],
     },
     "qwen2_moe-layer-types": {
-        **_TINY,
+        **TINY,
         "model_type": "qwen2_moe",
         "use_sliding_window": True,
         "sliding_window": 8,
@@ -182,17 +169,17 @@ VARIANTS = {
         "num_experts": 4,
     },
     "qwen3-sliding": {
-        **_TINY, "model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 2, "head_dim": 8
+        **TINY, "model_type": "qwen3", "use_sliding_window": True, "max_window_layers": 2, "head_dim": 8
     },
     "qwen2-new-rope-style": {
-        **_TINY,
+        **TINY,
         "model_type": "qwen2",
         "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6},
     },
-    "olmoe": {**_TINY, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0},
-    "granitemoe": {**_TINY, "model_type": "granitemoe", "attention_multiplier": 0.03, "num_local_experts": 4},
+    "olmoe": {**TINY, "model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "clip_qkv": 8.0},
+    "granitemoe": {**TINY, "model_type": "granitemoe", "attention_multiplier": 0.03, "num_local_experts": 4},
     "gpt_oss-layer-types": {
-        **_TINY,
+        **TINY,
         "model_type": "gpt_oss",
         "num_local_experts": 4,
         "num_experts_per_tok": 2,
@@ -205,7 +192,7 @@ VARIANTS = {
         "rope_theta": 2e5,
     },
     "llama-llama3-rope": {
-        **_TINY,
+        **TINY,
         "model_type": "llama",
         "rope_scaling": {
             "rope_type": "llama3",
@@ -216,7 +203,7 @@ VARIANTS = {
         },
         "rope_theta": 5e5,
     },
-    "mistral-default-window": {**_TINY, "model_type": "mistral"},
+    "mistral-default-window": {**TINY, "model_type": "mistral"},
     "deepseek_v3-yarn-mscale": {
         **_MLA,
         "model_type": "deepseek_v3",
@@ -225,9 +212,9 @@ VARIANTS = {
     },
     "kimi_k2": {**_MLA, "model_type": "kimi_k2", "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": 0},
     "deepseek_v2-yarn": {**_MLA, "model_type": "deepseek_v2", "q_lora_rank": None, "rope_scaling": _YARN},
-    "phimoe-window": {**_TINY, "model_type": "phimoe", "num_local_experts": 4, "sliding_window": 16},
+    "phimoe-window": {**TINY, "model_type": "phimoe", "num_local_experts": 4, "sliding_window": 16},
     "jamba": {
-        **_TINY,
+        **TINY,
         "model_type": "jamba",
         "num_hidden_layers": 6,
         "attn_layer_period": 3,
@@ -246,7 +233,7 @@ VARIANTS = {
     "llama4-nope-chunks": {
         "model_type": "llama4",
         "text_config": {
-            **_TINY,
+            **TINY,
             "num_hidden_layers": 8,
             "head_dim": 8,
             "intermediate_size_mlp": 48,

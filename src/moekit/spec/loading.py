@@ -43,6 +43,14 @@ def list_presets() -> list[str]:
     return sorted(_preset_files())
 
 
+def preset_config(name: str) -> dict:
+    """A bundled preset's config.json, as a dict."""
+    presets = _preset_files()
+    if name not in presets:
+        raise SpecError(f"{name}: no such preset (presets: {', '.join(sorted(presets))})")
+    return _parse(presets[name].read_bytes(), f"preset {name}")
+
+
 def _parse(text_bytes: bytes, where: str) -> dict:
     if b"\x00" in text_bytes:
         raise SpecError(f"{where}: a binary file, not a config.json")
@@ -65,7 +73,7 @@ def load_spec(source: str) -> ModelSpec:
     """A preset name, a config.json path, or a checkpoint folder holding config.json."""
     presets = _preset_files()
     if source in presets:
-        return spec_from_config(_parse(presets[source].read_bytes(), f"preset {source}"), source)
+        return spec_from_config(preset_config(source), source)
     path = Path(source)
     if path.is_dir():
         config_path = path / "config.json"

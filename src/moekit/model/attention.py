@@ -44,6 +44,24 @@ def attention_mask(
     return mask[:, None]
 
 
+def row_attention_mask(key_mask: torch.Tensor | None, slot: torch.Tensor, end: int, window: int | None) -> torch.Tensor | None:
+    """Continuous batching's decode mask: row r's one query sits at slot[r] and may see slots
+    0..slot[r] (within the window). key_mask [B, end] (True up to each row's slot) or None when
+    every row is at slot end-1. → [B, 1, 1, end] bool, or None when nothing is masked."""
+    if window is not None and window < end:
+        k_slot = torch.arange(end, device=slot.device)[None, :]  # [1, S]
+        inside = k_slot > slot[:, None] - window
+        key_mask = inside if key_mask is None else key_mask & inside
+    return None if key_mask is None else key_mask[:, None, None, :]
+
+
+def write_rows(cache: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, slot_dim: int) -> None:
+    """cache [B_max, ..., S_max, ...] (slots on `slot_dim`): row r's slot slot[r] ← values[r]."""
+    rows = torch.arange(values.shape[0], device=slot.device)
+    index = [rows] + [slice(None)] * (slot_dim - 1) + [slot]
+    cache[tuple(index)] = values
+
+
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """q [B, H, T, hd] → [B, Hkv, G*T, hd]: the G query heads sharing a kv head become one row block.
 
@@ -153,13 +171,16 @@ class Attention(nn.Module):
             qk = torch.cat((apply_rope_rolled(qk[..., : rope.dim], cos, sin_signed), qk[..., rope.dim :]), dim=-1)
         return qk, v
 
-    def forward(self, x, positions, layer_cache, start: int, key_mask) -> torch.Tensor:
+    def forward(self, x, positions, layer_cache, start, key_mask) -> torch.Tensor:
         """x [B, T, D], positions [B, T], key_mask [B, start+T] or None (no padding) → [B, T, D];
-        writes slots start..start+T-1."""
+        writes slots start..start+T-1. start may be a [B] tensor of per-row slots (T = 1): the
+        decode step of continuous batching (see Decoder.forward_rows)."""
         b, t, _ = x.shape
         qk, v = self._project(x, positions)
         q = qk[:, :, : self.heads].transpose(1, 2)  # [B, H, T, hd]
         cache_k, cache_v = layer_cache
+        if isinstance(start, torch.Tensor):
+            return self._forward_rows(q, qk[:, 0, self.heads :], v[:, 0], cache_k, cache_v, start, key_mask)
         end = start + t
         cache_k[:, :, start:end].copy_(qk[:, :, self.heads :].transpose(1, 2))  # [B, Hkv, T, hd]
         cache_v[:, :, start:end].copy_(v.transpose(1, 2))
@@ -174,3 +195,19 @@ class Attention(nn.Module):
             out = _attend(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)
+
+    def _forward_rows(self, q, k, v, cache_k, cache_v, slot, key_mask) -> torch.Tensor:
+        """q [B, H, 1, hd], k / v [B, Hkv, hd] of the new tokens, slot [B] → [B, 1, D]."""
+        b = q.shape[0]
+        write_rows(cache_k, slot, k, 2)
+        write_rows(cache_v, slot, v, 2)
+        end = int(slot.max()) + 1
+        keys, values = cache_k[:b, :, :end], cache_v[:b, :, :end]  # [B, Hkv, S, hd] views
+        mask = row_attention_mask(key_mask, slot, end, self.window)
+        if self.sinks is not None:
+            if mask is None:
+                mask = torch.ones((b, 1, 1, end), dtype=torch.bool, device=q.device)
+            out = _attend_with_sinks(q, keys, values, mask, self.scale, self.sinks)
+        else:
+            out = _attend(q, keys, values, mask, self.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))

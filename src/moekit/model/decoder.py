@@ -66,8 +66,10 @@ class Block(nn.Module):
         self.before_attn = None
         self.before_ffn = None
 
-    def forward(self, x, positions, layer_cache, start, key_mask):
-        """x [B, T, D] → (x [B, T, D], RoutingDecision or None)."""
+    def forward(self, x, positions, layer_cache, start, key_mask, top_k=None, policy=None):
+        """x [B, T, D] → (x [B, T, D], RoutingDecision or None). start: the first slot written, an
+        int, or per row a [B] tensor (T = 1, continuous batching); top_k: one K per token or None;
+        policy: this layer's routing.LayerPolicy or None (the family's routing)."""
         # x is the decoder's own running sum (never a caller's tensor): residual adds go in place.
         if self.before_attn is not None:
             self.before_attn(x)
@@ -78,7 +80,7 @@ class Block(nn.Module):
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
-            h, decision = self.ffn(h)
+            h, decision = self.ffn(h, top_k, policy)
         else:
             h = self.ffn(h)
         x.add_(h * self.residual if self.residual != 1.0 else h)
@@ -140,13 +142,23 @@ class Decoder(nn.Module):
         return KVCache(layers=layers, key_mask=key_mask)
 
     def forward(
-        self, input_ids, cache: KVCache, positions, decisions: list | None = None, last_only: bool = False
+        self,
+        input_ids,
+        cache: KVCache,
+        positions,
+        decisions: list | None = None,
+        last_only: bool = False,
+        top_k: list[int] | None = None,
+        policy=None,
     ) -> torch.Tensor:
         """input_ids [B, T], positions [B, T] → logits [B, T, V] fp32; writes T slots of `cache`.
 
         When `decisions` is a list, (layer_index, RoutingDecision) is appended for every MoE layer.
         last_only: logits of the last position only, [B, 1, V] — what a prefill that goes on to
         generate needs; it skips T-1 rows of the LM head, the largest GEMM of a short prompt.
+        top_k: None for the model's K, else one K per token of the B*T (expert-budget tiers).
+        policy: None for the family's routing, else a routing.PolicyRun the caller owns (its state
+        carries across calls, so one run serves a prefill and the decode steps after it).
         """
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
@@ -159,12 +171,41 @@ class Decoder(nn.Module):
             x = x * self.spec.multipliers.embedding
         with self.rope.shared_for(positions, self.dtype):
             for i, block in enumerate(self.layers):
-                x, decision = block(x, positions, cache.layers[i], start, key_mask)
+                x, decision = block(x, positions, cache.layers[i], start, key_mask, top_k,
+                                    None if policy is None else policy.at(i))
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         cache.length = start + t
         if last_only:
             x = x[:, -1:]
+        return self.head(self.norm(x))
+
+    def forward_rows(
+        self, input_ids, cache: KVCache, lengths, decisions: list | None = None, top_k: list[int] | None = None
+    ) -> torch.Tensor:
+        """One decode step over cache rows 0..B-1, each at its own length: continuous batching.
+
+        input_ids [B, 1]; lengths [B] int64: slots row r already holds, so its new token goes to
+        slot lengths[r] at RoPE position lengths[r] (rows are never padded: slot = position).
+        Rows attend over their own slots only. → logits [B, 1, V] fp32. cache.length is not used.
+        """
+        b = input_ids.shape[0]
+        end = int(lengths.max()) + 1
+        if end > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+        if b == 1 or bool((lengths == lengths[0]).all()):
+            key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
+        else:
+            key_mask = torch.arange(end, device=lengths.device)[None, :] <= lengths[:, None]  # [B, S]
+        positions = lengths[:, None]  # [B, 1]
+        x = self.embed(input_ids)
+        if self.spec.multipliers.embedding != 1.0:
+            x = x * self.spec.multipliers.embedding
+        with self.rope.shared_for(positions, self.dtype):
+            for i, block in enumerate(self.layers):
+                x, decision = block(x, positions, cache.layers[i], lengths, key_mask, top_k)
+                if decisions is not None and decision is not None:
+                    decisions.append((i, decision))
         return self.head(self.norm(x))
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from moekit.model.attention import attention_mask
+from moekit.model.attention import attention_mask, row_attention_mask, write_rows
 from moekit.model.linear import Linear
 from moekit.model.norms import RMSNorm
 from moekit.model.rope import Rope, apply_rope_rolled
@@ -164,6 +164,8 @@ class MLAttention(nn.Module):
         latent, k_rope = kv.split([self.latent_dim, self.rope_dim], dim=-1)
         # The H query rope parts and the one shared rope key turn together: [B, T, H+1, Rr].
         rotated = self._rotate(torch.cat((q[..., self.nope :], k_rope.unsqueeze(2)), dim=2), positions)
+        if isinstance(start, Tensor):  # per-row slots, T = 1: continuous batching's decode step
+            return self._forward_rows(q, latent, rotated, cache, start, key_mask)
         cache.latent[:, start:end] = self.kv_a_layernorm(latent)
         cache.k_rope[:, start:end] = rotated[:, :, self.heads]
         q_nope = q[..., : self.nope].transpose(1, 2)  # [B, H, T, Rn]
@@ -209,3 +211,15 @@ class MLAttention(nn.Module):
         out_latent = probs.view(b, h * t, -1) @ slots[..., : self.latent_dim]  # [B, H*T, R]
         return out_latent.view(b, h, t, -1) @ w_uv_t  # [B, H, T, Dv]
 
+
+    def _forward_rows(self, q: Tensor, latent: Tensor, rotated: Tensor, cache: MLACache, slot: Tensor, key_mask) -> Tensor:
+        """q [B, 1, H, Rn+Rr], latent [B, 1, R], rotated [B, 1, H+1, Rr], slot [B] → [B, 1, D]."""
+        b = q.shape[0]
+        new = torch.cat((self.kv_a_layernorm(latent[:, 0]), rotated[:, 0, self.heads]), dim=-1)  # [B, R+Rr]
+        write_rows(cache.slots, slot, new, 1)
+        end = int(slot.max()) + 1
+        mask = row_attention_mask(key_mask, slot, end, None)
+        q_nope = q[..., : self.nope].transpose(1, 2)  # [B, H, 1, Rn]
+        q_rope = rotated[:, :, : self.heads].transpose(1, 2)  # [B, H, 1, Rr]
+        out = self.attend_absorbed(q_nope, q_rope, cache.slots[:b, :end], mask)  # [B, H, 1, Dv]
+        return self.o_proj(out.transpose(1, 2).reshape(b, 1, self.heads * self.v_dim))

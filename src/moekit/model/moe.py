@@ -8,7 +8,7 @@ from torch import nn
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
-from moekit.model.routing import RoutingDecision, route
+from moekit.model.routing import RoutingDecision, route, route_rows
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
 
@@ -25,9 +25,15 @@ class Router(Linear):
         bias = self.bias.to(self.weight.dtype) if self.bias is not None else None
         return self.kernel.apply(x.to(self.weight.dtype), self.weight, bias).float()
 
-    def forward(self, x: torch.Tensor) -> RoutingDecision:
+    def forward(self, x: torch.Tensor, top_k=None, policy=None) -> RoutingDecision:
+        """top_k: None for the model's K, else one K per token (moekit.model.routing.route_rows).
+        policy: None for the family's routing, else a routing.LayerPolicy (its state is the caller's)."""
         bias = self.selection_bias.float() if self.selection_bias is not None else None
-        return route(self.logits(x), self.spec, bias)
+        if policy is not None:
+            return policy.route(self.logits(x), self.spec, bias)
+        if top_k is None:
+            return route(self.logits(x), self.spec, bias)
+        return route_rows(self.logits(x), self.spec, bias, top_k)
 
 
 class MoE(nn.Module):
@@ -39,11 +45,13 @@ class MoE(nn.Module):
         self.shared = MLP(spec.shared, activation_for(spec.shared, extras)) if spec.shared is not None else None
         self.shared_gate = Linear(d, 1, bias=False) if spec.shared_gate else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision]:
-        """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major)."""
+    def forward(self, x: torch.Tensor, top_k=None, policy=None) -> tuple[torch.Tensor, RoutingDecision]:
+        """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major).
+
+        top_k: None for the model's K, else one K per token of the B*T (expert-budget tiers)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)  # [T, D] in the routing legend
-        decision = self.router(flat)
+        decision = self.router(flat, top_k, policy)
         out = self.experts(flat, decision)
         if self.shared is not None:
             shared = self.shared(flat)

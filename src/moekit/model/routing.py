@@ -15,11 +15,13 @@ Every order ends with × scaling (routed_scaling_factor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from moekit.errors import MoekitError
 from moekit.spec.model_spec import RouterSpec
 
 
@@ -79,3 +81,252 @@ def route(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None = None
     if spec.scaling != 1.0:
         weights = weights * spec.scaling
     return RoutingDecision(topk_ids=topk_ids, topk_weights=weights)
+
+
+def route_rows(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None, top_k: Sequence[int]) -> RoutingDecision:
+    """Token t routed exactly as the family routes with K = top_k[t] (1 <= k <= the model's K).
+
+    Fewer experts means the family's own rule over fewer: renormalised over the k kept where the
+    family normalises (mixtral, qwen with norm_topk_prob, deepseek), the raw scores of the k kept
+    where it does not (qwen without norm_topk_prob, olmoe), a softmax over k logits where top-K
+    comes first (gpt_oss, granitemoe). Routing is row-wise, so each group of equal k is routed on
+    its own. Rows narrower than the widest repeat their first expert at weight 0: the combine
+    adds exactly nothing for them and reads no expert the row did not choose.
+    """
+    widths = sorted(set(int(k) for k in top_k))
+    if len(widths) == 1:
+        return route(logits, replace(spec, top_k=widths[0]), selection_bias)
+    tokens, width = logits.shape[0], widths[-1]
+    ids = torch.empty((tokens, width), dtype=torch.int64, device=logits.device)  # [T, K]
+    weights = torch.zeros((tokens, width), dtype=torch.float32, device=logits.device)  # [T, K]
+    ks = torch.tensor([int(k) for k in top_k], device=logits.device)  # [T]
+    for k in widths:
+        rows = (ks == k).nonzero().squeeze(1)
+        part = route(logits[rows], replace(spec, top_k=k), selection_bias)
+        ids[rows, :k] = part.topk_ids
+        ids[rows, k:] = part.topk_ids[:, :1]
+        weights[rows, :k] = part.topk_weights
+    return RoutingDecision(topk_ids=ids, topk_weights=weights)
+
+
+# --- inference-time routing policies ---------------------------------------------------------
+# Each policy is data beside the family's exact route(), never the default. Fewer experts always
+# means the family's own rule over the fewer (route_rows): renormalised over the k kept where the
+# family normalises (mixtral, qwen/olmoe with norm_topk_prob, deepseek, then × routed scaling),
+# the raw scores of the k kept where it does not, a softmax over k logits where top-K comes first
+# (gpt_oss, granitemoe). A token's "top-1 share" is its first expert's weight over the sum of its
+# K weights in the exact decision: the part of the combine that expert carries.
+
+
+@dataclass(frozen=True)
+class Exact:
+    """`exact`: the family's routing (what the engine does without a policy)."""
+
+    def __str__(self) -> str:
+        return "exact"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """`topk:k` (or `topk`): k experts per token instead of the model's K."""
+
+    k: int
+
+    def __str__(self) -> str:
+        return f"topk:{self.k}"
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """`adaptive:τ`: the top-1 expert alone when its share of the combine is >= τ, else all K."""
+
+    tau: float
+
+    def __str__(self) -> str:
+        return f"adaptive:{self.tau:g}"
+
+
+@dataclass(frozen=True)
+class TopP:
+    """`topp:p`: the fewest experts, in the family's order, whose combine shares sum to >= p (at most K)."""
+
+    p: float
+
+    def __str__(self) -> str:
+        return f"topp:{self.p:g}"
+
+
+@dataclass(frozen=True)
+class Smooth:
+    """`ema:α`: route each token on s_t = α·s_(t-1) + (1-α)·logits_t, the row's moving average of
+    router logits (s_0 = the first token's logits); both the choice and the weights come from s_t."""
+
+    alpha: float = 0.95
+
+    def __str__(self) -> str:
+        return f"ema:{self.alpha:g}"
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """`reuse`: when a token's top-1 expert equals the previous token's, it takes the previous
+    token's experts (weighted by its own scores under the family's rule), else it routes exactly."""
+
+    def __str__(self) -> str:
+        return "reuse"
+
+
+RoutingPolicy = Union[Exact, TopK, Adaptive, TopP, Smooth, Reuse]
+POLICY_FORMS = "exact, topk:k, adaptive:τ, topp:p, ema:α, reuse"
+
+
+def _number(text: str, value: str, example: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise MoekitError(f"routing policy {text!r}: {value!r} is not a number (e.g. {example})") from None
+    if number != number:
+        raise MoekitError(f"routing policy {text!r}: not a number (e.g. {example})")
+    return number
+
+
+def parse_policy(text: str, model_k: int) -> RoutingPolicy:
+    """'topk:1', 'top1', 'adaptive:0.85', 'topp:0.9', 'ema:0.95', 'ema', 'reuse', 'exact' -> the
+    policy, checked against the model's K; one line naming the problem otherwise."""
+    name, _, value = text.strip().lower().partition(":")
+    if name.startswith("top") and name[3:].isdigit() and not value:
+        name, value = "topk", name[3:]
+    if name == "exact" and not value:
+        return Exact()
+    if name == "reuse" and not value:
+        return Reuse()
+    if name == "topk":
+        if not value.strip().isdigit():
+            raise MoekitError(f"routing policy {text!r}: topk needs a whole number of experts, e.g. topk:1")
+        k = int(value)
+        if not 1 <= k <= model_k:
+            raise MoekitError(f"routing policy {text!r}: k must be 1..{model_k} (the model routes {model_k} per token)")
+        return TopK(k)
+    if name == "adaptive" and value:
+        tau = _number(text, value, "adaptive:0.85")
+        if tau <= 0:
+            raise MoekitError(f"routing policy {text!r}: τ must be above 0 (above 1 never drops an expert)")
+        return Adaptive(tau)
+    if name == "topp" and value:
+        p = _number(text, value, "topp:0.9")
+        if not 0 < p <= 1:
+            raise MoekitError(f"routing policy {text!r}: p must be in (0, 1]")
+        return TopP(p)
+    if name == "ema":
+        alpha = _number(text, value, "ema:0.95") if value else 0.95
+        if not 0 <= alpha < 1:
+            raise MoekitError(f"routing policy {text!r}: α must be in [0, 1)")
+        return Smooth(alpha)
+    raise MoekitError(f"unknown routing policy {text!r}; the forms are {POLICY_FORMS}")
+
+
+def top1_share(decision: RoutingDecision) -> Tensor:
+    """[T] the first expert's weight over the sum of the token's weights."""
+    weights = decision.topk_weights
+    return weights[:, 0] / weights.sum(dim=-1).clamp_min(1e-30)
+
+
+def policy_widths(decision: RoutingDecision, policy: RoutingPolicy) -> list[int]:
+    """Experts per token that a stateless policy keeps of the exact decision (its prefix)."""
+    k = decision.topk_ids.shape[1]
+    if isinstance(policy, TopK):
+        return [policy.k] * decision.topk_ids.shape[0]
+    if isinstance(policy, Adaptive):
+        return torch.where(top1_share(decision) >= policy.tau, 1, k).tolist()
+    if isinstance(policy, TopP):
+        shares = decision.topk_weights / decision.topk_weights.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        reached = shares.cumsum(dim=-1) >= policy.p  # [T, K]
+        first = torch.where(reached.any(dim=-1), reached.float().argmax(dim=-1) + 1, k)
+        return first.clamp(max=k).tolist()
+    return [k] * decision.topk_ids.shape[0]
+
+
+def weights_for(logits: Tensor, spec: RouterSpec, ids: Tensor) -> Tensor:
+    """The family's combine weights [T, K] for experts `ids` [T, K] chosen some other way."""
+    logits = logits.float()
+    if spec.order == "topk_then_score":
+        weights = torch.softmax(logits.gather(1, ids), dim=-1)
+    else:
+        scores = logits.sigmoid() if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        weights = scores.gather(1, ids)
+        if spec.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+    return weights * spec.scaling if spec.scaling != 1.0 else weights
+
+
+@dataclass
+class LayerState:
+    """What a stateful policy remembers of one layer's last token, per row (None before the first)."""
+
+    smoothed: Optional[Tensor] = None  # [B, E] moving average of the router logits
+    top1: Optional[Tensor] = None  # [B] the exact top-1 expert
+    ids: Optional[Tensor] = None  # [B, K] the experts the token used
+
+
+def _smooth(logits: Tensor, spec: RouterSpec, bias: Optional[Tensor], alpha: float, state: LayerState, rows: int):
+    z = logits.float().view(rows, -1, logits.shape[-1])  # [B, T, E]
+    out = torch.empty_like(z)
+    s = state.smoothed
+    for t in range(z.shape[1]):
+        s = z[:, t] if s is None else alpha * s + (1 - alpha) * z[:, t]
+        out[:, t] = s
+    state.smoothed = s
+    return route(out.view(-1, z.shape[-1]), spec, bias)
+
+
+def _reuse(logits: Tensor, spec: RouterSpec, bias: Optional[Tensor], state: LayerState, rows: int):
+    exact = route(logits, spec, bias)
+    ids = exact.topk_ids.view(rows, -1, exact.topk_ids.shape[1]).clone()  # [B, T, K]
+    top1 = ids[..., 0].clone()  # [B, T]
+    prev_top1, prev_ids = state.top1, state.ids
+    for t in range(ids.shape[1]):
+        if prev_ids is not None:
+            same = top1[:, t] == prev_top1
+            ids[same, t] = prev_ids[same]
+        prev_top1, prev_ids = top1[:, t], ids[:, t]
+    state.top1, state.ids = prev_top1, prev_ids
+    flat = ids.view(-1, ids.shape[-1])
+    return RoutingDecision(topk_ids=flat, topk_weights=weights_for(logits, spec, flat))
+
+
+def route_policy(logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tensor], policy: RoutingPolicy,
+                 state: Optional[LayerState] = None, rows: int = 1) -> RoutingDecision:
+    """logits [B*T, E] of `rows` rows, row-major → the policy's decision. Stateful policies (ema,
+    reuse) read and update `state` token by token in each row's order; the others need none."""
+    if isinstance(policy, Smooth):
+        return _smooth(logits, spec, selection_bias, policy.alpha, state if state is not None else LayerState(), rows)
+    if isinstance(policy, Reuse):
+        return _reuse(logits, spec, selection_bias, state if state is not None else LayerState(), rows)
+    exact = route(logits, spec, selection_bias)
+    if isinstance(policy, Exact):
+        return exact
+    return route_rows(logits, spec, selection_bias, policy_widths(exact, policy))
+
+
+class PolicyRun:
+    """One policy applied over one batch of rows, with its per-layer state: owned by the caller
+    (one per generation or scoring pass), handed to Decoder.forward(..., policy=run)."""
+
+    def __init__(self, policy: RoutingPolicy, rows: int):
+        self.policy, self.rows = policy, rows
+        self.states: dict[int, LayerState] = {}
+
+    def at(self, layer: int) -> "LayerPolicy":
+        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState()), self.rows)
+
+
+@dataclass
+class LayerPolicy:
+    """What one MoE layer's router needs: the policy, that layer's state, the rows of the batch."""
+
+    policy: RoutingPolicy
+    state: LayerState
+    rows: int
+
+    def route(self, logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tensor]) -> RoutingDecision:
+        return route_policy(logits, spec, selection_bias, self.policy, self.state, self.rows)

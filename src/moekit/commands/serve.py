@@ -1,0 +1,128 @@
+"""`moekit serve`: the OpenAI-compatible server (moekit.serve) on a loopback port by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while loading), GET /metrics.
+A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert) or {"top_k": k}; its usage then has a "moe" object with the active share it used.
+
+  moekit serve                                    # the bundled model on 127.0.0.1:8000
+  moekit serve path/to/checkpoint --port 8001 --max-batch 16 --dtype bfloat16
+  moekit serve path/to/checkpoint --expert-memory 25%   # routed experts paged from disk
+"""
+
+
+def _graceful_server(config):
+    """uvicorn's Server, except that after a SIGTERM's graceful stop the process exits 0 (uvicorn
+    re-raises the signal, which a supervisor would read as a crash)."""
+    import signal
+    import threading
+    from contextlib import contextmanager
+
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    return Server(config)
+
+
+def serve(
+    checkpoint: Optional[Path] = typer.Argument(
+        None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]). Default: the bundled model."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
+    max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
+    queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send. Default: the folder's name."),
+    expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Memory for routed experts (25% or 2GiB); the rest is paged from disk."),
+    cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads. Default: torch's own choice."),
+    grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
+    max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
+    log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
+) -> None:
+    import uvicorn
+
+    from moekit.engine.default_model import default_checkpoint
+    from moekit.engine.loader import DTYPES
+    from moekit.serve.app import ServeConfig, create_app
+    from moekit.spec import load_spec
+
+    folder = Path(checkpoint) if checkpoint is not None else default_checkpoint()
+    if not (folder / "config.json").is_file():
+        raise MoekitError(f"{folder}: not a checkpoint folder (no config.json)")
+    load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
+    if dtype not in DTYPES:
+        raise MoekitError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if not 0 <= port <= 65535:
+        raise MoekitError(f"--port must be in 0..65535, got {port}")
+    for name, value in (("--max-batch", max_batch), ("--queue-limit", queue_limit), ("--max-body-bytes", max_body)):
+        if value < 1:
+            raise MoekitError(f"{name} must be at least 1, got {value}")
+    if max_context is not None and max_context < 2:
+        raise MoekitError(f"--max-context must be at least 2, got {max_context}")
+    if grace < 0:
+        raise MoekitError(f"--grace must be >= 0 seconds, got {grace}")
+    offload = None
+    if expert_memory is not None:
+        from moekit.offload.options import OffloadOptions
+
+        offload = OffloadOptions(expert_memory=expert_memory, policy=cache)
+    config = ServeConfig(
+        checkpoint=folder,
+        model_name=served_model_name or folder.resolve().name,
+        dtype=dtype,
+        device=device,
+        max_batch=max_batch,
+        max_context=max_context,
+        queue_limit=queue_limit,
+        max_body_bytes=max_body,
+        offload=offload,
+        threads=threads,
+    )
+    server_box: list = []
+
+    def ready(state) -> None:
+        bound = server_box[0].servers[0].sockets[0].getsockname() if server_box and server_box[0].servers else (host, port)
+        typer.echo(
+            f"serving {config.model_name!r} on http://{bound[0]}:{bound[1]}/v1 "
+            f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype})",
+            err=True,
+        )
+
+    app = create_app(config, on_ready=ready)
+    server = _graceful_server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False)
+    )
+    server_box.append(server)
+    state = app.state.moekit
+    state.on_fatal = lambda message: setattr(server, "should_exit", True)
+    typer.echo(f"loading {folder} ...", err=True)
+    server.run()
+    if state.error is not None:
+        raise MoekitError(f"{folder}: {state.error}")
+    if not server.started:
+        raise MoekitError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")

@@ -1,0 +1,100 @@
+"""Prometheus metrics, named in the `moekit:` namespace after vLLM's where vLLM has one.
+
+One registry per server (no process-global state). Latencies are histograms labelled by tier;
+what the scheduler already counts (rows running and waiting, tokens per (layer, expert), the
+expert cache) is read from it at scrape time by a collector instead of being copied every step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+# vLLM's buckets for the latencies, shortened at the long end for a CPU engine.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class SchedulerCollector:
+    """Gauges and counters the scheduler keeps itself, read when Prometheus scrapes."""
+
+    def __init__(self, state):
+        self.state = state  # moekit.serve.app.ServerState: its scheduler appears once loaded
+
+    def collect(self):
+        scheduler = self.state.scheduler
+        running = GaugeMetricFamily("moekit:num_requests_running", "Requests in the running batch.")
+        waiting = GaugeMetricFamily("moekit:num_requests_waiting", "Requests waiting for a row, by tier.", labels=["tier"])
+        tokens = CounterMetricFamily(
+            "moekit:expert_tokens", "Tokens routed to each expert (prompt and generated).", labels=["layer", "expert"]
+        )
+        imbalance = GaugeMetricFamily(
+            "moekit:expert_load_imbalance", "Max over mean of the tokens per expert since start, per MoE layer.", labels=["layer"]
+        )
+        if scheduler is not None:
+            running.add_metric([], scheduler.num_running)
+            for tier, n in scheduler.waiting_by_tier().items():
+                waiting.add_metric([tier], n)
+            for layer, counts in scheduler.expert_tokens.items():
+                snapshot = list(counts)
+                for expert, n in enumerate(snapshot):
+                    tokens.add_metric([str(layer), str(expert)], n)
+                mean = sum(snapshot) / len(snapshot) if snapshot else 0.0
+                imbalance.add_metric([str(layer)], max(snapshot) / mean if mean else 0.0)
+        yield from (running, waiting, tokens, imbalance)
+        store = scheduler.store if scheduler is not None else None
+        if store is not None:
+            stats = [layer.stats for layer in store.layers.values()]
+            hits = CounterMetricFamily("moekit:expert_cache_hits", "Expert-cache accesses that found the expert resident.")
+            misses = CounterMetricFamily("moekit:expert_cache_misses", "Expert-cache accesses that read the expert from disk.")
+            hits.add_metric([], sum(s.hits for s in stats))
+            misses.add_metric([], sum(s.accesses - s.hits for s in stats))
+            yield from (hits, misses)
+
+
+class ServerMetrics:
+    def __init__(self, state):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram(
+            "moekit:time_to_first_token_seconds", "Time to first token.", ["tier"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "moekit:inter_token_latency_seconds", "Time between two generated tokens.", ["tier"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "moekit:e2e_request_latency_seconds", "Arrival to last token.", ["tier"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.queue = Histogram(
+            "moekit:request_queue_time_seconds", "Arrival to admission into the batch.", ["tier"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("moekit:prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter("moekit:generation_tokens", "Tokens generated.", registry=r)
+        self.success = Counter("moekit:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r)
+        self.failures = Counter("moekit:request_failure", "Requests that failed inside the engine.", registry=r)
+        self.active_share = Histogram(
+            "moekit:active_share_per_token", "Share of the model's parameters each generated token used.", buckets=SHARE_BUCKETS, registry=r
+        )
+        self.batch = Histogram("moekit:batch_size_per_step", "Rows in each decode step.", buckets=BATCH_BUCKETS, registry=r)
+        r.register(SchedulerCollector(state))
+
+    def observe_request(self, tier: str, outcome, token_times: list[float], reason: str, total_params: int) -> None:
+        """A finished request: its latencies (from the scheduler's clock), tokens and share per token."""
+        if outcome.finish_reason == "error":
+            self.failures.inc()
+            return
+        self.success.labels(finished_reason=reason).inc()
+        self.queue.labels(tier=tier).observe(max(outcome.admitted_at - outcome.submitted_at, 0.0))
+        if token_times:
+            self.ttft.labels(tier=tier).observe(token_times[0] - outcome.submitted_at)
+            itl = self.itl.labels(tier=tier)
+            for before, after in zip(token_times, token_times[1:]):
+                itl.observe(after - before)
+            self.e2e.labels(tier=tier).observe(token_times[-1] - outcome.submitted_at)
+        self.generation_tokens.inc(len(outcome.token_ids))
+        for active in outcome.active_params:
+            self.active_share.observe(active / total_params)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

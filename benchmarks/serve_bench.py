@@ -72,16 +72,21 @@ def sweep(url: str, prompts, args) -> list[dict]:
     return out
 
 
-def moekit_serve(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "moekit", "serve", str(checkpoint), "--port", str(port), "--dtype", dtype,
-           "--max-batch", str(args.max_batch), "--threads", str(args.threads)]
+def server_sweep(cmd: list[str], port: int, prompts, args) -> list[dict]:
+    """Start a server process, sweep the concurrencies against it, stop it."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc)
         return sweep(f"http://127.0.0.1:{port}", prompts, args)
     finally:
         stop(proc)
+
+
+def moekit_serve(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "moekit", "serve", str(checkpoint), "--port", str(port), "--dtype", dtype,
+           "--max-batch", str(args.max_batch), "--threads", str(args.threads)]
+    return server_sweep(cmd, port, prompts, args)
 
 
 def llama_server(binary: Path, gguf: Path, prompts, args) -> list[dict]:
@@ -89,12 +94,7 @@ def llama_server(binary: Path, gguf: Path, prompts, args) -> list[dict]:
     ctx = args.max_batch * (args.prompt_len + args.max_tokens + 8)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.max_batch),
            "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads), "--no-warmup", "-cb"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
-        return sweep(f"http://127.0.0.1:{port}", prompts, args)
-    finally:
-        stop(proc)
+    return server_sweep(cmd, port, prompts, args)
 
 
 def static_batching(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:

@@ -195,3 +195,16 @@ def test_submit_refuses_what_cannot_run(request_kwargs, message, tiny_checkpoint
     with pytest.raises(MoekitError, match=message):
         scheduler.submit(Request(**request_kwargs))
     assert scheduler.num_waiting == 0
+
+
+def test_a_burst_is_prefilled_together_within_the_prefill_budget(tiny_checkpoints):
+    engine = load_engine(tiny_checkpoints("gpt_oss"))
+    steps: list = []
+    # 12 padded tokens per step at most. Prompt lengths 7, 2, 3, 1: the 7 goes alone (with the 2
+    # it would pad to 2 × 7 = 14); the next step takes the 2, the 3 and the 1 together (3 × 3 = 9).
+    scheduler = Scheduler(engine.decoder, max_batch=4, prefill_tokens=12, on_step=steps.append)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3], PROMPTS[4]]
+    outcomes = generate_batch(scheduler, [Request(prompt=p, max_new_tokens=6) for p in prompts])
+    assert [s.admitted for s in steps[:2]] == [1, 3]
+    for prompt, outcome in zip(prompts, outcomes):
+        assert outcome.token_ids == alone(engine, prompt, 6)

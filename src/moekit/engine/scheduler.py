@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from moekit.engine.generate import check_request
+from moekit.engine.generate import check_request, left_pad
 from moekit.engine.meter import ParamsPerToken, params_per_token
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
@@ -142,9 +142,12 @@ class Scheduler:
         queue_limit: int = 256,
         store=None,
         on_step: Optional[Callable[[StepStats], None]] = None,
+        prefill_tokens: int = 2048,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
-        queue_limit: waiting requests per tier before submit refuses (QueueFull)."""
+        queue_limit: waiting requests per tier before submit refuses (QueueFull).
+        prefill_tokens: padded prompt tokens one step may prefill together (one request always):
+        a burst of arrivals is prefilled in one forward instead of one after another."""
         spec = decoder.spec
         if max_batch < 1:
             raise MoekitError(f"max-batch must be at least 1, got {max_batch}")
@@ -154,6 +157,7 @@ class Scheduler:
         self.max_len = min(max_len or spec.max_position_embeddings, spec.max_position_embeddings)
         self.bytes_per_param = bytes_per_param
         self.queue_limit = queue_limit
+        self.prefill_tokens = prefill_tokens
         self.store = store
         self.on_step = on_step
         self.counts: ParamsPerToken = params_per_token(spec)
@@ -209,7 +213,12 @@ class Scheduler:
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step until `stop` is set; sleep while there is nothing to do."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as err:  # noqa: BLE001 - a bug must not leave every client waiting forever
+                self.abort_all(f"internal error in the scheduler: {_message(err)}", reason="error")
+                busy = False
+            if not busy:
                 self._wake.wait(idle_wait_s)
                 self._wake.clear()
 
@@ -218,16 +227,17 @@ class Scheduler:
         while self.step():
             pass
 
-    def abort_all(self, reason: str) -> None:
-        """Fail every waiting and running request (shutdown past its grace period)."""
+    def abort_all(self, message: str, reason: str = "cancelled") -> None:
+        """End every waiting and running request with `reason` (shutdown past its grace period,
+        or a scheduler that failed as a whole)."""
         with self._lock:
             waiting = [r for q in self.waiting.values() for r in q]
             for q in self.waiting.values():
                 q.clear()
         for request in waiting:
-            self._finish_unstarted(request, "cancelled", reason)
+            self._finish_unstarted(request, reason, message)
         for row in self.rows:
-            row.finish, row.error = "cancelled", reason
+            row.finish, row.error = reason, message
         self._release()
 
     # ---- the scheduler's own thread ----
@@ -246,40 +256,55 @@ class Scheduler:
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
         return bool(batch or admitted or self.num_waiting)
 
-    def _pop_waiting(self) -> Optional[Request]:
+    def _pop_admissible(self, width: int, count: int) -> Optional[Request]:
+        """The next waiting request (tier order) if a left-padded prefill of `count` + 1 prompts
+        stays within the step's prefill budget; the first of a step is always admitted."""
         with self._lock:
             for tier in TIERS:
-                if self.waiting[tier]:
-                    return self.waiting[tier].popleft()
+                queue = self.waiting[tier]
+                if queue:
+                    request = queue[0]
+                    if count and (count + 1) * max(width, len(request.prompt)) > self.prefill_tokens:
+                        return None
+                    return queue.popleft()
         return None
 
     def _admit(self) -> int:
-        admitted = 0
-        while len(self.rows) < self.max_batch:
-            request = self._pop_waiting()
+        """Take waiting requests into free rows: one left-padded prefill for all of them."""
+        group: list[Request] = []
+        width = 0
+        while len(self.rows) + len(group) < self.max_batch:
+            request = self._pop_admissible(width, len(group))
             if request is None:
                 break
             if request.cancelled:
                 self._finish_unstarted(request, "cancelled", None)
                 continue
-            self._prefill(request)
-            admitted += 1
-        return admitted
+            group.append(request)
+            width = max(width, len(request.prompt))
+        if len(group) == 1:
+            self._prefill(group[0])
+        elif group:
+            self._prefill_together(group)
+        return len(group)
 
     def _row_k(self, request: Request) -> int:
         if not self.model_k:
             return 0
         return request.top_k if request.top_k is not None else tier_top_k(request.tier, self.model_k)
 
-    def _prefill(self, request: Request) -> None:
-        """Prefill alone into a cache of the prompt's size, then copy it into the next free row."""
-        row = _Row(
+    def _new_row(self, request: Request) -> _Row:
+        return _Row(
             request=request,
             top_k=self._row_k(request),
             generator=make_generator(request.sampling, self.device),
             length=len(request.prompt),
             admitted_at=time.perf_counter(),
         )
+
+    def _prefill(self, request: Request) -> None:
+        """Prefill alone into a cache of the prompt's size, then copy it into the next free row."""
+        row = self._new_row(request)
         prompt = torch.tensor([list(request.prompt)], dtype=torch.int64, device=self.device)  # [1, P]
         positions = torch.arange(prompt.shape[1], device=self.device)[None]  # [1, P]
         top_k = None if row.top_k == self.model_k else [row.top_k] * prompt.shape[1]
@@ -287,7 +312,7 @@ class Scheduler:
         try:
             single = self.decoder.new_cache(1, prompt.shape[1])
             logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k)  # [1, 1, V]
-            self._meter_prompt(row, decisions)
+            self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions])
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
             row.finish, row.error = "error", _message(err)
             self._finish(row)
@@ -295,6 +320,34 @@ class Scheduler:
         copy_row(self.cache, len(self.rows), single, 0, row.length)
         self.rows.append(row)
         self._accept(row, int(next_tokens(logits[:, -1], request.sampling, row.generator)[0]))
+
+    def _prefill_together(self, requests: list[Request]) -> None:
+        """Several prompts in one left-padded forward (as a batched `generate` prefills them), each
+        row's real slots then copied into its cache row. If the forward fails, each is prefilled
+        alone, so only the request that fails fails."""
+        rows = [self._new_row(r) for r in requests]
+        ids, mask, positions = left_pad([r.prompt for r in requests], pad_id=0)  # [B, P] each
+        b, width = ids.shape
+        top_k = None
+        if any(row.top_k != self.model_k for row in rows):
+            top_k = [row.top_k for row in rows for _ in range(width)]  # row-major, as the tokens
+        decisions: list = []
+        try:
+            cache = self.decoder.new_cache(b, width)
+            cache.key_mask[:] = mask.to(self.device)
+            logits = self.decoder(ids.to(self.device), cache, positions.to(self.device), decisions, last_only=True, top_k=top_k)
+        except Exception:  # noqa: BLE001
+            for request in requests:
+                self._prefill(request)
+            return
+        for i, row in enumerate(rows):
+            first = width - row.length
+            per_row = [(layer, d.topk_ids.view(b, width, -1)[i, first:]) for layer, d in decisions]  # [P_i, K]
+            self._meter_prompt(row, per_row)
+            copy_row(self.cache, len(self.rows), cache, i, row.length, src_start=first)
+            self.rows.append(row)
+        for row, token in zip(rows, self._sample(logits[:, -1], rows)):
+            self._accept(row, token)
 
     def _decode(self) -> None:
         n = len(self.rows)
@@ -380,10 +433,11 @@ class Scheduler:
     def _record(self, row: _Row, layer: int, experts: list[int]) -> None:
         row.touched.update((layer, e) for e in experts)
 
-    def _meter_prompt(self, row: _Row, decisions: list) -> None:
+    def _meter_prompt(self, row: _Row, layers: list) -> None:
+        """layers: (layer, topk_ids [P, K]) of this row's prompt tokens."""
         last: dict[int, int] = {}
-        for layer, decision in decisions:
-            ids = decision.topk_ids[:, : row.top_k].tolist()  # [P, k]
+        for layer, topk_ids in layers:
+            ids = topk_ids[:, : row.top_k].tolist()  # [P, k]
             counts = self.expert_tokens[layer]
             for token_ids in ids:
                 self._record(row, layer, token_ids)

@@ -30,9 +30,10 @@ def _slot_tensors(entry) -> list[tuple[Tensor, int]]:
     return [(entry.slots, 1)]
 
 
-def copy_row(dst: KVCache, dst_row: int, src: KVCache, src_row: int, length: int) -> None:
-    """Slots 0..length-1 of src's row into dst's row, every layer: a prefilled request joins the
-    running batch, or a row moves down to keep the running rows contiguous."""
+def copy_row(dst: KVCache, dst_row: int, src: KVCache, src_row: int, length: int, src_start: int = 0) -> None:
+    """Slots src_start.. src_start+length-1 of src's row into slots 0..length-1 of dst's row, every
+    layer: a prefilled request joins the running batch (from a left-padded prefill, its real
+    tokens start at src_start), or a row moves down to keep the running rows contiguous."""
     for dst_entry, src_entry in zip(dst.layers, src.layers):
         for (d, axis), (s, _) in zip(_slot_tensors(dst_entry), _slot_tensors(src_entry)):
-            d[dst_row].narrow(axis - 1, 0, length).copy_(s[src_row].narrow(axis - 1, 0, length))
+            d[dst_row].narrow(axis - 1, 0, length).copy_(s[src_row].narrow(axis - 1, src_start, length))

@@ -283,12 +283,19 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
     loop = asyncio.get_running_loop()
     exchange = _Exchange(queue=asyncio.Queue())
 
+    def post(callback, *args) -> None:
+        # The engine thread must never fail because the event loop is gone (a shutdown past its grace).
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass
+
     def on_token(token: int) -> None:
         exchange.token_times.append(time.perf_counter())
-        loop.call_soon_threadsafe(exchange.queue.put_nowait, ("token", token))
+        post(exchange.queue.put_nowait, ("token", token))
 
     def on_finish(outcome) -> None:
-        loop.call_soon_threadsafe(exchange.deliver_finish, outcome)
+        post(exchange.deliver_finish, outcome)
 
     request.on_token, request.on_finish = on_token, on_finish
     try:

@@ -45,6 +45,22 @@ def _graceful_server(config):
     return Server(config)
 
 
+def _listen(host: str, port: int):
+    """The listening socket, bound here so that a port in use is one clear line, not a log record."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise MoekitError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(
     checkpoint: Optional[Path] = typer.Argument(
         None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]). Default: the bundled model."
@@ -63,6 +79,8 @@ def serve(
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
+    admin_token: Optional[str] = typer.Option(
+        None, "--admin-token", help="Enable POST /admin/experts/{layer}/{expert} (hot swap) for this bearer token."),
 ) -> None:
     import uvicorn
 
@@ -74,7 +92,7 @@ def serve(
     folder = Path(checkpoint) if checkpoint is not None else default_checkpoint()
     if not (folder / "config.json").is_file():
         raise MoekitError(f"{folder}: not a checkpoint folder (no config.json)")
-    load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
+    spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
     if dtype not in DTYPES:
         raise MoekitError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if not 0 <= port <= 65535:
@@ -82,8 +100,8 @@ def serve(
     for name, value in (("--max-batch", max_batch), ("--queue-limit", queue_limit), ("--max-body-bytes", max_body)):
         if value < 1:
             raise MoekitError(f"{name} must be at least 1, got {value}")
-    if max_context is not None and max_context < 2:
-        raise MoekitError(f"--max-context must be at least 2, got {max_context}")
+    if max_context is not None and not 2 <= max_context <= spec.max_position_embeddings:
+        raise MoekitError(f"--max-context must be in 2..{spec.max_position_embeddings} (the model's context), got {max_context}")
     if grace < 0:
         raise MoekitError(f"--grace must be >= 0 seconds, got {grace}")
     offload = None
@@ -102,11 +120,12 @@ def serve(
         max_body_bytes=max_body,
         offload=offload,
         threads=threads,
+        admin_token=admin_token,
     )
-    server_box: list = []
+    sock = _listen(host, port)
+    bound = sock.getsockname()
 
     def ready(state) -> None:
-        bound = server_box[0].servers[0].sockets[0].getsockname() if server_box and server_box[0].servers else (host, port)
         typer.echo(
             f"serving {config.model_name!r} on http://{bound[0]}:{bound[1]}/v1 "
             f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype})",
@@ -117,12 +136,9 @@ def serve(
     server = _graceful_server(
         uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False)
     )
-    server_box.append(server)
     state = app.state.moekit
     state.on_fatal = lambda message: setattr(server, "should_exit", True)
     typer.echo(f"loading {folder} ...", err=True)
-    server.run()
+    server.run(sockets=[sock])
     if state.error is not None:
         raise MoekitError(f"{folder}: {state.error}")
-    if not server.started:
-        raise MoekitError(f"could not listen on {host}:{port} (in use, or not an address of this machine)")

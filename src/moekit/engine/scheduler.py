@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -172,6 +173,7 @@ class Scheduler:
         self.waiting = {tier: deque() for tier in TIERS}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._between: deque = deque()  # (callable, Future): run on this thread between two steps
 
     # ---- the client side (any thread) ----
 
@@ -198,6 +200,30 @@ class Scheduler:
         """The request leaves at the next step (a client that went away)."""
         request.cancelled = True
         self._wake.set()
+
+    def between_steps(self, fn: Callable[[], object]) -> Future:
+        """Run `fn` on the scheduler's thread before the next step (never inside one): a change of
+        weights made there is seen by whole steps only. The Future holds fn's result or error."""
+        future: Future = Future()
+        with self._lock:
+            self._between.append((fn, future))
+        self._wake.set()
+        return future
+
+    def in_flight(self) -> list[int]:
+        """Tokens generated so far by each running row (what a change between steps splits)."""
+        return [len(row.tokens) for row in self.rows]
+
+    def _run_between(self) -> None:
+        while True:
+            with self._lock:
+                if not self._between:
+                    return
+                fn, future = self._between.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as err:  # noqa: BLE001 - the caller gets it through the Future
+                future.set_exception(err)
 
     @property
     def num_running(self) -> int:
@@ -245,6 +271,7 @@ class Scheduler:
     def step(self) -> bool:
         """Release, admit, decode once. False when there was nothing to do."""
         started = time.perf_counter()
+        self._run_between()
         with torch.inference_mode():
             self._release()
             admitted = self._admit()

@@ -43,6 +43,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     offload: Optional[object] = None  # moekit.offload.options.OffloadOptions
     threads: Optional[int] = None
+    admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
 
 
 @dataclass
@@ -132,6 +133,10 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
     @app.exception_handler(Exception)
     async def _unexpected(request, err: Exception):
         return error_response(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
+
+    from moekit.serve.admin import register_admin_routes
+
+    register_admin_routes(app, state)
 
     @app.get("/health")
     async def health():

@@ -10,7 +10,10 @@ from starlette.responses import JSONResponse
 # The error `type` OpenAI's API sends for each status we answer with.
 TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "invalid_request_error",
+    409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",

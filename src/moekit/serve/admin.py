@@ -1,0 +1,141 @@
+"""Hot swap: replace one routed expert of a running server, blue-green, and roll it back once.
+
+  POST /admin/experts/{layer}/{expert}            body: a safetensors file holding the expert
+  POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap
+
+Only with `--admin-token` set, and then only for `Authorization: Bearer <token>` (401 without a
+token, 403 with another). The file holds `gate_proj.weight` [F, D] and `up_proj.weight` [F, D]
+(gated experts) and `down_proj.weight` [D, F], the Hub's per-expert names. The new weights are
+checked (names, shapes, floating dtype, finite values, and the body's sha256 against an
+`x-checksum-sha256` header when one is sent) and laid out for the expert's kernels in a staging
+slot off the engine thread; the switch itself runs on the scheduler's thread between two decode
+steps, so no step mixes old and new weights. The answer tells how many tokens each running request
+had generated when the switch came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+from dataclasses import dataclass, field
+from typing import Optional
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse
+
+from moekit.serve.errors import ApiError, bad_request
+
+
+def check_token(configured: Optional[str], header: Optional[str]) -> None:
+    if not configured:
+        raise ApiError(403, "admin routes are off: start the server with --admin-token", code="admin_disabled")
+    if not header or not header.startswith("Bearer "):
+        raise ApiError(401, "admin routes need 'Authorization: Bearer <token>'", code="missing_token")
+    if not hmac.compare_digest(header[len("Bearer ") :].encode(), configured.encode()):
+        raise ApiError(403, "wrong admin token", code="wrong_token")
+
+
+def expert_module(decoder, layer: int, expert: int):
+    """The RoutedExperts of MoE layer `layer`, checked to hold expert `expert` resident."""
+    from moekit.model.moe import MoE
+
+    if not 0 <= layer < len(decoder.layers) or not isinstance(decoder.layers[layer].ffn, MoE):
+        moe = [i for i, b in enumerate(decoder.layers) if isinstance(b.ffn, MoE)]
+        raise ApiError(404, f"layer {layer} is not an MoE layer (MoE layers: {moe[0]}..{moe[-1]})", "layer", "not_found")
+    experts = decoder.layers[layer].ffn.experts
+    if not 0 <= expert < experts.num_experts:
+        raise ApiError(404, f"expert {expert} is out of range (0..{experts.num_experts - 1})", "expert", "not_found")
+    if experts.store is not None:
+        raise ApiError(409, "hot swap needs resident experts; this server pages them (--expert-memory)", code="paged_experts")
+    if experts.gate_up_bias is not None:
+        raise ApiError(409, "hot swap does not support experts with biases (gpt_oss) yet", code="unsupported")
+    return experts
+
+
+def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
+    """Safetensors bytes → (gate_up [rows, D], down [D, F]) at the engine dtype, or a 400 that says why."""
+    import torch
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    digest = hashlib.sha256(raw).hexdigest()
+    if checksum is not None and checksum.lower() != digest:
+        raise bad_request(f"the body's sha256 is {digest}, not the {checksum} the x-checksum-sha256 header promised")
+    try:
+        tensors = load(raw)
+    except (SafetensorError, Exception) as err:  # a malformed header raises several kinds
+        raise bad_request(f"the body is not a safetensors file ({type(err).__name__})") from None
+    width, hidden = spec.width, spec.hidden_size
+    want = {"down_proj.weight": (hidden, width), "up_proj.weight": (width, hidden)}
+    if spec.gated:
+        want["gate_proj.weight"] = (width, hidden)
+    missing = sorted(set(want) - set(tensors))
+    extra = sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise bad_request(f"the file must hold exactly {sorted(want)}; missing {missing}, unexpected {extra}")
+    for name, shape in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise bad_request(f"{name} has shape {list(t.shape)}; this model's experts need {list(shape)}")
+        if not t.is_floating_point():
+            raise bad_request(f"{name} is {t.dtype}; expert weights must be floating point")
+        if not bool(torch.isfinite(t).all()):
+            raise bad_request(f"{name} holds NaN or infinite values")
+    parts = [tensors["gate_proj.weight"], tensors["up_proj.weight"]] if spec.gated else [tensors["up_proj.weight"]]
+    gate_up = torch.cat(parts).to(dtype).contiguous()
+    return gate_up, tensors["down_proj.weight"].to(dtype).contiguous(), digest
+
+
+@dataclass
+class Swaps:
+    """The weights each swapped expert had before its last swap: one rollback each."""
+
+    previous: dict[tuple[int, int], tuple] = field(default_factory=dict)
+
+
+def register_admin_routes(app: FastAPI, state) -> None:
+    swaps = Swaps()
+
+    async def _switch(fn):
+        future = state.scheduler.between_steps(fn)
+        return await asyncio.wrap_future(future)
+
+    @app.post("/admin/experts/{layer}/{expert}")
+    async def swap(layer: int, expert: int, http: HttpRequest):
+        check_token(state.config.admin_token, http.headers.get("authorization"))
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is loading")
+        decoder = state.engine.decoder
+        experts = expert_module(decoder, layer, expert)
+        raw = await http.body()
+        spec = decoder.spec.layers[layer].ffn.expert
+        gate_up, down, digest = await asyncio.get_running_loop().run_in_executor(
+            None, parse_expert_file, raw, spec, decoder.dtype, http.headers.get("x-checksum-sha256")
+        )
+        # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
+        staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
+
+        def switch():
+            return experts.replace_expert(expert, staged), state.scheduler.in_flight()
+
+        old, in_flight = await _switch(switch)
+        swaps.previous[(layer, expert)] = old
+        return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight})
+
+    @app.post("/admin/experts/{layer}/{expert}/rollback")
+    async def rollback(layer: int, expert: int, http: HttpRequest):
+        check_token(state.config.admin_token, http.headers.get("authorization"))
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is loading")
+        experts = expert_module(state.engine.decoder, layer, expert)
+        old = swaps.previous.pop((layer, expert), None)
+        if old is None:
+            raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")
+
+        def switch():
+            experts.replace_expert(expert, old)
+            return state.scheduler.in_flight()
+
+        in_flight = await _switch(switch)
+        return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "in_flight": in_flight})

@@ -1,0 +1,138 @@
+"""Hot-swapping one expert of a running server: a request in flight gets the old weights up to the
+switch and the new ones after it, step by step, and nothing else; a rollback brings the old back."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save
+
+from hf_tiny import write_checkpoint
+from moekit.engine.loader import load_engine
+from moekit.engine.scheduler import Request, Scheduler
+from moekit.serve.admin import check_token
+from moekit.serve.errors import ApiError
+
+TOKEN = "s3cret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+PROMPT = [5, 17, 42, 9]
+NEW = 250
+TIMEOUT = httpx.Timeout(60.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("swap"), seed=3)
+
+
+def _new_expert(engine, seed=0) -> dict[str, torch.Tensor]:
+    spec = engine.spec.layers[0].ffn.expert
+    gen = torch.Generator().manual_seed(seed)
+    f, d = spec.width, spec.hidden_size
+    return {
+        "gate_proj.weight": torch.randn(f, d, generator=gen) * 0.3,
+        "up_proj.weight": torch.randn(f, d, generator=gen) * 0.3,
+        "down_proj.weight": torch.randn(d, f, generator=gen) * 0.3,
+    }
+
+
+def _busiest_expert(engine) -> int:
+    gen = engine.generate([PROMPT], max_new_tokens=NEW, stop_ids=())
+    counts = torch.zeros(engine.decoder.layers[0].ffn.experts.num_experts, dtype=torch.int64)
+    for step in gen.routing:
+        counts += torch.bincount(step.layers[0].topk_ids.reshape(-1), minlength=counts.numel())
+    return int(counts.argmax())
+
+
+def _expected(folder, expert: int, tensors: dict, switch_at: int) -> list[int]:
+    """The request run in-process: old weights until it has `switch_at` tokens, then the new ones."""
+    engine = load_engine(folder)
+    experts = engine.decoder.layers[0].ffn.experts
+    scheduler = Scheduler(engine.decoder, max_batch=2)
+    tokens: list[int] = []
+    scheduler.submit(Request(prompt=PROMPT, max_new_tokens=NEW, on_token=tokens.append))
+    while len(tokens) < switch_at:
+        scheduler.step()
+    assert len(tokens) == switch_at, "the server switched at a token count one step cannot reach"
+    gate_up = torch.cat([tensors["gate_proj.weight"], tensors["up_proj.weight"]])
+    experts.replace_expert(expert, (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(tensors["down_proj.weight"])))
+    scheduler.run_until_idle()
+    return tokens
+
+
+def test_a_request_in_flight_gets_old_then_new_weights_per_step(tiny, serve_process):
+    engine = load_engine(tiny)
+    old = engine.generate([PROMPT], max_new_tokens=NEW, stop_ids=()).token_ids[0]
+    expert = _busiest_expert(engine)
+    tensors = _new_expert(engine)
+    server = serve_process(tiny, "--admin-token", TOKEN)
+    body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
+        lines = r.iter_lines()
+        frames = [next(lines) for _ in range(2)]
+        swapped = httpx.post(f"{server.url}/admin/experts/0/{expert}", content=save(tensors), headers=AUTH, timeout=TIMEOUT)
+        frames += list(lines)
+    assert swapped.status_code == 200, swapped.text
+    reply = swapped.json()
+    assert reply["swapped"] and len(reply["sha256"]) == 64
+    got = [json.loads(f[6:])["choices"][0]["token_ids"] for f in frames if f.startswith("data: {")]
+    got = [t for ids in got for t in ids]
+    assert len(got) == NEW
+    if reply["in_flight"]:  # the switch came while the request ran (not after it had ended)
+        (switch_at,) = reply["in_flight"]
+        assert got == _expected(tiny, expert, tensors, switch_at)
+        assert got[:switch_at] == old[:switch_at]
+    assert got != old or not reply["in_flight"]
+
+    # A new request sees the new expert throughout; after the rollback, the old one again.
+    ask = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    after = httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+    assert after == _expected(tiny, expert, tensors, 0)[:40] and after != old[:40]
+    back = httpx.post(f"{server.url}/admin/experts/0/{expert}/rollback", headers=AUTH, timeout=TIMEOUT)
+    assert back.status_code == 200 and back.json()["rolled_back"]
+    again = httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+    assert again == old[:40]
+    twice = httpx.post(f"{server.url}/admin/experts/0/{expert}/rollback", headers=AUTH, timeout=TIMEOUT)
+    assert twice.status_code == 404 and "no swap to roll back" in twice.json()["error"]["message"]
+
+
+def test_only_a_valid_expert_file_with_the_token_is_taken(tiny, serve_process):
+    engine = load_engine(tiny)
+    server = serve_process(tiny, "--admin-token", TOKEN)
+    good = _new_expert(engine)
+    url = f"{server.url}/admin/experts/0/1"
+
+    def post(content, headers=AUTH, target=url):
+        return httpx.post(target, content=content, headers=headers, timeout=TIMEOUT)
+
+    assert post(save(good), headers={}).status_code == 401
+    assert post(save(good), headers={"authorization": "Bearer nope"}).status_code == 403
+    cases = [
+        (b"not safetensors", 400, "not a safetensors file"),
+        (save({**good, "gate_proj.weight": good["gate_proj.weight"][:-1].contiguous()}), 400, "has shape"),
+        (save({**good, "up_proj.weight": good["up_proj.weight"].to(torch.int32)}), 400, "must be floating point"),
+        (save({**good, "down_proj.weight": good["down_proj.weight"] * float("nan")}), 400, "NaN or infinite"),
+        (save({k: v for k, v in good.items() if k != "up_proj.weight"}), 400, "missing ['up_proj.weight']"),
+    ]
+    for content, status, message in cases:
+        r = post(content)
+        assert r.status_code == status and message in r.json()["error"]["message"], r.text
+    r = post(save(good), headers={**AUTH, "x-checksum-sha256": "0" * 64})
+    assert r.status_code == 400 and "sha256" in r.json()["error"]["message"]
+    assert post(save(good), target=f"{server.url}/admin/experts/7/1").status_code == 404
+    assert post(save(good), target=f"{server.url}/admin/experts/0/99").status_code == 404
+    # Nothing above changed the model: its output is the checkpoint's.
+    ask = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    assert httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"] == (
+        engine.generate([PROMPT], max_new_tokens=12, stop_ids=()).token_ids[0]
+    )
+
+
+def test_admin_routes_are_off_without_a_configured_token():
+    with pytest.raises(ApiError) as err:
+        check_token(None, f"Bearer {TOKEN}")
+    assert err.value.status == 403 and "--admin-token" in err.value.message
+    check_token(TOKEN, f"Bearer {TOKEN}")  # the right token passes

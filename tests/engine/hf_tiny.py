@@ -90,11 +90,20 @@ FAMILIES: dict[str, dict] = {
         routed_scaling_factor=2.5,
         num_nextn_predict_layers=0,
     ),
+    "phimoe": dict(
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.01,
+        attention_bias=True,
+        lm_head_bias=True,
+    ),
     "llama": dict(intermediate_size=64, num_hidden_layers=2),
     "qwen3": dict(intermediate_size=64, num_hidden_layers=2, head_dim=12),
 }
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe")
 DENSE_FAMILIES = ("llama", "qwen3")
 
 

@@ -8,6 +8,9 @@ a reduced K, transformers' generate with `num_experts_per_tok` set to that K.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -97,10 +100,23 @@ def _transformers_greedy(folder, prompt, new, **config):
     return out[0, len(prompt) :].tolist()
 
 
+def _one_expert_oracle(family, folder, tmp_path):
+    """prompt → 8 greedy tokens with K = 1: transformers with num_experts_per_tok=1, except for
+    phimoe, whose reference sparsemixer makes two passes whatever K says; there the oracle is
+    moekit alone on the same weights with num_experts_per_tok = 1 in config.json."""
+    if family != "phimoe":
+        return lambda prompt: _transformers_greedy(folder, prompt, 8, num_experts_per_tok=1)
+    copy = tmp_path / "k1"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 1}))
+    engine = load_engine(copy)
+    return lambda prompt: alone(engine, prompt, 8)
+
+
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, tiny_checkpoints):
-    """Tier B (one expert) beside tier S rows: transformers with num_experts_per_tok=1 is the oracle."""
-    pytest.importorskip("transformers")
+def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, tiny_checkpoints, tmp_path):
+    """Tier B (one expert) beside tier S rows: the family routed with K = 1 is the oracle."""
     folder = tiny_checkpoints(family)
     engine = load_engine(folder)
     scheduler = Scheduler(engine.decoder, max_batch=4)
@@ -110,13 +126,14 @@ def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, 
         Request(prompt=PROMPTS[5], max_new_tokens=8, top_k=1),
     ]
     outcomes = generate_batch(scheduler, requests)
-    one_expert = _transformers_greedy(folder, PROMPTS[0], 8, num_experts_per_tok=1)
+    one = _one_expert_oracle(family, folder, tmp_path)
+    one_expert = one(PROMPTS[0])
     assert outcomes[0].token_ids == one_expert
-    if family in ("mixtral", "granitemoe", "gpt_oss", "deepseek_v3"):
+    if family in ("mixtral", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe"):
         # There one expert changes the greedy text, so a row that ignored its K would fail here
         # (the qwen and olmoe tiny models happen to write the same 8 tokens with K = 1).
         assert one_expert != alone(engine, PROMPTS[0], 8)
-    assert outcomes[2].token_ids == _transformers_greedy(folder, PROMPTS[5], 8, num_experts_per_tok=1)
+    assert outcomes[2].token_ids == one(PROMPTS[5])
     assert outcomes[1].token_ids == alone(engine, PROMPTS[2], 8)
     assert outcomes[0].usage.top_k == 1 and outcomes[1].usage.top_k == 2
     assert outcomes[0].usage.active_share < outcomes[1].usage.active_share

@@ -110,5 +110,7 @@ def test_interleaved_rope_is_rolled_rope_on_deinterleaved_pairs():
 
 
 def test_unknown_rope_type_is_a_spec_error():
-    with pytest.raises(SpecError, match="longrope"):
+    with pytest.raises(SpecError, match="rope_type 'dynamic' is not supported"):
+        inverse_frequencies(RopeSpec(scaling=(("rope_type", "dynamic"),)), 8, 64)
+    with pytest.raises(SpecError, match="longrope needs short_factor and original_max_position_embeddings"):
         inverse_frequencies(RopeSpec(scaling=(("rope_type", "longrope"),)), 8, 64)

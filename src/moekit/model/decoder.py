@@ -120,7 +120,9 @@ class Decoder(nn.Module):
             self.layers = nn.ModuleList(Block(layer, rope, spec) for layer in spec.layers)
             self.norm = make_norm(spec.final_norm, spec.hidden_size)
             tied = spec.tie_word_embeddings
-            self.lm_head = None if tied else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+            self.lm_head = None if tied else Linear(spec.hidden_size, spec.vocab_size, bias=spec.lm_head_bias)
+            # phimoe's lm_head_bias on a tied head: the bias is the head's own, the weight the table.
+            self.head_bias = nn.Parameter(torch.empty(spec.vocab_size)) if tied and spec.lm_head_bias else None
         if offload_experts:
             for sub in self.modules():
                 if isinstance(sub, RoutedExperts):
@@ -210,7 +212,7 @@ class Decoder(nn.Module):
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         # A tied head shares the embedding table, which the lookup needs in the Hub layout: plain F.linear.
-        logits = nn.functional.linear(h, self.embed.weight) if self.lm_head is None else self.lm_head(h)
+        logits = nn.functional.linear(h, self.embed.weight, self.head_bias) if self.lm_head is None else self.lm_head(h)
         if self.spec.multipliers.logits_scaling != 1.0:
             logits = logits / self.spec.multipliers.logits_scaling
         return logits.float()

@@ -5,7 +5,8 @@ Layers live under `model.layers.{i}`: `input_layernorm`, `post_attention_layerno
 an MoE block whose layout is this table's business:
 
   family        MoE block          router           routed experts
-  mixtral       block_sparse_moe   gate             experts.{j}.w1 / w3 / w2 (gate / up / down)
+  mixtral,      block_sparse_moe   gate             experts.{j}.w1 / w3 / w2 (gate / up / down)
+  phimoe
   qwen*, olmoe  mlp                gate             experts.{j}.gate_proj / up_proj / down_proj
   deepseek      mlp                gate (+ e_score_correction_bias)   as qwen
   granitemoe    block_sparse_moe   router.layer     input_linear [E, 2F, D], output_linear [E, D, F]
@@ -38,6 +39,7 @@ class HubNames:
 
 FAMILIES: dict[str, HubNames] = {
     "mixtral": HubNames(moe="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2"),
+    "phimoe": HubNames(moe="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2"),
     "qwen2_moe": HubNames(shared="shared_expert"),
     "qwen3_moe": HubNames(),
     "olmoe": HubNames(),

@@ -201,6 +201,10 @@ def _planned(decoder) -> _Planner:
     p.norm("norm", "model.norm", decoder.norm)
     if decoder.lm_head is not None:
         p.copy("lm_head.weight", "lm_head.weight")
+        if decoder.lm_head.bias is not None:
+            p.copy("lm_head.bias", "lm_head.bias")
+    if decoder.head_bias is not None:
+        p.copy("head_bias", "lm_head.bias")
     for i, block in enumerate(decoder.layers):
         ours, hub = f"layers.{i}", f"model.layers.{i}"
         p.norm(f"{ours}.input_norm", f"{hub}.input_layernorm", block.input_norm)

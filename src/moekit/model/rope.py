@@ -1,6 +1,7 @@
 """Rotary position embedding: inverse frequencies per rope type, cos/sin tables built once per cache.
 
-Supported `rope_type`s (the Hub's `rope_scaling` / `rope_parameters`): default, linear, yarn, llama3.
+Supported `rope_type`s (the Hub's `rope_scaling` / `rope_parameters`): default, linear, yarn, llama3,
+longrope (phimoe's).
 Each formula follows transformers' `modeling_rope_utils` step for step, so the tables agree with the
 reference to the last bit before the cos/sin. Tables use the `cat(freqs, freqs)` layout that
 `rotate_half` expects and already carry YaRN's attention factor.
@@ -91,7 +92,28 @@ def inverse_frequencies(rope: RopeSpec, dim: int, max_positions: int) -> tuple[t
         return _yarn(rope.theta, dim, params, max_positions)
     if kind == "llama3":
         return _llama3(rope.theta, dim, params), 1.0
-    raise SpecError(f"rope_type {kind!r} is not supported (supported: default, linear, yarn, llama3)")
+    if kind == "longrope":
+        return _longrope(rope.theta, dim, params, max_positions)
+    raise SpecError(f"rope_type {kind!r} is not supported (supported: default, linear, yarn, llama3, longrope)")
+
+
+def _longrope(theta: float, dim: int, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """Phi's longrope as phimoe runs it in transformers 5.24: the short factors at every length (its
+    rotary embedding recomputes them without a sequence length) and a cos/sin factor of
+    short_mscale below original_max_position_embeddings, long_mscale beyond. One table serves only
+    when the two are equal, as in Phi-3.5-MoE's config; otherwise it is refused, never approximated."""
+    missing = [k for k in ("short_factor", "original_max_position_embeddings") if k not in params]
+    if missing:
+        raise SpecError(f"longrope needs {' and '.join(missing)} in rope_scaling")
+    original = params["original_max_position_embeddings"]
+    short, long = params.get("short_mscale"), params.get("long_mscale")
+    if short is None or long is None:
+        raise SpecError("longrope without short_mscale/long_mscale (phi3's form) is not supported by the engine")
+    if short != long and max_positions > original:
+        raise SpecError(f"longrope with short_mscale {short} != long_mscale {long} is not supported by the engine")
+    factors = torch.tensor(params["short_factor"], dtype=torch.float32)
+    inv_freq = 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    return inv_freq, float(short)
 
 
 def rotary_dim(head_dim: int, rope: RopeSpec) -> int:

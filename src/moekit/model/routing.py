@@ -10,6 +10,7 @@ Orders reproduced from transformers 5.24:
       topk_group groups are masked with -inf; top-K; weights = unbiased sigmoid scores of the chosen,
       / (sum + 1e-20) if normalize.
   topk_then_score (gpt_oss, granitemoe): top-K on the raw logits, softmax over those K.
+  sparsemixer (phimoe): K passes of "best free expert, weighed by a softmax over its near logits".
 Every order ends with × scaling (routed_scaling_factor).
 """
 
@@ -71,11 +72,30 @@ def _topk_then_softmax(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor
     return topk_ids, torch.softmax(top_logits, dim=-1)
 
 
+def _sparsemixer(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor]:
+    """phimoe's eval-mode sparsemixer: K passes; each takes the best expert still free and weighs it
+    by a softmax over the logits within 2·jitter_eps (relative) of it, the others masked out.
+    Reference: transformers 5.24 `sparsemixer` (training=False), which makes two passes (K = 2)."""
+    ids, weights = [], []
+    free = logits  # [T, E]: the chosen ones become -inf
+    for _ in range(spec.top_k):
+        best, chosen = free.max(dim=-1, keepdim=True)  # [T, 1]
+        factor = logits.abs().clamp(min=best)
+        far = ((best - logits) / factor) > (2 * spec.jitter_eps)
+        gates = torch.softmax(free.masked_fill(far, float("-inf")), dim=-1)
+        ids.append(chosen)
+        weights.append(gates.gather(-1, chosen))
+        free = free.scatter(-1, chosen, float("-inf"))
+    return torch.cat(ids, dim=-1), torch.cat(weights, dim=-1)
+
+
 def route(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None = None) -> RoutingDecision:
     """logits [T, E] (made fp32 here: every reference scores in fp32) → RoutingDecision."""
     logits = logits.float()
     if spec.order == "topk_then_score":
         topk_ids, weights = _topk_then_softmax(logits, spec)
+    elif spec.order == "sparsemixer":
+        topk_ids, weights = _sparsemixer(logits, spec)
     else:
         topk_ids, weights = _score_then_topk(logits, spec, selection_bias)
     if spec.scaling != 1.0:

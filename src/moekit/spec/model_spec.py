@@ -108,7 +108,9 @@ class RouterSpec:
     scoring: Literal["softmax", "sigmoid"] = "softmax"
     # "score_then_topk": scores over all E, then top-K (mixtral, qwen, olmoe, deepseek).
     # "topk_then_score": top-K on raw logits, then softmax over the K (gpt_oss, granitemoe).
-    order: Literal["score_then_topk", "topk_then_score"] = "score_then_topk"
+    # "sparsemixer": phimoe's top-2, each expert weighed by a softmax over the logits near it.
+    order: Literal["score_then_topk", "topk_then_score", "sparsemixer"] = "score_then_topk"
+    jitter_eps: float = 0.0  # sparsemixer's router_jitter_noise: how near a logit counts
     normalize: bool = True  # divide the K weights by their sum
     scaling: float = 1.0  # routed_scaling_factor
     bias: bool = False  # the router Linear has a bias (gpt_oss)

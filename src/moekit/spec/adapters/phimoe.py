@@ -38,8 +38,9 @@ def build(config: dict, name: str) -> ModelSpec:
         sliding_window=f.opt_size("sliding_window"),
     )
     num_experts, top_k = common.expert_counts(f, "num_local_experts")
-    # sparsemixer chooses and weighs experts itself; these fields only describe its inputs.
-    router = common.router(num_experts=num_experts, top_k=top_k, normalize=False)
+    router = common.router(
+        num_experts=num_experts, top_k=top_k, normalize=False, order="sparsemixer", jitter_eps=f.float("router_jitter_noise")
+    )
     moe = MoESpec(router=router, expert=common.gated_mlp(hidden, f.size("intermediate_size"), common.activation(f)))
     # nn.LayerNorm(..., eps=config.rms_norm_eps) with weight and bias, despite the field's name.
     norm = NormSpec(kind="layer", eps=f.float("rms_norm_eps"), bias=True)

@@ -99,11 +99,19 @@ FAMILIES: dict[str, dict] = {
         attention_bias=True,
         lm_head_bias=True,
     ),
+    "dbrx": dict(
+        d_model=48,
+        n_heads=4,
+        n_layers=2,
+        max_seq_len=256,
+        attn_config=dict(kv_n_heads=2, clip_qkv=0.25, rope_theta=10000.0),  # small enough to clip
+        ffn_config=dict(ffn_hidden_size=32, moe_num_experts=6, moe_top_k=2, moe_normalize_expert_weights=1.0),
+    ),
     "llama": dict(intermediate_size=64, num_hidden_layers=2),
     "qwen3": dict(intermediate_size=64, num_hidden_layers=2, head_dim=12),
 }
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe", "dbrx")
 DENSE_FAMILIES = ("llama", "qwen3")
 
 
@@ -119,6 +127,8 @@ def _spread_routers(model, seed: int) -> None:
     for name, module in model.named_modules():
         if not type(module).__name__.lower().endswith(("router", "topkrouter")):
             continue
+        if not hasattr(module, "weight"):
+            module = module.layer  # DBRX's router holds its Linear as .layer
         with torch.no_grad():
             w = module.weight
             w.copy_(torch.randn(w.shape, generator=gen) * ROUTER_STD)
@@ -175,15 +185,16 @@ def reference_routing(model, ids: list[int]) -> dict[int, list[list[int]]]:
     """Expert ids transformers chose, per MoE layer, per token of one forward over `ids`.
 
     Every MoE block of every family calls `self.experts(hidden, topk_ids, topk_weights)`, so a
-    pre-hook on each `...layers.N.<block>.experts` module sees the choice whatever the router.
+    pre-hook on each `...layers.N.<block>.experts` (DBRX: `blocks.N`) module sees the choice whatever the router.
     """
     chosen: dict[int, list[list[int]]] = {}
     hooks = []
     for name, module in model.named_modules():
         parts = name.split(".")
-        if parts[-1] != "experts" or "layers" not in parts:
+        stack = "layers" if "layers" in parts else "blocks"  # DBRX's transformer.blocks.N
+        if parts[-1] != "experts" or stack not in parts:
             continue
-        layer = int(parts[parts.index("layers") + 1])
+        layer = int(parts[parts.index(stack) + 1])
 
         def hook(mod, args, kwargs, layer=layer):
             topk = args[1] if len(args) > 1 else next(iter(v for k, v in kwargs.items() if "ind" in k))

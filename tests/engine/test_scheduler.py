@@ -102,14 +102,18 @@ def _transformers_greedy(folder, prompt, new, **config):
 
 def _one_expert_oracle(family, folder, tmp_path):
     """prompt → 8 greedy tokens with K = 1: transformers with num_experts_per_tok=1, except for
-    phimoe, whose reference sparsemixer makes two passes whatever K says; there the oracle is
-    moekit alone on the same weights with num_experts_per_tok = 1 in config.json."""
-    if family != "phimoe":
+    phimoe, whose reference sparsemixer makes two passes whatever K says, and dbrx, whose K lives
+    in ffn_config; there the oracle is moekit alone on the same weights with K = 1 in config.json."""
+    if family not in ("phimoe", "dbrx"):
         return lambda prompt: _transformers_greedy(folder, prompt, 8, num_experts_per_tok=1)
     copy = tmp_path / "k1"
     shutil.copytree(folder, copy)
     config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 1}))
+    if family == "dbrx":
+        config["ffn_config"]["moe_top_k"] = 1
+    else:
+        config["num_experts_per_tok"] = 1
+    (copy / "config.json").write_text(json.dumps(config))
     engine = load_engine(copy)
     return lambda prompt: alone(engine, prompt, 8)
 
@@ -131,7 +135,7 @@ def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, 
     assert outcomes[0].token_ids == one_expert
     if family in ("mixtral", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe"):
         # There one expert changes the greedy text, so a row that ignored its K would fail here
-        # (the qwen and olmoe tiny models happen to write the same 8 tokens with K = 1).
+        # (the qwen, olmoe and dbrx tiny models happen to write the same 8 tokens with K = 1).
         assert one_expert != alone(engine, PROMPTS[0], 8)
     assert outcomes[2].token_ids == one(PROMPTS[5])
     assert outcomes[1].token_ids == alone(engine, PROMPTS[2], 8)

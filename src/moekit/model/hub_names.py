@@ -12,6 +12,10 @@ an MoE block whose layout is this table's business:
   granitemoe    block_sparse_moe   router.layer     input_linear [E, 2F, D], output_linear [E, D, F]
   gpt_oss       mlp                router (+ bias)  experts.gate_up_proj [E, D, 2F] gate/up INTERLEAVED,
                                                     down_proj [E, F, D] (x @ W), *_bias
+  dbrx          ffn                router.layer     experts.mlp.w1 / v1 / w2, each [E*F, D] (w2: x @ W)
+
+DBRX also names everything else its own way (transformer.wte, transformer.blocks.{i}.norm_attn_norm.*,
+a fused Wqkv): the top-level fields below.
 """
 
 from __future__ import annotations
@@ -22,12 +26,23 @@ from typing import Literal, Optional
 
 @dataclass(frozen=True)
 class HubNames:
+    # Where the decoder's pieces are: {prefix}.{embed}, {prefix}.{final_norm}, {prefix}.{layers}.{i}.
+    prefix: str = "model"
+    embed: str = "embed_tokens"
+    final_norm: str = "norm"
+    layers: str = "layers"
+    input_norm: str = "input_layernorm"  # under a layer
+    post_norm: str = "post_attention_layernorm"
+    attention: str = "self_attn"
+    fused_qkv: Optional[str] = None  # one tensor of q, k and v rows (DBRX's Wqkv) instead of q/k/v_proj
+    o_proj: str = "o_proj"
     moe: str = "mlp"  # the MoE block, under model.layers.{i}
     router: str = "gate"  # under the MoE block; its .weight (and .bias where the router has one)
     selection_bias: str = "gate.e_score_correction_bias"
     # "per_expert": experts.{j}.<gate|up|down>.weight;  "stacked": one [E, ...] tensor each;
-    # "stacked_interleaved": gpt_oss's transposed, interleaved tensors with biases.
-    experts: Literal["per_expert", "stacked", "stacked_interleaved"] = "per_expert"
+    # "stacked_interleaved": gpt_oss's transposed, interleaved tensors with biases;
+    # "stacked_rows": DBRX's [E*F, D] gate, up and (transposed) down, named by expert_gate/up/down.
+    experts: Literal["per_expert", "stacked", "stacked_interleaved", "stacked_rows"] = "per_expert"
     expert_gate: str = "gate_proj"
     expert_up: str = "up_proj"
     expert_down: str = "down_proj"
@@ -51,6 +66,23 @@ FAMILIES: dict[str, HubNames] = {
         stacked_down="output_linear.weight",
     ),
     "gpt_oss": HubNames(router="router", experts="stacked_interleaved"),
+    "dbrx": HubNames(
+        prefix="transformer",
+        embed="wte",
+        final_norm="norm_f",
+        layers="blocks",
+        input_norm="norm_attn_norm.norm_1",
+        post_norm="norm_attn_norm.norm_2",
+        attention="norm_attn_norm.attn",
+        fused_qkv="Wqkv",
+        o_proj="out_proj",
+        moe="ffn",
+        router="router.layer",
+        experts="stacked_rows",
+        expert_gate="experts.mlp.w1",
+        expert_up="experts.mlp.v1",
+        expert_down="experts.mlp.w2",
+    ),
     "deepseek_v2": HubNames(shared="shared_experts"),
     "deepseek_v3": HubNames(shared="shared_experts"),
     "kimi_k2": HubNames(shared="shared_experts"),

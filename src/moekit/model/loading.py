@@ -73,8 +73,25 @@ def _transposed(target: Tensor, src: list[Tensor]) -> None:
     target.copy_(src[0].transpose(1, 2))
 
 
+def _expert_rows(target: Tensor, src: list[Tensor]) -> None:
+    """DBRX's [E*F, D] gate and up → ours [E, 2F, D]: expert j's F rows of each, gate first."""
+    e, _, d = target.shape
+    begin = 0
+    for s in src:
+        f = s.shape[0] // e
+        target[:, begin : begin + f].copy_(s.view(e, f, d))
+        begin += f
+
+
+def _expert_rows_transposed(target: Tensor, src: list[Tensor]) -> None:
+    """DBRX's w2 [E*F, D] (applied as x @ W) → ours [E, D, F]."""
+    e, d, f = target.shape
+    target.copy_(src[0].view(e, f, d).transpose(1, 2))
+
+
 class _Planner:
     def __init__(self, decoder):
+        self.names = hub_names(decoder.spec.model_type)
         self.params = dict(decoder.named_parameters())
         self.pieces: list[Piece] = []
         self.external: set[str] = set()  # Hub tensors an expert store reads instead of us
@@ -102,13 +119,15 @@ class _Planner:
             for name, _ in attn.named_parameters():
                 self.copy(f"{ours}.{name}", f"{hub}.{name}")
             return
-        projections = [f"{hub}.{p}_proj" for p in "qkv"]
-        self.rows(f"{ours}.qkv.weight", [f"{p}.weight" for p in projections], list(attn.split))
+        names = self.names
+        projections = [f"{hub}.{names.fused_qkv}"] if names.fused_qkv else [f"{hub}.{p}_proj" for p in "qkv"]
+        widths = [sum(attn.split)] if names.fused_qkv else list(attn.split)
+        self.rows(f"{ours}.qkv.weight", [f"{p}.weight" for p in projections], widths)
         if attn.qkv.bias is not None:
-            self.rows(f"{ours}.qkv.bias", [f"{p}.bias" for p in projections], list(attn.split))
-        self.copy(f"{ours}.o_proj.weight", f"{hub}.o_proj.weight")
+            self.rows(f"{ours}.qkv.bias", [f"{p}.bias" for p in projections], widths)
+        self.copy(f"{ours}.o_proj.weight", f"{hub}.{names.o_proj}.weight")
         if attn.o_proj.bias is not None:
-            self.copy(f"{ours}.o_proj.bias", f"{hub}.o_proj.bias")
+            self.copy(f"{ours}.o_proj.bias", f"{hub}.{names.o_proj}.bias")
         if hasattr(attn, "q_norm"):
             self.copy(f"{ours}.q_norm.weight", f"{hub}.q_norm.weight")
             self.copy(f"{ours}.k_norm.weight", f"{hub}.k_norm.weight")
@@ -148,6 +167,11 @@ class _Planner:
         if names.experts == "stacked":
             self.copy(f"{ours}.gate_up", f"{block}.{names.stacked_gate_up}")
             self.copy(f"{ours}.down", f"{block}.{names.stacked_down}")
+        elif names.experts == "stacked_rows":
+            gated = rows == 2 * f
+            kinds = [names.expert_gate, names.expert_up] if gated else [names.expert_up]
+            self.add(f"{ours}.gate_up", [(f"{block}.{k}", (e * f, d)) for k in kinds], _expert_rows)
+            self.add(f"{ours}.down", [(f"{block}.{names.expert_down}", (e * f, d))], _expert_rows_transposed)
         elif names.experts == "stacked_interleaved":
             gate_up, down = f"{block}.{names.stacked_gate_up}", f"{block}.{names.stacked_down}"
             self.add(f"{ours}.gate_up", [(gate_up, (e, d, rows))], _deinterleave_gate_up)
@@ -171,6 +195,8 @@ class _Planner:
 
     def offloaded_experts(self, ours: str, block: str, moe: MoE, names: HubNames) -> None:
         """Only the biases are ours; the weight tensors are the store's and are not read here."""
+        if names.experts == "stacked_rows":
+            raise CheckpointError(f"{ours}: the stacked expert rows of this family cannot be paged by the expert store yet")
         ex = moe.experts
         if names.experts == "per_expert":
             kinds = [names.expert_gate, names.expert_up, names.expert_down]
@@ -195,10 +221,10 @@ def plan(decoder) -> list[Piece]:
 
 
 def _planned(decoder) -> _Planner:
-    names = hub_names(decoder.spec.model_type)
     p = _Planner(decoder)
-    p.copy("embed.weight", "model.embed_tokens.weight")
-    p.norm("norm", "model.norm", decoder.norm)
+    names = p.names
+    p.copy("embed.weight", f"{names.prefix}.{names.embed}.weight")
+    p.norm("norm", f"{names.prefix}.{names.final_norm}", decoder.norm)
     if decoder.lm_head is not None:
         p.copy("lm_head.weight", "lm_head.weight")
         if decoder.lm_head.bias is not None:
@@ -206,10 +232,10 @@ def _planned(decoder) -> _Planner:
     if decoder.head_bias is not None:
         p.copy("head_bias", "lm_head.bias")
     for i, block in enumerate(decoder.layers):
-        ours, hub = f"layers.{i}", f"model.layers.{i}"
-        p.norm(f"{ours}.input_norm", f"{hub}.input_layernorm", block.input_norm)
-        p.norm(f"{ours}.post_norm", f"{hub}.post_attention_layernorm", block.post_norm)
-        p.attention(f"{ours}.attn", f"{hub}.self_attn", block.attn)
+        ours, hub = f"layers.{i}", f"{names.prefix}.{names.layers}.{i}"
+        p.norm(f"{ours}.input_norm", f"{hub}.{names.input_norm}", block.input_norm)
+        p.norm(f"{ours}.post_norm", f"{hub}.{names.post_norm}", block.post_norm)
+        p.attention(f"{ours}.attn", f"{hub}.{names.attention}", block.attn)
         if isinstance(block.ffn, MoE):
             p.moe(f"{ours}.ffn", hub, block.ffn, names)
         else:
@@ -221,7 +247,8 @@ def _planned(decoder) -> _Planner:
 
 def _ignored(name: str, decoder) -> bool:
     """Tensors a checkpoint may hold that this decoder rightly leaves unused."""
-    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    names = hub_names(decoder.spec.model_type)
+    layer = re.match(rf"{re.escape(names.prefix)}\.{re.escape(names.layers)}\.(\d+)\.", name)
     if layer and int(layer.group(1)) >= decoder.spec.num_layers:
         return True  # DeepSeek's multi-token-prediction layers follow the decoder's last layer
     if name == "lm_head.weight" and decoder.lm_head is None:

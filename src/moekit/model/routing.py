@@ -60,7 +60,9 @@ def _score_then_topk(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | 
     topk_ids, weights = _choose(scores, spec, selection_bias)
     if weights is None:
         weights = scores.gather(1, topk_ids)  # [T, K] the unsteered scores of the chosen
-    if spec.normalize:
+    if spec.normalize and spec.norm_p is not None:
+        weights = weights / torch.norm(weights, p=spec.norm_p, dim=-1, keepdim=True)  # DBRX's p-norm
+    elif spec.normalize:
         # deepseek adds 1e-20 (sigmoid scores never sum to 0); the softmax families divide plainly
         eps = 1e-20 if spec.scoring == "sigmoid" else 0.0
         weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
@@ -269,6 +271,9 @@ def policy_widths(decision: RoutingDecision, policy: RoutingPolicy) -> list[int]
 def weights_for(logits: Tensor, spec: RouterSpec, ids: Tensor) -> Tensor:
     """The family's combine weights [T, K] for experts `ids` [T, K] chosen some other way."""
     logits = logits.float()
+    if spec.order == "sparsemixer":
+        raise MoekitError("phimoe's sparsemixer weighs each expert by the passes that chose it: it has no rule "
+                          "for experts chosen another way (reuse)")
     if spec.order == "topk_then_score":
         weights = torch.softmax(logits.gather(1, ids), dim=-1)
     else:

@@ -162,7 +162,9 @@ def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
         assert isinstance(moe, MoESpec)
         d, f, n = moe.expert.hidden_size, moe.expert.width, moe.num_experts
         rows = (2 if moe.expert.gated else 1) * f
-        block = f"model.layers.{layer}.{names.moe}"
+        block = f"{names.prefix}.{names.layers}.{layer}.{names.moe}"
+        if names.experts == "stacked_rows":
+            raise CheckpointError(f"{spec.model_type}: the stacked expert rows of this family cannot be paged by the expert store yet")
         for e in range(n):
             if names.experts == "stacked":
                 gate_up = (files.row(f"{block}.{names.stacked_gate_up}", (n, rows, d), e),)

@@ -112,6 +112,7 @@ class RouterSpec:
     order: Literal["score_then_topk", "topk_then_score", "sparsemixer"] = "score_then_topk"
     jitter_eps: float = 0.0  # sparsemixer's router_jitter_noise: how near a logit counts
     normalize: bool = True  # divide the K weights by their sum
+    norm_p: Optional[float] = None  # DBRX: divide by their p-norm (torch.norm) instead of the sum
     scaling: float = 1.0  # routed_scaling_factor
     bias: bool = False  # the router Linear has a bias (gpt_oss)
     selection_bias: bool = False  # e_score_correction_bias: added for choosing only (deepseek_v3)

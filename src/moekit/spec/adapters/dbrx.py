@@ -60,7 +60,7 @@ def build(config: dict, name: str) -> ModelSpec:
     act = common.activation(common.fields({"hidden_act": act_fn.get("name", "silu")}, {}, "dbrx.ffn_config.ffn_act_fn"))
     num_experts, top_k = common.expert_counts(ffn, "moe_num_experts", "moe_top_k")
     norm_p = ffn.opt_float("moe_normalize_expert_weights")
-    router = common.router(num_experts=num_experts, top_k=top_k, normalize=norm_p is not None)
+    router = common.router(num_experts=num_experts, top_k=top_k, normalize=norm_p is not None, norm_p=norm_p)
     moe = MoESpec(router=router, expert=common.gated_mlp(hidden, ffn.size("ffn_hidden_size"), act))
     layers = [LayerSpec(mixer=attention, ffn=moe, norm=_NORM)] * f.size("num_hidden_layers")
     extras: tuple = (("fused_qkv", True),)

@@ -9,10 +9,9 @@ output tokens per request, --threads for every side):
   - llama-server (`-np 16`, the GGUF made by llama.cpp's own converter), when --llama-server and a
     GGUF for that dtype are given.
 
-  benchmarks/build_llama_cpp.sh server                                   # once
+  benchmarks/build_llama_cpp.sh                                          # once: llama-server + converter
   .venv/bin/python benchmarks/serve_bench.py bench-out/ckpt/qwen3_moe-150m --dtypes float32,bfloat16 \
-      --gguf float32=bench-out/gguf/qwen3_moe-150m-f32.gguf --gguf bfloat16=bench-out/gguf/qwen3_moe-150m-bf16.gguf \
-      --llama-server bench-out/llama.cpp/server-build/bin/llama-server --json bench-out/serve-150m.json
+      --json bench-out/serve-150m.json          # GGUFs made by llama.cpp's converter, once, beside the build
 """
 
 from __future__ import annotations
@@ -137,13 +136,22 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=None, help="random ids below this (default: the model's vocabulary)")
-    parser.add_argument("--llama-server", type=Path)
-    parser.add_argument("--gguf", action="append", default=[], help="DTYPE=PATH, the GGUF llama-server runs for that dtype")
+    parser.add_argument("--llama-server", type=Path, help="default: the one benchmarks/build_llama_cpp.sh built")
+    parser.add_argument("--gguf", action="append", default=[],
+                        help="DTYPE=PATH, the GGUF llama-server runs for that dtype (default: converted once by "
+                             "llama.cpp's own convert_hf_to_gguf.py)")
     parser.add_argument("--skip", default="", help="comma-separated sides to skip: moekit,static,llama")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     ggufs = dict(g.split("=", 1) for g in args.gguf)
+    if "llama" not in args.skip.split(","):
+        from moekit.bench.llama_cpp import ensure_gguf, find_build, gguf_type
+
+        build = find_build()
+        args.llama_server = args.llama_server or build.server
+        for dtype in args.dtypes.split(","):
+            ggufs.setdefault(dtype, str(ensure_gguf(build, args.checkpoint, gguf_type(dtype))))
     vocab = args.vocab or json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
     prompts = load_prompts(None, args.prompt_len, vocab, max(args.requests, 16), seed=0)
     skip = set(args.skip.split(","))

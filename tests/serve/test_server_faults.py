@@ -140,3 +140,21 @@ def test_a_checkpoint_that_does_not_load_is_one_line_and_exit_2(tiny, tmp_path):
     assert time.monotonic() - started < 120
     missing = subprocess.run([sys.executable, "-m", "moekit", "serve", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "not a checkpoint folder" in missing.stderr
+
+
+def test_each_request_reports_its_own_expert_cache_hits_and_misses(tiny, tmp_path, serve_process):
+    folder = tmp_path / "ckpt"
+    shutil.copytree(tiny, folder)
+    body = {"prompt": [5, 17, 42, 9], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+    def cache_of(server):
+        usage = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["usage"]
+        return usage["moe"]["expert_cache"]
+
+    no_cache = serve_process(folder, "--expert-memory", "25%", "--cache", "none")
+    first = cache_of(no_cache)
+    assert first["hits"] == 0 and first["misses"] > 0  # with no cache every use is a read
+    lru = serve_process(folder, "--expert-memory", "75%", "--cache", "lru")
+    cold, warm = cache_of(lru), cache_of(lru)
+    assert cold["hits"] + cold["misses"] == warm["hits"] + warm["misses"] == first["misses"]
+    assert warm["hits"] > cold["hits"]  # the same request again finds its experts resident

@@ -4,7 +4,9 @@ Three sizes (~10M, ~150M, ~1B parameters) in two families (qwen3_moe: softmax to
 small experts; deepseek_v3: MLA attention, sigmoid group-limited routing, a shared expert and a
 dense first layer). The 150M qwen3_moe has 32 experts, top-4. Weights are random (transformers'
 own init; routers widened so routing is not a near-tie everywhere) and saved in bfloat16, as Hub
-checkpoints are; the engine and transformers both cast on load.
+checkpoints are; the engine and transformers both cast on load. Each folder also gets a real
+tokenizer (a byte-level BPE of TOKENIZER_VOCAB ids trained here on the repository's own text; the
+config's vocab is larger, the rest of its ids are unused): llama.cpp's converter needs one.
 
     .venv/bin/python benchmarks/make_checkpoints.py                # all sizes into bench-out/ckpt
     .venv/bin/python benchmarks/make_checkpoints.py --sizes 10m,150m --families qwen3_moe
@@ -21,6 +23,8 @@ from pathlib import Path
 import torch
 
 VOCAB = 32000
+TOKENIZER_VOCAB = 4096
+REPO = Path(__file__).resolve().parents[1]
 
 SHAPES: dict[tuple[str, str], dict] = {
     ("qwen3_moe", "10m"): dict(
@@ -56,7 +60,13 @@ SHAPES: dict[tuple[str, str], dict] = {
 }
 
 COMMON = dict(max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILY_EXTRA = {"deepseek_v3": dict(num_nextn_predict_layers=0, routed_scaling_factor=2.5, rope_scaling=None)}
+# As the real checkpoints have them, and as llama.cpp reads them (`--vs llama.cpp`): qwen3_moe
+# renormalises its top-K weights (llama.cpp's qwen3moe graph does so whatever the config says);
+# deepseek_v3 states its sigmoid scoring (transformers implies it; llama.cpp's converter reads
+# `scoring_func` and falls back to DeepSeek-V2's softmax without it).
+FAMILY_EXTRA = {"deepseek_v3": dict(num_nextn_predict_layers=0, routed_scaling_factor=2.5, rope_scaling=None,
+                                    scoring_func="sigmoid", topk_method="noaux_tc"),
+                "qwen3_moe": dict(norm_topk_prob=True)}
 
 
 def build(family: str, size: str, seed: int = 0):
@@ -75,6 +85,20 @@ def build(family: str, size: str, seed: int = 0):
     return model
 
 
+def _repository_text():
+    for pattern in ("docs/*.md", "src/moekit/**/*.py"):
+        for path in sorted(REPO.glob(pattern)):
+            yield path.read_text(errors="replace")
+
+
+def write_tokenizer(folder: Path, vocab_size: int = TOKENIZER_VOCAB) -> None:
+    """tokenizer.json + tokenizer_config.json by the trainer the demo model's tokenizer came from:
+    ids 0, 1, 2 are pad, bos, eos, as in COMMON."""
+    from moekit.train.tokenizer import save_tokenizer, train_tokenizer
+
+    save_tokenizer(train_tokenizer(_repository_text(), vocab_size), folder)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench-out/ckpt")
@@ -85,11 +109,14 @@ def main() -> None:
         for size in args.sizes.split(","):
             folder = Path(args.out) / f"{family}-{size}"
             if (folder / "config.json").is_file():
+                if not (folder / "tokenizer.json").is_file():
+                    write_tokenizer(folder)
                 print(f"{folder}: exists, kept")
                 continue
             model = build(family, size)
             params = sum(p.numel() for p in model.parameters())
             model.to(torch.bfloat16).save_pretrained(folder)
+            write_tokenizer(folder)
             (folder / "moekit-bench.json").write_text(json.dumps({"family": family, "size": size, "params": params}))
             print(f"{folder}: {params / 1e6:.1f}M params")
             del model

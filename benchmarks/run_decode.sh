@@ -26,7 +26,7 @@ for size in $sizes; do
 import json, sys
 d = json.load(open(sys.argv[1]))
 for r in d['results']:
-    print(f\"{sys.argv[2]:<32} batch {r['batch']}: moekit {r['moekit_tok_s']:8.1f} tok/s  transformers {r['transformers_tok_s']:8.1f} tok/s  \"
+    print(f\"{sys.argv[2]:<32} batch {r['batch']}: moekit {r['moekit_tok_s']:8.1f} tok/s  {r['baseline']} {r['baseline_tok_s']:8.1f} tok/s  \"
           f\"ratio {r['ratio']:.2f}x  roofline {r['roofline_tok_s']:9.1f} tok/s  share {r['roofline_share']:.0%}  same tokens {r['same_tokens']}\")
 " "$out/$name.json" "$name"
         done

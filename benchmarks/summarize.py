@@ -15,7 +15,7 @@ def rows(path: Path):
     name = Path(run["checkpoint"]).name
     for r in run["results"]:
         yield (
-            f"| {name} | {run['dtype']} | {r['batch']} | {r['moekit_tok_s']:.1f} | {r['transformers_tok_s']:.1f} "
+            f"| {name} | {run['dtype']} | {r['batch']} | {r['moekit_tok_s']:.1f} | {r['baseline_tok_s']:.1f} "
             f"| {r['ratio']:.2f}× | {r['bytes_per_step'] / 1e6:.1f} | {r['roofline_tok_s']:.0f} "
             f"| {r['roofline_share']:.0%} | {'yes' if r['same_tokens'] else 'no'} | {run['tokens']}/{run['repeats']} "
             f"| {run['threads']} |"
@@ -23,7 +23,7 @@ def rows(path: Path):
 
 
 def main(paths: list[str]) -> None:
-    print("| model | dtype | batch | moekit tok/s | transformers tok/s | ratio | MB read / step "
+    print("| model | dtype | batch | moekit tok/s | baseline tok/s | ratio | MB read / step "
           "| roofline tok/s | share | same tokens | N / repeats | threads |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in sorted(paths):

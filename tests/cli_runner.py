@@ -21,3 +21,12 @@ def moekit(capsys, *args) -> tuple[int, str, str]:
         sys.argv = argv
     out, err = capsys.readouterr()
     return exit_.value.code or 0, out, err
+
+
+def refused(capsys, *args) -> str:
+    """Run `moekit ARGS` expecting a refusal: exit 2, nothing on stdout, one `error: ...` line on
+    stderr (no traceback). Returns that line."""
+    code, out, err = moekit(capsys, *args)
+    assert code == 2 and out == "", (code, out, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err

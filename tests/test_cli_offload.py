@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -78,8 +77,7 @@ def test_bad_offload_options_are_one_line_errors(capsys, ckpt, args, message):
 
 def test_a_missing_packed_file_is_named(capsys, ckpt, tmp_path):
     folder = tmp_path / "packed"
-    shutil.copytree(ckpt, folder)
-    code, _, err = moekit(capsys, "pack", folder)
+    code, _, err = moekit(capsys, "pack", ckpt, "--out", folder)
     assert code == 0, err
     code, out, _ = moekit(capsys, "run", folder, "def f(x):", "--max-new-tokens", "6", "--json", "--expert-memory", "25%")
     assert code == 0

@@ -74,7 +74,7 @@ def test_show_activation_prints_a_row_per_token(capsys, ckpt):
     lines = out.splitlines()
     assert len(lines[0].split()) == 5  # the streamed ids
     assert "share" in out and "experts" in out
-    assert sum(1 for line in lines if "%" in line and "L0:" in line) == 5
+    assert sum(1 for line in lines if "L0:" in line) == 5  # the share is the same for all: said once below
 
 
 def test_trace_is_written(capsys, ckpt, tmp_path):
@@ -174,11 +174,18 @@ def test_bench_decode_reports_ratio_and_roofline(capsys, ckpt):
     )
     assert code == 0
     data = json.loads(out)
-    assert data["bandwidth_bytes_s"] > 1e8  # the local probe measured this machine
+    bandwidth = data["bandwidth_bytes_s"]  # measured by the local probe: a rate, never asserted
     assert [r["batch"] for r in data["results"]] == [1, 2]
     for r in data["results"]:
-        assert r["same_tokens"] is True and r["ratio"] > 0 and 0 < r["roofline_share"]
+        assert r["same_tokens"] is True
+        # the report's arithmetic on whatever this run measured: roofline = B x bandwidth / bytes per step
+        assert r["roofline_tok_s"] == pytest.approx(r["batch"] * bandwidth / r["bytes_per_step"], rel=1e-12)
+        assert r["roofline_share"] == pytest.approx(r["moekit_tok_s"] / r["roofline_tok_s"], rel=1e-12)
+        assert r["ratio"] == pytest.approx(r["moekit_tok_s"] / r["baseline_tok_s"], rel=1e-12)
+    # every row reads the same dense weights; a batch of 2 reads at least one row's experts, at most twice
+    one, two = (r["bytes_per_step"] for r in data["results"])
+    assert one < two <= 2 * one
 
 
 def test_bench_refuses_an_unknown_baseline(capsys, ckpt):
-    assert "transformers" in fails(capsys, "bench", "decode", ckpt, "--vs", "llama.cpp")
+    assert "transformers, llama.cpp" in fails(capsys, "bench", "decode", ckpt, "--vs", "vllm")

@@ -7,12 +7,14 @@ specs in `moekit.spec` import without torch.
 __version__ = "0.1.0"
 
 
-def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, **offload):
+def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, weights: str = "dtype", **offload):
     """Load a Hugging Face MoE checkpoint folder into the native engine.
 
     expert_memory ("25%", "2GiB", or bytes) pages routed experts from disk under that budget;
     `offload` takes the rest of moekit.offload.options.OffloadOptions (policy, pin, prefetch, ...).
-    Call `engine.close()` when done with an offloaded engine (it stops the reader threads)."""
+    Call `engine.close()` when done with an offloaded engine (it stops the reader threads).
+    weights="int8" quantizes every projection to int8 (one scale per 32 inputs) once at load;
+    "int8-experts" the routed experts only."""
     from moekit.engine.loader import load_engine
 
     options = None
@@ -20,4 +22,4 @@ def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, 
         from moekit.offload.options import OffloadOptions
 
         options = OffloadOptions(expert_memory=str(expert_memory), **offload)
-    return load_engine(path, dtype=dtype, device=device, offload=options)
+    return load_engine(path, dtype=dtype, device=device, offload=options, weights=weights)

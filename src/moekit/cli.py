@@ -18,10 +18,30 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit both
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from moekit import __version__
+
+        typer.echo(f"moekit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print moekit's version and exit."
+    ),
+) -> None:
+    """Count, run and fit Mixture-of-Experts language models."""
+
+
 def _register() -> None:
+    if app.registered_commands:  # once: main() runs many times in one process (the CLI tests)
+        return
     from moekit.commands import bench, calc, corpus, eval as eval_cmd, run, train
 
     app.command("calc", help=calc.HELP)(calc.calc)
@@ -39,12 +59,25 @@ def _register() -> None:
     from moekit.commands import pack
 
     app.command("pack", help=pack.HELP)(pack.pack)
+    from moekit.commands import placement, simulate
+
+    app.command("placement", help=placement.HELP)(placement.placement)
+    app.command("simulate", help=simulate.HELP)(simulate.simulate)
+    from moekit.commands import bench_serve, serve
+
+    app.command("serve", help=serve.HELP)(serve.serve)
+    from moekit.commands import analyze, eval_routing, report
+
+    app.command("analyze", help=analyze.HELP)(analyze.analyze)
+    app.command("report", help=report.HELP)(report.report)
+    app.command("eval-routing", help=eval_routing.HELP)(eval_routing.eval_routing)
+    bench.app.command("serve", help=bench_serve.HELP)(bench_serve.serve)
 
 
 def main() -> None:
     _register()
     try:
-        app()
+        app(prog_name="moekit")
     except MoekitError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)

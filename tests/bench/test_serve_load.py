@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "serve"))
 
 from cli_runner import moekit  # noqa: E402
 from hf_tiny import write_checkpoint  # noqa: E402
-from moekit.bench.serve import RequestResult, load_prompts, percentiles, summarize  # noqa: E402
+from moekit.bench.serve import RequestResult, load_prompts, percentiles, summarize, token_count  # noqa: E402
 from moekit.errors import MoekitError  # noqa: E402
 from server_process import start_server  # noqa: E402
 
@@ -24,6 +24,13 @@ def test_percentiles_interpolate_between_ranks():
     assert p["p50"] == pytest.approx(50.5) and p["p90"] == pytest.approx(90.1) and p["p99"] == pytest.approx(99.01)
     assert p["mean"] == pytest.approx(50.5)
     assert percentiles([3.0]) == {"mean": 3.0, "p50": 3.0, "p90": 3.0, "p99": 3.0}
+
+
+def test_every_chunk_before_the_closing_one_is_a_token_even_with_empty_text():
+    assert token_count({"choices": [{"text": "", "finish_reason": None}]}) == 1  # half a UTF-8 character
+    assert token_count({"choices": [{"text": "", "finish_reason": "length"}]}) == 0
+    assert token_count({"choices": [{"text": "", "token_ids": [4, 5], "finish_reason": None}]}) == 2
+    assert token_count({"choices": [], "usage": {"completion_tokens": 3}}) == 0
 
 
 def test_summary_counts_only_good_requests_and_pools_every_gap():

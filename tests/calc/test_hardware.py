@@ -1,6 +1,7 @@
 import pytest
 
 from moekit.calc.hardware import GIB, catalog, catalog_entries, get_hardware, known_names
+from moekit.calc import probe
 from moekit.calc.probe import measure_bandwidth, measure_matmul_flops, memory_capacity
 from moekit.errors import MoekitError
 
@@ -26,10 +27,9 @@ def test_aliases_resolve():
 
 
 def test_unknown_hardware_lists_the_known_ones():
-    with pytest.raises(MoekitError) as err:
+    with pytest.raises(MoekitError, match=r"tpu-v5.*h100-sxm|h100-sxm.*tpu-v5") as err:
         get_hardware("tpu-v5")
-    assert "h100-sxm" in str(err.value) and "local" in str(err.value)
-    assert "\n" not in str(err.value)
+    assert "local" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_missing_tensor_rates_fall_back_to_bf16():
@@ -44,8 +44,37 @@ def test_local_is_measured_by_the_given_probe():
     assert "local" in known_names()
 
 
-def test_probe_measurements_are_plausible():
-    # Small sizes: this checks the arithmetic runs and returns rates, not the machine's speed.
-    assert 1e8 < measure_bandwidth(n_bytes=16 * 1024**2, repeats=2) < 1e13
-    assert 1e8 < measure_matmul_flops(n=256, repeats=2) < 1e15
-    assert memory_capacity() > 256 * 1024**2
+class ScriptedClock:
+    """perf_counter() for the probe: each timed call lasts the next scripted number of seconds."""
+
+    def __init__(self, durations):
+        self.durations, self.now, self.started = list(durations), 0.0, False
+
+    def perf_counter(self):
+        if self.started:
+            self.now += self.durations.pop(0)
+        self.started = not self.started
+        return self.now
+
+
+def test_bandwidth_is_the_best_of_copy_and_sum_in_bytes_per_second(monkeypatch):
+    n_bytes = 8 * 2**20
+    # (durations in powers of two, so the clock's sums are exact)
+    # copy (counted as read + write) takes 1 s then 0.5 s: 2 x 8 MiB / 0.5 s = 32 MiB/s;
+    # sum (read only) takes 0.25 s then 0.125 s: 8 MiB / 0.125 s = 64 MiB/s, the larger, so the answer.
+    monkeypatch.setattr(probe, "time", ScriptedClock([1.0, 0.5, 0.25, 0.125]))
+    assert measure_bandwidth(n_bytes=n_bytes, repeats=2) == 64 * 2**20
+    monkeypatch.setattr(probe, "time", ScriptedClock([1.0, 0.0625, 0.25, 0.125]))  # now copy wins
+    assert measure_bandwidth(n_bytes=n_bytes, repeats=2) == 256 * 2**20
+
+
+def test_matmul_rate_is_2_n_cubed_over_the_best_time(monkeypatch):
+    monkeypatch.setattr(probe, "time", ScriptedClock([0.5, 0.125, 0.25]))  # best of 3: 0.125 s
+    assert measure_matmul_flops(n=64, repeats=3) == 2 * 64**3 / 0.125
+    monkeypatch.setattr(probe, "time", ScriptedClock([0.0]))  # a clock too coarse to see the call
+    assert measure_matmul_flops(n=64, repeats=1) == 2 * 64**3 / 1e-9  # floored, never a division by 0
+
+
+def test_memory_capacity_is_this_machines_physical_ram():
+    with open("/proc/meminfo") as fh:  # MemTotal, in KiB: the kernel's count of the same pages
+        assert memory_capacity() == int(fh.readline().split()[1]) * 1024

@@ -208,3 +208,21 @@ def reference_routing(model, ids: list[int]) -> dict[int, list[list[int]]]:
         for h in hooks:
             h.remove()
     return chosen
+
+
+def assert_engine_matches_reference(family: str, folder: Path, prompt: list[int], new: int = 20, seed: int = 0, **overrides):
+    """Write the reference of `family` to `folder` with save_pretrained, load it with moekit, and hold
+    moekit to it: greedy tokens equal, last-position logits within 1e-4."""
+    from moekit.engine.loader import load_engine
+
+    model = build_reference(family, seed, **overrides)
+    model.save_pretrained(folder)
+    model.generation_config.eos_token_id = None
+    engine = load_engine(folder)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, pad_token_id=0)
+        want_logits = model(ids).logits[0, -1]
+        got_logits = engine.decoder(ids, engine.decoder.new_cache(1, len(prompt)), torch.arange(len(prompt))[None])[0, -1]
+    assert engine.generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0] == want[0, len(prompt) :].tolist()
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)

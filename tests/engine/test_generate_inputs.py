@@ -34,5 +34,10 @@ def test_impossible_requests_are_refused_in_one_line(prompts, new, message):
     assert "\n" not in str(err.value)
 
 
-def test_a_request_that_exactly_fills_the_context_is_accepted():
-    check_request([list(range(80))], 20, vocab_size=100, max_positions=100)
+def test_a_request_that_exactly_fills_the_context_is_accepted_and_one_more_token_is_not():
+    assert check_request([list(range(80))], 20, vocab_size=100, max_positions=100) is None
+    assert check_request([[99]], 99, vocab_size=100, max_positions=100) is None  # the last id, the last slot
+    with pytest.raises(MoekitError, match="context"):
+        check_request([list(range(80))], 21, vocab_size=100, max_positions=100)
+    with pytest.raises(MoekitError, match="context"):
+        check_request([[99]], 100, vocab_size=100, max_positions=100)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_tiny import write_checkpoint
 from moekit.engine.loader import load_engine
 
 
@@ -35,3 +39,22 @@ def test_the_models_eos_stops_by_default(tiny_checkpoints):
     # Stop on what the model says next: with that id as eos, the default stops right there.
     engine.eos_ids = (free[2],)
     assert engine.generate([1, 17, 42], max_new_tokens=8).token_ids[0] == free[: free.index(free[2]) + 1]
+
+
+def test_a_checkpoint_stops_on_its_own_eos_where_transformers_does(tiny_checkpoints, tmp_path):
+    """The same weights saved with an eos the model really emits (the default 2 it never does within
+    the run): moekit stops on that id read from the folder, at the step transformers' generate stops."""
+    prompt = [1, 17, 42]
+    free = load_engine(tiny_checkpoints("qwen3_moe")).generate(prompt, max_new_tokens=8, stop_ids=()).token_ids[0]
+    eos = free[3]
+    assert eos != 2 and 2 not in free
+    folder = write_checkpoint("qwen3_moe", tmp_path / "own_eos", eos_token_id=eos)  # same seed: same weights
+    engine = load_engine(folder)
+    assert eos in engine.eos_ids
+    gen = engine.generate(prompt, max_new_tokens=8)
+    assert gen.token_ids[0] == free[: free.index(eos) + 1] and gen.stopped == [True]
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        theirs = reference.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=8)
+    assert gen.token_ids[0] == theirs[0, len(prompt):].tolist()

@@ -25,10 +25,30 @@ def test_trace_round_trips_and_agrees_with_the_meter(tiny_checkpoints, tmp_path)
     assert [r["token_id"] for r in prompt_rows[::moe_layers]] == prompts[1]
     assert [r["position"] for r in prompt_rows[::moe_layers]] == [0, 1]
 
-    by_key = {(r["row"], r["position"], r["layer"]): r for r in records}
+    # Every row, value by value, against the routing decisions the generation itself recorded:
+    # step 0 holds the left-padded prompts (width P), each decode step one token per row.
+    by_key = {(r["step"], r["row"], r["position"], r["layer"]): r for r in records}
+    checked = 0
+    for step in gen.routing:
+        for row, prompt in enumerate(prompts):
+            if step.step == 0:
+                pad = gen.prompt_width - len(prompt)
+                tokens = [(pad + p, p, prompt[p]) for p in range(len(prompt))]  # (column, position, fed id)
+            elif step.step < len(gen.token_ids[row]):
+                tokens = [(0, len(prompt) + step.step - 1, gen.token_ids[row][step.step - 1])]
+            else:
+                continue  # the row had stopped
+            for column, position, fed in tokens:
+                for lr in step.layers:
+                    rec = by_key[step.step, row, position, lr.layer]
+                    flat = row * step.tokens_per_row + column
+                    assert rec["token_id"] == fed
+                    assert rec["expert_ids"] == lr.topk_ids[flat].tolist()
+                    assert rec["weights"] == lr.topk_weights[flat].tolist()  # float32 both ways: exact
+                    checked += 1
+    assert checked == rows
+
     for a in engine.meter(gen):
         for layer, ids in a.experts.items():
-            rec = by_key[(a.row, a.position, layer)]
-            assert rec["expert_ids"] == ids
-            assert rec["weights"] == [float(w) for w in rec["weights"]]
-            assert abs(sum(rec["weights"]) - sum(a.weights[layer])) < 1e-6
+            rec = by_key[(a.index, a.row, a.position, layer)]
+            assert (rec["expert_ids"], rec["weights"]) == (ids, a.weights[layer])

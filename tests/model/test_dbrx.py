@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import FAMILIES, build_reference  # noqa: E402
+from hf_tiny import FAMILIES, assert_engine_matches_reference, build_reference  # noqa: E402
 from moekit.engine.loader import load_engine  # noqa: E402
 from moekit.errors import MoekitError  # noqa: E402
 from moekit.offload.options import OffloadOptions  # noqa: E402
@@ -30,17 +30,7 @@ VARIANTS = {
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_dbrx_generates_what_transformers_generates(variant, tmp_path):
-    model = build_reference("dbrx", seed=2, **VARIANTS[variant])
-    model.save_pretrained(tmp_path)
-    model.generation_config.eos_token_id = None
-    engine = load_engine(tmp_path)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20, pad_token_id=0)
-        want_logits = model(ids).logits[0, -1]
-        got_logits = engine.decoder(ids, engine.decoder.new_cache(1, len(PROMPT)), torch.arange(len(PROMPT))[None])[0, -1]
-    assert engine.generate([PROMPT], max_new_tokens=20, stop_ids=()).token_ids[0] == want[0, len(PROMPT) :].tolist()
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+    assert_engine_matches_reference("dbrx", tmp_path, PROMPT, seed=2, **VARIANTS[variant])
 
 
 def test_clip_qkv_matters_here(tmp_path):

@@ -8,10 +8,12 @@ one ungated shared expert, routed_scaling_factor, with and without norm_topk_pro
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 from moekit.errors import CheckpointError
@@ -19,7 +21,6 @@ from moekit.model.decoder import Decoder
 from moekit.spec import load_spec
 from moekit.weights.checkpoint import open_checkpoint
 
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 NEW_TOKENS = 24
@@ -175,16 +176,22 @@ def test_greedy_continuation_matches_generate(checkpoint):
 
 
 @torch.no_grad()
-def test_bf16_weights_stay_close_to_fp32_reference(checkpoint):
-    """bf16 weights (router and its bias kept fp32): same next-token choices, logits within bf16 noise."""
+def test_bf16_weights_err_no_more_than_transformers_own_bf16(checkpoint):
+    """bf16 weights (router and its bias kept fp32) against the fp32 reference: no further off than
+    transformers' own model cast to bf16 on the same input, and at least as many argmax agreements.
+    (A fixed tolerance would have to exceed the typical gap between the top two logits, ~0.035 here.)"""
     reference, folder = checkpoint
     ours = load_ours(folder, torch.bfloat16)
     ids = torch.stack(prompts(14, (20, 20)))
     expected = reference(ids).logits.float()
+    theirs = copy.deepcopy(reference).to(torch.bfloat16)(ids).logits.float()
     got = ours(ids, ours.new_cache(2, 20), torch.arange(20).expand(2, -1))
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
-    torch.testing.assert_close(got, expected, atol=0.05, rtol=0)
-    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+    ours_err, their_err = (got - expected).abs(), (theirs - expected).abs()
+    assert ours_err.max() <= 1.5 * their_err.max(), (ours_err.max().item(), their_err.max().item())
+    assert ours_err.mean() <= 1.5 * their_err.mean(), (ours_err.mean().item(), their_err.mean().item())
+    agree = lambda logits: (logits.argmax(-1) == expected.argmax(-1)).float().mean()
+    assert agree(got) >= agree(theirs)
 
 
 def test_mtp_layers_in_the_checkpoint_are_ignored(checkpoint, tmp_path):

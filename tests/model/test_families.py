@@ -2,7 +2,8 @@
 
 Per case: the full-prompt fp32 logits match transformers' forward; prefill followed by one-token
 decode steps through the cache gives the full-prompt logits again; rows of a left-padded batch give
-what each prompt gives alone; and the experts chosen per token are the ones transformers' router chose.
+what each prompt gives alone; in an MoE case the experts chosen per token are the ones transformers'
+router chose, and a dense case routes nothing and has every parameter active.
 """
 
 from __future__ import annotations
@@ -12,19 +13,36 @@ import torch
 
 from tiny_checkpoints import CASES, full_logits, left_padded, load_ours, prompt, write_checkpoint
 
-transformers = pytest.importorskip("transformers")
-
 TOL = 1e-4
+DENSE_FAMILIES = {"llama", "mistral", "qwen2", "qwen3"}
+MOE_CASES = [c for c in CASES if c.family not in DENSE_FAMILIES]
+DENSE_CASES = [c for c in CASES if c.family in DENSE_FAMILIES]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: c.id)
-def pair(request, tmp_path_factory):
-    case = request.param
-    folder = tmp_path_factory.mktemp(case.id)
-    reference = write_checkpoint(case, folder)
-    return case, reference, load_ours(folder)
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case -> (case, transformers reference, our decoder), each checkpoint written once."""
+    made = {}
+
+    def get(case):
+        if case.id not in made:
+            folder = tmp_path_factory.mktemp(case.id)
+            made[case.id] = (case, write_checkpoint(case, folder), load_ours(folder))
+        return made[case.id]
+
+    return get
 
 
+@pytest.fixture
+def pair(request, built):
+    return built(request.param)
+
+
+def cases(which):
+    return pytest.mark.parametrize("pair", which, ids=lambda c: c.id, indirect=True)
+
+
+@cases(CASES)
 def test_full_prompt_logits_match_transformers(pair):
     case, reference, ours = pair
     ids = prompt(case.seed)
@@ -35,6 +53,7 @@ def test_full_prompt_logits_match_transformers(pair):
     assert (got - want).abs().max().item() < TOL
 
 
+@cases(CASES)
 def test_decoding_through_the_cache_gives_the_full_prompt_logits(pair):
     case, _, ours = pair
     ids = prompt(case.seed)
@@ -48,6 +67,7 @@ def test_decoding_through_the_cache_gives_the_full_prompt_logits(pair):
     assert (torch.cat(steps, dim=1) - want).abs().max().item() < TOL
 
 
+@cases(CASES)
 def test_left_padded_rows_match_each_prompt_alone(pair):
     case, _, ours = pair
     ids = prompt(case.seed)[0]
@@ -80,10 +100,9 @@ def _router_hooks(model):
     return seen, handles
 
 
+@cases(MOE_CASES)
 def test_chosen_experts_and_weights_match_transformers(pair):
     case, reference, ours = pair
-    if not ours.spec.moe_layers:
-        pytest.skip("dense family: nothing routed")
     ids = prompt(case.seed)
     seen, handles = _router_hooks(reference)
     try:
@@ -105,3 +124,20 @@ def test_chosen_experts_and_weights_match_transformers(pair):
         ref_w = want_weights.float().gather(1, ref_order)
         assert decision.topk_weights.dtype == torch.float32
         assert (got_w - ref_w).abs().max().item() < 1e-5
+
+
+@cases(DENSE_CASES)
+def test_a_dense_model_routes_nothing_and_every_parameter_is_active(pair):
+    """What a dense family has instead of a router: one MLP per layer, all of it used by every token,
+    so the calculator's total is transformers' own parameter count and the active share is exactly 1."""
+    from moekit.calc.params import count_params
+
+    case, reference, ours = pair
+    assert ours.spec.moe_layers == () and not any(layer.is_moe for layer in ours.spec.layers)
+    decisions: list = []
+    ids = prompt(case.seed)
+    ours(ids, ours.new_cache(1, ids.shape[1]), torch.arange(ids.shape[1])[None], decisions=decisions)
+    assert decisions == []
+    counts = count_params(ours.spec)
+    assert counts.total_params == sum(p.numel() for p in reference.parameters())  # tied weights once
+    assert counts.active_params == counts.total_params and counts.active_fraction == 1.0

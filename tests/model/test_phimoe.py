@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import build_reference  # noqa: E402
+from hf_tiny import assert_engine_matches_reference, build_reference  # noqa: E402
 from moekit.engine.loader import load_engine  # noqa: E402
 from moekit.errors import SpecError  # noqa: E402
 from moekit.model.routing import route  # noqa: E402
@@ -37,26 +37,9 @@ VARIANTS = {
 }
 
 
-def _reference_generate(model, prompt, new):
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, pad_token_id=0)
-    return out[0, len(prompt) :].tolist()
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_phimoe_generates_what_transformers_generates(variant, tmp_path):
-    model = build_reference("phimoe", seed=4, **VARIANTS[variant])
-    model.save_pretrained(tmp_path)
-    model.generation_config.eos_token_id = None
-    engine = load_engine(tmp_path)
-    ours = engine.generate([PROMPT], max_new_tokens=20, stop_ids=()).token_ids[0]
-    assert ours == _reference_generate(model, PROMPT, 20)
-    with torch.inference_mode():
-        want = model(torch.tensor([PROMPT])).logits[0, -1]
-        cache = engine.decoder.new_cache(1, len(PROMPT))
-        got = engine.decoder(torch.tensor([PROMPT]), cache, torch.arange(len(PROMPT))[None])[0, -1]
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_engine_matches_reference("phimoe", tmp_path, PROMPT, seed=4, **VARIANTS[variant])
 
 
 def test_sparsemixer_equals_the_reference_function():

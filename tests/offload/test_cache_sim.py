@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from hf_tiny import write_checkpoint
 from moekit import cli
 from moekit.engine.loader import load_engine
-from moekit.engine.trace import write_trace
+from moekit.engine.trace import trace_model, write_trace
 from moekit.errors import MoekitError
 from moekit.offload.cache_sim import trace_calls
 from moekit.offload.policies import make_policy
@@ -31,9 +31,10 @@ NUM_EXPERTS = 8  # hf_tiny's qwen3_moe
 def traced(tmp_path_factory):
     """(trace path, generated ids) of a real two-row greedy run."""
     folder = write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
-    gen = load_engine(folder).generate(PROMPTS, max_new_tokens=NEW, stop_ids=())
+    engine = load_engine(folder)
+    gen = engine.generate(PROMPTS, max_new_tokens=NEW, stop_ids=())
     path = tmp_path_factory.mktemp("trace") / "trace.parquet"
-    write_trace(gen, path)
+    write_trace(gen, path, trace_model(engine.spec, folder))
     return path, gen.token_ids
 
 
@@ -108,8 +109,7 @@ def test_slots_as_shares_of_the_experts(traced):
     path, _ = traced
     report = _sim(path, "--policy", "lru", "--slots", "25%,50%")
     assert [(r["slots"], r["slots_share"]) for r in report["results"]] == [(2, 0.25), (4, 0.5)]
-    wider = _sim(path, "--policy", "lru", "--slots", "25%", "--num-experts", 16)
-    assert wider["results"][0]["slots"] == 4
+    assert "has 8 experts per layer" in _error(path, "--policy", "lru", "--slots", "25%", "--num-experts", 16)
 
 
 def test_pins_are_capped_like_a_live_run_and_always_hit(traced, tmp_path):

@@ -117,7 +117,9 @@ def test_one_flipped_byte_is_an_integrity_error_naming_layer_expert_and_file(fol
         message = str(err.value)
         assert f"layer {layer} expert 5" in message and "checksum mismatch" in message
         assert f"in {x.file} (bytes {x.offset}..{x.end})" in message and "\n" not in message
-        reader.read(layer, 4)  # its neighbours are intact and still served
+        # its neighbours are intact and still served, byte for byte what the undamaged file holds
+        with ExpertReader(folders("deepseek_v3"), manifest, torch.float32) as pristine:
+            assert all(torch.equal(a, b) for a, b in zip(reader.read(layer, 4), pristine.read(layer, 4)))
 
 
 def test_a_truncated_file_is_an_integrity_error_not_short_weights(folders, tmp_path):

@@ -1,6 +1,6 @@
 """Peak RSS of an offloaded run stays within the model memory it was given.
 
-Measured in child processes (moekit.offload.bench_worker) on a ~420 MB bf16 checkpoint written by
+Measured in child processes (moekit.bench.offload_worker) on a ~420 MB bf16 checkpoint written by
 benchmarks/make_offload_checkpoint.py. The bound is the issue's, (dense + budget) × 1.1, plus the
 engine's own working memory (KV cache, activations, oneDNN's primitive cache), which any run has
 whatever its weights: measured here as what a fully resident run's generate adds to its RSS.
@@ -34,7 +34,7 @@ def medium(tmp_path_factory):
 
 
 def _worker(folder: Path, budget: str | None) -> dict:
-    argv = [sys.executable, "-m", "moekit.offload.bench_worker", "--folder", str(folder), "--prompt-ids", PROMPT,
+    argv = [sys.executable, "-m", "moekit.bench.offload_worker", "--folder", str(folder), "--prompt-ids", PROMPT,
             "--new-tokens", "12", "--threads", "1", "--dtype", "bfloat16"]
     if budget is not None:
         argv += ["--expert-memory", budget]

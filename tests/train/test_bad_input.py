@@ -77,6 +77,43 @@ def test_run_folder_with_another_run_and_eval_of_nothing(moekit, tiny_run, tmp_p
     _one_line_error(moekit("eval", str(tmp_path)), "neither a checkpoint")
 
 
+def _reference_perplexities(model_dir, corpus, max_tokens, window=256):
+    """domain -> (perplexity from transformers' own loss, add-one unigram perplexity) on the tokens
+    `moekit eval` scores: each domain's held-out stream (documents + eos) cut into windows of 256 from
+    its start, each window's first token unscored; the unigram counts the train split."""
+    import math
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from moekit.corpus.reader import read_split
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+
+    def stream(docs):
+        return [t for enc in tok.encode_batch(docs) for t in (*enc.ids, eos)]
+
+    counts = torch.ones(model.config.vocab_size, dtype=torch.float64)
+    for docs in read_split(corpus, "train").values():
+        counts += torch.bincount(torch.tensor(stream(docs)), minlength=len(counts)).double()
+    log_p = (counts / counts.sum()).log()
+    out = {}
+    for domain, docs in read_split(corpus, "heldout").items():
+        ids = stream(docs)[:max_tokens]
+        model_nll = unigram_nll = scored = 0.0
+        for begin in range(0, len(ids), window):
+            w = torch.tensor(ids[begin : begin + window])
+            with torch.inference_mode():
+                model_nll += float(model(input_ids=w[None], labels=w[None]).loss) * (len(w) - 1)
+            unigram_nll -= float(log_p[w[1:]].sum())
+            scored += len(w) - 1
+        out[domain] = (math.exp(model_nll / scored), math.exp(unigram_nll / scored), int(scored))
+    return out
+
+
 def test_eval_reports_perplexity_per_domain_against_unigram(moekit, tiny_run, tiny_corpus):
     import json
 
@@ -84,8 +121,12 @@ def test_eval_reports_perplexity_per_domain_against_unigram(moekit, tiny_run, ti
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert set(result["domains"]) == {"python", "prose"}
-    for d in result["domains"].values():
-        assert d["tokens"] > 100 and d["perplexity"] > 1 and d["unigram_perplexity"] > 1
+    reference = _reference_perplexities(tiny_run[0] / "model", tiny_corpus, max_tokens=600)
+    for name, d in result["domains"].items():
+        model_ppl, unigram_ppl, scored = reference[name]
+        assert d["tokens"] == scored == 597  # 600 tokens in windows of 256: 3 first tokens unscored
+        assert d["perplexity"] == pytest.approx(model_ppl, rel=1e-4)
+        assert d["unigram_perplexity"] == pytest.approx(unigram_ppl, rel=1e-9)
         assert all(abs(sum(layer) - 1) < 1e-6 for layer in d["expert_usage"])
     js = result["js_divergence"]
     assert js["python"]["python"] == 0 and 0 < js["python"]["prose"] == js["prose"]["python"] <= 1

@@ -105,15 +105,17 @@ def summarize(results: list[RequestResult], wall_s: float, concurrency: Optional
     )
 
 
-def _token_count(chunk: dict) -> int:
-    """Tokens a streamed completions chunk carries: its token ids when listed, else 1 per chunk with text."""
+def token_count(chunk: dict) -> int:
+    """Tokens a streamed completions chunk carries: its token ids when listed, else one per chunk
+    before the closing one. Not one per chunk with text: a token that ends inside a UTF-8
+    character streams as an empty text, and it is still a token the server produced."""
     choices = chunk.get("choices") or []
     if not choices:
         return 0
     choice = choices[0]
     if isinstance(choice.get("token_ids"), list):
         return len(choice["token_ids"])
-    return 1 if choice.get("text") else 0
+    return 0 if choice.get("finish_reason") else 1
 
 
 async def one_request(client, url: str, body: dict) -> RequestResult:
@@ -140,7 +142,7 @@ async def one_request(client, url: str, body: dict) -> RequestResult:
                     result.error = str(chunk["error"].get("message", chunk["error"]))
                     return result
                 now = time.perf_counter()
-                for _ in range(_token_count(chunk)):
+                for _ in range(token_count(chunk)):
                     arrivals.append(now)
                 if chunk.get("usage"):
                     usage = chunk["usage"]

@@ -362,7 +362,26 @@ def sla_section(r: ModelReport) -> list[str]:
         f" = {u.pct(s.max_share)} of this model's {u.params(r.counts.total_params)}",
         f"    this model touches {u.params(s.model_params)} ({u.pct(s.model_share)}) and needs {s.model_ms:,.3f} ms:"
         f" it {'meets' if s.meets else 'misses'} the budget",
-    ]
+    ] + _sla_beyond(r)
+
+
+def _sla_beyond(r: ModelReport) -> list[str]:
+    """What a budget the whole model fits in still answers: headroom and the batch it serves."""
+    s = r.sla
+    assert s is not None
+    lines = []
+    if s.whole_model_fits:
+        lines.append(
+            f"    the whole model ({u.params(r.counts.total_params)}) fits the budget: no routing can use"
+            f" {u.pct(s.max_share)} of it; {s.headroom:,.1f}× headroom at batch 1"
+        )
+    if s.max_batch:
+        binds = "the budget" if s.max_batch_binds == "latency" else "the devices' memory"
+        lines.append(
+            f"    largest batch decoded within {s.budget_ms:g} ms per step at context {u.n(r.request.context)}:"
+            f" {s.max_batch:,} sequences ({binds} stops the next)"
+        )
+    return lines
 
 
 # -- claims -------------------------------------------------------------------------------------

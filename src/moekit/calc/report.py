@@ -35,8 +35,18 @@ def build_report(spec: ModelSpec, request: CalcRequest, hardware: Optional[Hardw
     if hardware is not None:
         roof = roofline(spec, request.dtype, plan, single, batched, hardware, request.gpus, request.context)
         if request.sla_ms is not None:
-            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params)
+            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, _step_at(spec, counts, request))
     return ModelReport(spec, request, counts, plan, single, batched, roof, budget)
+
+
+def _step_at(spec: ModelSpec, counts: ParamCounts, request: CalcRequest):
+    """Batch b → (one decode step's traffic, the memory plan's total), at the request's dtypes and context."""
+
+    def at(batch: int) -> tuple[StepTraffic, int]:
+        plan = memory_plan(spec, counts, request.dtype, request.kv_dtype, request.context, batch)
+        return step_traffic(spec, counts, request.dtype, plan.kv, batch), plan.total
+
+    return at
 
 
 def _traffic_dict(t: StepTraffic) -> dict:

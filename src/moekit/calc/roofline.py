@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 from moekit.calc.dtypes import DType
 from moekit.calc.hardware import Hardware
@@ -22,6 +23,9 @@ from moekit.calc.kv_cache import cached_tokens
 from moekit.calc.memory import MemoryPlan
 from moekit.calc.traffic import StepTraffic
 from moekit.spec.model_spec import AttentionSpec, ModelSpec
+
+
+MAX_BATCH = 1 << 20  # where the batch search stops: past any real serving batch
 
 
 def attention_flops_per_token(spec: ModelSpec, context: int) -> int:
@@ -130,11 +134,14 @@ class SLA:
     """The largest parameter count one token may touch and still decode within the budget at
     batch 1, on this device at this dtype, keeping this model's KV cache, context and embedding
     row. Parameters are counted as `Roofline.params_per_token` is (the DeepSeek / OpenAI
-    convention: no input embedding), and the share is of this model's total."""
+    convention: no input embedding), and the share is of this model's total.
+
+    When that count reaches the whole model (a share above 100%, which no routing can use), the
+    useful answers are the headroom and the largest batch this model decodes within the budget."""
 
     budget_ms: float
     max_params: int
-    max_share: float
+    max_share: float  # above 1 when the budget allows more than this model has (whole_model_fits)
     binds: str  # which bound sets max_params
     bandwidth_limit_params: float
     compute_limit_params: float
@@ -142,6 +149,10 @@ class SLA:
     model_share: float
     model_ms: float
     meets: bool
+    whole_model_fits: bool = False  # every parameter on every token would still meet the budget
+    headroom: float = 0.0  # budget / this model's batch-1 step: how many times over it meets
+    max_batch: int = 0  # the most sequences one decode step serves within the budget (0: not even 1)
+    max_batch_binds: str = "latency"  # "latency" (the budget) or "memory" (the devices' capacity)
 
 
 def params_within(budget_s: float, roof: Roofline, dtype: DType, single: StepTraffic) -> tuple[float, float]:
@@ -152,10 +163,44 @@ def params_within(budget_s: float, roof: Roofline, dtype: DType, single: StepTra
     return by_bandwidth, by_compute
 
 
-def sla(budget_ms: float, roof: Roofline, dtype: DType, single: StepTraffic, total_params: int) -> SLA:
+def largest_batch(fits: Callable[[int], bool], cap: int = MAX_BATCH) -> int:
+    """The largest b in [0, cap] with fits(b), for a fits() true up to some b and false after."""
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= cap and fits(high):
+        low, high = high, high * 2
+    high = min(high, cap + 1)  # fits(low) holds; fits(high) fails or high is past the cap
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+def batch_within(budget_s: float, roof: Roofline, step_at: Callable[[int], tuple[StepTraffic, int]]) -> tuple[int, str]:
+    """(most sequences per decode step within the budget and the devices' memory, which binds).
+    step_at(b): the step's traffic and the memory plan's total bytes at batch b."""
+    by_latency = largest_batch(
+        lambda b: step_bound(step_at(b)[0], roof.flops_per_token, roof.bandwidth, roof.peak_flops).step_seconds
+        <= budget_s
+    )
+    by_memory = largest_batch(lambda b: step_at(b)[1] <= roof.capacity_bytes)
+    return (by_latency, "latency") if by_latency <= by_memory else (by_memory, "memory")
+
+
+def sla(
+    budget_ms: float,
+    roof: Roofline,
+    dtype: DType,
+    single: StepTraffic,
+    total_params: int,
+    step_at: Optional[Callable[[int], tuple[StepTraffic, int]]] = None,
+) -> SLA:
+    """The budget inverted; with step_at (see batch_within), also the largest batch it serves."""
     by_bw, by_c = params_within(budget_ms / 1000, roof, dtype, single)
     best = max(0, math.floor(min(by_bw, by_c)))
     model_ms = roof.single.step_seconds * 1000
+    batch, batch_binds = batch_within(budget_ms / 1000, roof, step_at) if step_at is not None else (0, "latency")
     return SLA(
         budget_ms=budget_ms,
         max_params=best,
@@ -167,4 +212,8 @@ def sla(budget_ms: float, roof: Roofline, dtype: DType, single: StepTraffic, tot
         model_share=roof.params_per_token / total_params,
         model_ms=model_ms,
         meets=model_ms <= budget_ms,
+        whole_model_fits=best >= total_params,
+        headroom=budget_ms / model_ms,
+        max_batch=batch,
+        max_batch_binds=batch_binds,
     )

@@ -44,13 +44,13 @@ def rows(batch: int) -> list[tuple[str, Cell]]:
         ("active excl. input embedding", lambda r: _share(r.counts.active_params_excl_input_embedding, r)),
         ("active non-embedding", lambda r: _share(r.counts.active_params_non_embedding, r)),
         ("MTP / vision (apart)", lambda r: _apart(r)),
-        ("weights", lambda r: f"{u.gib(r.memory.weights.total)} @ {r.memory.weights.dtype}"),
-        ("  always resident", lambda r: u.gib(r.memory.weights.resident)),
-        ("  routed experts", lambda r: u.gib(r.memory.weights.routed_experts)),
+        ("weights", lambda r: f"{u.nbytes(r.memory.weights.total)} @ {r.memory.weights.dtype}"),
+        ("  always resident", lambda r: u.nbytes(r.memory.weights.resident)),
+        ("  routed experts", lambda r: u.nbytes(r.memory.weights.routed_experts)),
         ("KV cache per token", lambda r: u.nbytes(r.memory.kv.bytes_per_token)),
-        ("KV cache", lambda r: f"{u.gib(r.memory.kv.total_bytes)} @ {r.memory.kv.context:,} × {r.memory.kv.batch}"),
+        ("KV cache", lambda r: f"{u.nbytes(r.memory.kv.total_bytes)} @ {r.memory.kv.context:,} × {r.memory.kv.batch}"),
         ("activations (rough)", lambda r: u.nbytes(r.memory.activations)),
-        ("memory total", lambda r: u.gib(r.memory.total)),
+        ("memory total", lambda r: u.nbytes(r.memory.total)),
         ("read per token, batch 1", lambda r: u.nbytes(r.single.total_bytes)),
     ]
     if batch > 1:
@@ -58,7 +58,7 @@ def rows(batch: int) -> list[tuple[str, Cell]]:
         table.append(("  distinct experts / layer", lambda r: f"{r.batched.distinct_experts_per_layer:.2f}"))
     table += [
         ("hardware", _roof(lambda r, f: f"{f.gpus} × {f.hardware}" if f.gpus > 1 else f.hardware)),
-        ("fits in memory", _roof(lambda r, f: f"{'yes' if f.fits else 'NO'} ({u.gib(f.per_gpu_bytes)}/device)")),
+        ("fits in memory", _roof(lambda r, f: f"{'yes' if f.fits else 'NO'} ({u.nbytes(f.per_gpu_bytes)}/device)")),
         ("per token, batch 1", _roof(lambda r, f: f"{u.ms(f.single.step_seconds)} ({f.single.binds})")),
         ("tokens/s, batch 1 (max)", _roof(lambda r, f: f"{f.single.tokens_per_s:,.1f}")),
     ]
@@ -69,10 +69,28 @@ def rows(batch: int) -> list[tuple[str, Cell]]:
         ]
     table += [
         ("SLA budget", _sla(lambda r, s: f"{s.budget_ms:g} ms/token")),
-        ("  max params per token", _sla(lambda r, s: f"{u.params(s.max_params)} ({u.pct(s.max_share)} of total)")),
-        ("  this model", _sla(lambda r, s: f"{u.ms(s.model_ms / 1000)}: {'meets' if s.meets else 'MISSES'}")),
+        ("  max params per token", _sla(_max_params)),
+        ("  this model", _sla(_this_model)),
+        ("  max batch in budget", _sla(_max_batch)),
     ]
     return table
+
+
+def _max_params(r: ModelReport, s) -> str:
+    if s.whole_model_fits:  # a share above 100% means nothing: say what it does mean
+        return f"all {u.params(r.counts.total_params)}: whole model fits"
+    return f"{u.params(s.max_params)} ({u.pct(s.max_share)} of total)"
+
+
+def _this_model(r: ModelReport, s) -> str:
+    verdict = f"meets ({s.headroom:,.1f}× headroom)" if s.meets else "MISSES"
+    return f"{u.ms(s.model_ms / 1000)}: {verdict}"
+
+
+def _max_batch(r: ModelReport, s) -> Optional[str]:
+    if s.max_batch == 0:
+        return None
+    return f"{s.max_batch:,} ({'budget' if s.max_batch_binds == 'latency' else 'memory'} binds)"
 
 
 def _apart(r: ModelReport) -> Optional[str]:

@@ -12,11 +12,12 @@ from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
 
-DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate on one checkpoint, at batch 1 and 8.
+DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate (or llama.cpp, batch 1) on one checkpoint, at batch 1 and 8.
 
 Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio, the bandwidth roofline of this machine (measured memory bandwidth / bytes one decode step reads) and the share of it moekit reaches.
 
   moekit bench decode path/to/checkpoint --vs transformers --batch 1,8 --tokens 32
+  moekit bench decode path/to/checkpoint --vs llama.cpp --batch 1 --threads 2   (benchmarks/build_llama_cpp.sh first)
 """
 
 
@@ -53,7 +54,11 @@ def decode(
     checkpoint: Optional[Path] = typer.Argument(
         None, help="Checkpoint folder (config.json + *.safetensors). Default: the bundled demo model."
     ),
-    vs: Optional[str] = typer.Option(None, "--vs", help="Baseline to compare against: transformers."),
+    vs: Optional[str] = typer.Option(None, "--vs", help="Baseline to compare against: transformers or llama.cpp."),
+    weights: str = typer.Option("dtype", "--weights", help="moekit's weights: dtype, int8 or int8-experts "
+                                "(--vs llama.cpp: int8 against its q8_0)."),
+    llama_cpp_dir: Optional[Path] = typer.Option(None, "--llama-cpp-dir", help="Where benchmarks/build_llama_cpp.sh "
+                                                 "built llama.cpp (default: bench-out/llama.cpp); GGUFs go to its gguf/."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 (both sides)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
     batch: str = typer.Option("1,8", "--batch", help="Comma-separated batch sizes."),
@@ -64,12 +69,13 @@ def decode(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for both sides (default: torch's)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
-    if vs not in (None, "transformers"):
-        raise MoekitError(f"--vs {vs}: the only baseline is transformers")
-    from moekit.engine.bench_decode import BenchSettings, bench_decode
+    from moekit.bench.decode import BASELINES, BenchSettings, bench_decode, decode_baseline
+    from moekit.commands.bench_view import decode_in_steps
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
 
+    if vs not in (None, *BASELINES):
+        raise MoekitError(f"--vs {vs}: the baselines are {', '.join(BASELINES)}")
     checkpoint = checkpoint if checkpoint is not None else default_checkpoint()
 
     settings = BenchSettings(
@@ -81,9 +87,11 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
-    engine = load_engine(checkpoint, dtype=dtype, device=device)
+    engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights)
+    baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
     bandwidth, source = local_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
-    results = bench_decode(engine, settings, vs_transformers=vs == "transformers", bandwidth_bytes_s=bandwidth)
+    results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),
+                              settings, vs if baseline is not None else None, lambda line: typer.echo(line, err=True))
 
     if json_out:
         typer.echo(
@@ -92,6 +100,9 @@ def decode(
                     "checkpoint": str(checkpoint),
                     "model_type": engine.spec.model_type,
                     "dtype": dtype,
+                    "weights": weights,
+                    "baseline": vs,
+                    "baseline_info": baseline.info() if baseline is not None else None,
                     "device": engine.device,
                     "tokens": tokens,
                     "prompt_len": prompt_len,
@@ -111,7 +122,7 @@ def decode(
     table = Table(title=f"decode tokens/s · {engine.spec.model_type} · {dtype} on {engine.device}")
     table.add_column("batch", justify="right")
     table.add_column("moekit", justify="right")
-    table.add_column("transformers", justify="right")
+    table.add_column(vs or "baseline", justify="right")
     table.add_column("ratio", justify="right")
     table.add_column("MB / step", justify="right")
     table.add_column("roofline", justify="right")
@@ -121,7 +132,7 @@ def decode(
         table.add_row(
             str(r.batch),
             f"{r.moekit_tok_s:.1f}",
-            _fmt(r.transformers_tok_s, ".1f"),
+            _fmt(r.baseline_tok_s, ".1f"),
             _fmt(r.ratio, ".2f") + ("×" if r.ratio else ""),
             f"{r.bytes_per_step / 1e6:.1f}",
             _fmt(r.roofline_tok_s, ".1f"),
@@ -164,9 +175,11 @@ def offload(
     threads: int = typer.Option(1, "--threads", help="CPU threads for every run."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Also write every run's raw result here."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    wide: bool = typer.Option(False, "--wide", help="Every column (stall share, the prefetch runs); default: what fits."),
 ) -> None:
+    from moekit.commands.bench_view import check_offload_request
     from moekit.engine.default_model import default_checkpoint
-    from moekit.offload.bench import OffloadBench, run_bench, summary_rows
+    from moekit.bench.offload import OffloadBench, run_bench, summary_rows
 
     if vs not in (None, "accelerate"):
         raise MoekitError(f"--vs {vs}: the only baseline here is accelerate")
@@ -176,8 +189,8 @@ def offload(
     budgets = tuple(b.strip() for b in expert_memory.split(",") if b.strip())
     if not budgets:
         raise MoekitError("--expert-memory: give at least one budget, e.g. 25%,50%")
+    minimum = check_offload_request(folder, dtype, budgets, cache, vs)  # before any run, not after the first
     ids = _offload_prompt(folder, prompt.replace("\\n", "\n"), prompt_len)
-    minimum = _minimum_budget(folder, dtype)
     bench = OffloadBench(folder=str(folder), budgets=budgets, policy=cache, prefetch_extra=prefetch_extra,
                          prompt_ids=tuple(ids), new_tokens=tokens, threads=threads, dtype=dtype,
                          vs_accelerate=vs == "accelerate")
@@ -194,7 +207,7 @@ def offload(
         typer.echo(json.dumps({"rows": rows, "resident_tokens_per_s": results["resident"]["tokens_per_s"],
                                "no_cache_tokens_per_s": results["no-cache"]["tokens_per_s"]}))
         return
-    _print_offload_table(bench, results, rows)
+    _print_offload_table(bench, results, rows, wide)
 
 
 def _offload_prompt(folder: Path, text: str, length: int) -> list[int]:
@@ -211,49 +224,18 @@ def _offload_prompt(folder: Path, text: str, length: int) -> list[int]:
     return [rng.randrange(3, vocab) for _ in range(length)]
 
 
-def _minimum_budget(folder: Path, dtype: str) -> str:
-    """K experts per MoE layer, in bytes: the smallest budget a run accepts (the no-cache baseline's)."""
-    from moekit.engine.loader import torch_dtype
-    from moekit.offload.attach import expert_nbytes, moe_layers
-    from moekit.spec import load_spec
-
-    spec = load_spec(folder)
-    layers = moe_layers(spec)
-    if not layers:
-        raise MoekitError(f"{folder}: a dense model has no routed experts to offload")
-    k = spec.layers[layers[0]].ffn.router.top_k
-    return str(k * len(layers) * expert_nbytes(spec, torch_dtype(dtype)))
-
-
-def _print_offload_table(bench, results: dict, rows: list[dict]) -> None:
+def _print_offload_table(bench, results: dict, rows: list[dict], wide: bool = False) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from moekit.calc.units import nbytes
-
-    def pct(x):
-        return "—" if x is None else f"{x:.1%}"
+    from moekit.commands.bench_view import offload_notes, offload_table, print_wide_or_fitted
 
     resident, no_cache = results["resident"], results["no-cache"]
-    table = Table(title=f"decode tokens/s under an expert budget · {bench.dtype} · {bench.threads} thread(s) · "
-                        f"{bench.policy}")
-    for name in ("budget", "tok/s", "× resident", "× no cache", "accelerate tok/s", "× accelerate", "hit rate",
-                 "disk / token", "stall share", "RSS growth / bound", "prefetch: tok/s", "hit rate",
-                 "recall / precision", "same tokens"):
-        table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(
-            r["budget"], f"{r['tokens_per_s']:.1f}", f"{r['vs_resident']:.2f}×", f"{r['vs_no_cache']:.2f}×",
-            _fmt(r["accelerate_tokens_per_s"], ".2f"), _fmt(r["vs_accelerate"], ".1f") + ("×" if r["vs_accelerate"] else ""),
-            pct(r["hit_rate"]),
-            "—" if r["disk_bytes_per_token"] is None else nbytes(r["disk_bytes_per_token"]),
-            pct(r["stall_share"]),
-            f"{nbytes(r['rss_growth_bytes'])} / {nbytes(r['rss_bound_bytes'])} {'ok' if r['rss_ok'] else 'OVER'}",
-            _fmt(r["prefetch_tokens_per_s"], ".1f"), pct(r["prefetch_hit_rate"]),
-            f"{pct(r['prefetch_recall'])} / {pct(r['prefetch_precision'])}",
-            "yes" if r["same_tokens"] else "NO",
-        )
+    table = offload_table(f"decode tokens/s under an expert budget · {bench.dtype} · {bench.threads} thread(s) · "
+                          f"{bench.policy}", rows, bench.vs_accelerate, wide)
     console = Console()
-    console.print(table)
+    print_wide_or_fitted(console, table, wide)
     console.print(f"baselines: resident {resident['tokens_per_s']:.1f} tok/s; no cache "
                   f"{no_cache['tokens_per_s']:.1f} tok/s at the minimum budget ({nbytes(int(no_cache['budget_bytes']))})")
+    for note in offload_notes(rows, wide):
+        console.print(f"note: {note}")

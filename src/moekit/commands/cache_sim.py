@@ -9,7 +9,7 @@ import typer
 
 HELP = """Size an expert cache without running the model: replay a routing trace (from `moekit run ... --trace t.parquet`) through each policy and slot count.
 
-Each MoE layer keeps SLOTS experts; every forward (the prefill, then each decode step) uses the distinct experts its tokens chose. Reports hit rates overall, at decode and per layer, misses per generated token and evictions. `belady` knows the future: the best any policy could do. A live `moekit run --expert-memory` without prefetch gets the same hit rate at the same slots.
+Each MoE layer keeps SLOTS experts; every forward (the prefill, then each decode step) uses the distinct experts its tokens chose. Reports hit rates overall, at decode and per layer, misses per generated token and evictions. `belady` knows the future: the best any policy could do. A live `moekit run --expert-memory` without prefetch gets the same hit rate at the same slots: a share (25%) is of the model's experts per layer, which the trace records, rounded down as the live store rounds it.
 
 Examples:
 
@@ -36,7 +36,9 @@ def cache_sim(
         None, "--pin", metavar="PROFILE.json", help='Pin the experts of a profile\'s "pins" (never evicted).'
     ),
     num_experts: Optional[int] = typer.Option(
-        None, "--num-experts", metavar="E", help="Routed experts per layer. Default: highest id in the trace + 1."
+        None, "--num-experts", metavar="E",
+        help="Routed experts per layer, for a trace that does not record them (written by an older moekit). "
+             "Default: the trace's own.",
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
 ) -> None:
@@ -46,7 +48,8 @@ def cache_sim(
     calls = sim.read_trace(trace)
     pins = sim.read_pins(pin) if pin else {}
     experts = sim.check_request(calls, num_experts, pins)
-    request = sim.SimRequest(policies, sim.parse_slots(slots, experts), experts, pins, pin)
+    notes: list[str] = []
+    request = sim.SimRequest(policies, sim.parse_slots(slots, experts, notes), experts, pins, pin, tuple(notes))
     report = sim.run_cache_sim(calls, request)
     report["trace"] = trace
     if as_json:
@@ -68,9 +71,11 @@ def _pct(value: Optional[float]) -> str:
 def _summary_table(report: dict):
     from rich.table import Table
 
+    model = f" ({report['model']['model']})" if report["model"] else ""
+    experts = "? experts" if report["num_experts"] is None else f"{report['num_experts']} experts"
     title = (
-        f"{report['trace']}: {report['trace_rows']:,} rows, {len(report['layers'])} MoE layers × "
-        f"{report['num_experts']} experts, {report['generated_tokens']:,} generated tokens"
+        f"{report['trace']}{model}: {report['trace_rows']:,} rows, "
+        f"{len(report['layers'])} MoE layers × {experts}, {report['generated_tokens']:,} generated tokens"
     )
     table = Table(title=title)
     for name in ("policy", "slots", "share", "pinned", "hit rate", "decode hit", "miss/token", "evictions"):
@@ -79,7 +84,7 @@ def _summary_table(report: dict):
         table.add_row(
             r["policy"],
             str(r["slots"]),
-            f"{r['slots_share']:.0%}",
+            "-" if r["slots_share"] is None else f"{r['slots_share']:.0%}",
             str(r["pinned"]),
             _pct(r["hit_rate"]),
             _pct(r["decode_hit_rate"]),

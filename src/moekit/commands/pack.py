@@ -10,22 +10,23 @@ from typing import Optional
 
 import typer
 
-HELP = """Pack every routed expert of a MoE checkpoint into one file, each expert's weights contiguous.
+HELP = """Pack every routed expert of a MoE checkpoint into one file, each expert's weights contiguous, in a new folder: the packed checkpoint.
 
-Writes CHECKPOINT/experts.packed.safetensors (our layout, the checkpoint's dtype) and CHECKPOINT/moekit-experts.json (where each expert is, with a crc32 per piece). `moekit run --expert-memory ...` then reads each expert with one positioned read. Optional: without it the store reads experts from the checkpoint's own safetensors files.
+The checkpoint is left exactly as it was. OUT (default: a folder per checkpoint under ~/.cache/moekit/packed) receives experts.packed.safetensors (our layout, the checkpoint's dtype), moekit-experts.json (where each expert is, with a crc32 per piece) and the checkpoint's other files, hard-linked where the disk allows, else copied. `moekit run OUT --expert-memory ...` then reads each expert with one positioned read. Optional: without it the store reads experts from the checkpoint's own safetensors files.
 
 Examples:
 
   moekit pack path/to/checkpoint
 
-  moekit pack path/to/checkpoint --out /fast-disk/experts.packed.safetensors
+  moekit pack path/to/checkpoint --out /fast-disk/checkpoint-packed
 """
 
 
 def pack(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors)."),
+    checkpoint: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors); never changed."),
     out: Optional[Path] = typer.Option(
-        None, "--out", help="Where to write the packed file (default: CHECKPOINT/experts.packed.safetensors)."
+        None, "--out", help="Folder for the packed checkpoint: new, empty, or an earlier pack's "
+        "(default: ~/.cache/moekit/packed/NAME-HASH)."
     ),
 ) -> None:
     from rich.console import Console
@@ -43,4 +44,7 @@ def pack(
         f"packed {result.experts} experts of {result.layers} MoE layers: {nbytes(result.nbytes)} "
         f"in {result.seconds:.2f} s ({nbytes(rate)}/s) → {result.path}"
     )
-    typer.echo(f"wrote {result.manifest}")
+    how = [f"{len(result.linked)} hard-linked" if result.linked else "", f"{len(result.copied)} copied" if result.copied else ""]
+    typer.echo(f"packed checkpoint: {result.folder} (the checkpoint's other files: "
+               f"{', '.join(h for h in how if h) or 'none'}; {checkpoint} is unchanged)")
+    typer.echo(f"run it: moekit run {result.folder} \"PROMPT\" --expert-memory 25%")

@@ -7,6 +7,7 @@ nothing for `moekit calc`.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -26,6 +27,8 @@ Examples:
   moekit run path/to/checkpoint "def fibonacci(n):" --max-new-tokens 64
 
   moekit run path/to/checkpoint --prompt-ids 1,17,42 --max-new-tokens 24 --temperature 0 --json
+
+  moekit run path/to/checkpoint "Hello" --top-p 0.95 --seed 0    # --top-p / --top-k sample (temperature 1)
 
   moekit run path/to/checkpoint "Hello" --show-activation
 
@@ -48,6 +51,46 @@ def parse_ids(text: Optional[str], what: str) -> Optional[list[int]]:
         raise MoekitError(f"{what}: expected comma-separated integer token ids, got {text!r}") from None
 
 
+def looks_like_path(text: str) -> bool:
+    """A lone argument meant as a checkpoint rather than a prompt: it has a path separator or names a file."""
+    seps = {"/", "\\"} | ({os.altsep} if os.altsep else set())
+    return "\n" not in text and (any(sep in text for sep in seps) or Path(text).is_file())
+
+
+def sampling_temperature(temperature: Optional[float], top_p: Optional[float], top_k: Optional[int]) -> float:
+    """--top-p and --top-k sample: unless --temperature says otherwise they imply temperature 1. An
+    explicit --temperature 0 with either would silently ignore it, so it is refused."""
+    filters = [name for name, value in (("--top-p", top_p), ("--top-k", top_k)) if value is not None]
+    if temperature is None:
+        return 1.0 if filters else 0.0
+    if temperature == 0 and filters:
+        them = "them" if len(filters) > 1 else "it"
+        raise MoekitError(f"{' and '.join(filters)} sample{'' if len(filters) > 1 else 's'}, but --temperature 0 is "
+                          f"greedy and would ignore {them}: drop one (a positive --temperature samples)")
+    return temperature
+
+
+def describe_sampling(sampling) -> str:
+    """How tokens are chosen, in words: the demo's output states its setting."""
+    if sampling.greedy:
+        return "greedy"
+    parts = [f"temperature {sampling.temperature:g}"]
+    if sampling.top_k:
+        parts.append(f"top-k {sampling.top_k}")
+    if sampling.top_p is not None and sampling.top_p < 1:
+        parts.append(f"top-p {sampling.top_p:g}")
+    parts.append(f"seed {sampling.seed}" if sampling.seed is not None else "unseeded")
+    return "sampling at " + ", ".join(parts)
+
+
+def check_trace_path(trace: Path) -> None:
+    if trace.suffix.lower() != ".parquet":
+        raise MoekitError(f"--trace {trace}: the trace is written as Parquet; name the file *.parquet "
+                          f"(e.g. {trace.with_suffix('.parquet').name})")
+    if not trace.parent.exists():
+        raise MoekitError(f"--trace {trace}: folder {trace.parent} does not exist")
+
+
 def _expert_summary(act, width: int = 60) -> str:
     text = " ".join(f"L{layer}:{','.join(map(str, ids))}" for layer, ids in act.experts.items())
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -63,23 +106,37 @@ def _token_text(engine, token_id: int) -> str:
 
 
 def _activation_table(engine, acts):
+    """One row per generated token. Parameters touched and the share are a column only when they
+    vary (mixed expert sizes, dense layers); the same for every token, they are said once."""
     from rich.table import Table
 
-    moe = bool(engine.spec.moe_layers)
-    table = Table(title="activation per generated token", show_lines=False)
+    spec = engine.spec
+    moe = bool(spec.moe_layers)
+    varies = len({(a.params_touched, a.share) for a in acts}) > 1
+    notes = []
+    if not varies and acts:
+        notes.append(f"every token touches {acts[0].params_touched:,} parameters ({acts[0].share:.2%} active share)")
+    if moe:
+        slots = sum(spec.layers[i].ffn.num_experts for i in spec.moe_layers)
+        notes.append(f"distinct experts: running total of the different experts used so far (the prompt's included), of "
+                     f"{len(spec.moe_layers)} MoE layers × {slots // len(spec.moe_layers)} experts = {slots:,}")
+    table = Table(title="activation per generated token", show_lines=False, caption="\n".join(notes) or None,
+                  caption_justify="left")
     table.add_column("#", justify="right")
     table.add_column("token")
     if moe:
         table.add_column("experts (layer:ids)")
-    table.add_column("params touched", justify="right")
-    table.add_column("active share", justify="right")
+    if varies:
+        table.add_column("params touched", justify="right")
+        table.add_column("active share", justify="right")
     if moe:
         table.add_column("distinct experts", justify="right")
     for a in acts:
         cells = [str(a.index), _token_text(engine, a.token_id)]
         if moe:
             cells.append(_expert_summary(a))
-        cells += [f"{a.params_touched:,}", f"{a.share:.2%}"]
+        if varies:
+            cells += [f"{a.params_touched:,}", f"{a.share:.2%}"]
         if moe:
             cells.append(str(a.distinct_experts_total))
         table.add_row(*cells)
@@ -89,22 +146,26 @@ def _activation_table(engine, acts):
 def run(
     first: Optional[str] = typer.Argument(
         None,
-        metavar="[CHECKPOINT]",
+        metavar="CHECKPOINT",
         help="Checkpoint folder: config.json + *.safetensors (+ tokenizer.json). Default: the bundled model.",
     ),
     second: Optional[str] = typer.Argument(
-        None, metavar="[PROMPT]", help="Text prompt (needs tokenizer.json in the folder)."
+        None, metavar="PROMPT", help="Text prompt (needs tokenizer.json in the folder)."
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    weights: str = typer.Option("dtype", "--weights", help="dtype (the checkpoint's, at --dtype), int8 (every "
+                                "projection weight-only int8, one scale per 32 inputs) or int8-experts (routed experts only)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    temperature: float = typer.Option(0.0, "--temperature", help="0 = greedy."),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1]."),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens."),
+    temperature: Optional[float] = typer.Option(
+        None, "--temperature", show_default=False,
+        help="0 = greedy. Default: 0, or 1 when --top-p or --top-k is given (they sample)."),
+    top_p: Optional[float] = typer.Option(None, "--top-p", help="Nucleus sampling mass in (0, 1]; implies sampling."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", help="Sample among the k most likely tokens; implies sampling."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for sampling (reproducible runs)."),
     stop: Optional[str] = typer.Option(None, "--stop", help="Comma-separated stop token ids (default: the model's eos; '' never stops early)."),
-    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the routing trace to this Parquet file."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write the routing trace to this Parquet file (*.parquet)."),
     show_activation: bool = typer.Option(
         False, "--show-activation", help="Per token: experts chosen, params touched, share of all params."
     ),
@@ -117,6 +178,16 @@ def run(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Guess each layer's experts ahead of it and read them "
                                   "on worker threads (off by default: see docs/BENCHMARKS.md)."),
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    expert_parallel: Optional[str] = typer.Option(
+        None, "--expert-parallel", metavar="N|auto", help="Shard the routed experts over N ranks of this machine "
+        "(launched here), or over torchrun's ranks with auto (see docs/SCALING.md)."),
+    placement: Optional[Path] = typer.Option(None, "--placement", help="With --expert-parallel: a plan from "
+                                             "`moekit placement` (default: experts split evenly, in order)."),
+    ep_timeout: float = typer.Option(120.0, "--ep-timeout", help="With --expert-parallel: seconds a rank waits for "
+                                     "the others before failing."),
+    routing: Optional[str] = typer.Option(
+        None, "--routing", metavar="POLICY", help="A routing policy instead of the family's exact routing: topk:k, "
+        "adaptive:τ, topp:p, ema:α, reuse (their cost: moekit eval-routing, docs/ROUTING.md)."),
 ) -> None:
     from moekit.engine.default_model import split_checkpoint_and_prompt
     from moekit.engine.loader import load_engine
@@ -126,13 +197,17 @@ def run(
     checkpoint, prompt = split_checkpoint_and_prompt(first, second, ids_given=ids is not None)
     if (prompt is None) == (ids is None):
         raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")
+    if second is None and prompt is not None and looks_like_path(prompt):
+        typer.echo(f"note: {prompt!r} is no checkpoint folder, so it is the prompt for the bundled model "
+                   f"({checkpoint}); name an existing folder to run your own", err=True)
     if max_new_tokens <= 0:
         raise MoekitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    sampling = SamplingParams(temperature=sampling_temperature(temperature, top_p, top_k), top_k=top_k, top_p=top_p,
+                              seed=seed)
     check_sampling(sampling)
     stop_ids = () if stop is not None and not stop.strip() else parse_ids(stop, "--stop")
-    if trace is not None and not trace.parent.exists():
-        raise MoekitError(f"--trace {trace}: folder {trace.parent} does not exist")
+    if trace is not None:
+        check_trace_path(trace)
 
     offload = None
     if expert_memory is not None:
@@ -142,11 +217,24 @@ def run(
                                  prefetch_extra=prefetch_extra)
     elif pin is not None or prefetch or cache != "lru":
         raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
-    engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress())
+    if weights != "dtype" and (expert_parallel is not None or placement is not None):
+        raise MoekitError(f"--weights {weights} with --expert-parallel is not supported yet")
+    if routing is not None and (expert_parallel is not None or placement is not None):
+        raise MoekitError("--routing with --expert-parallel is not supported yet")
+    if expert_parallel is not None or placement is not None:
+        from moekit.dist.cli import run_sharded
+
+        run_sharded(expert_parallel, placement, ep_timeout, checkpoint, prompt, ids, dtype, device, offload, max_new_tokens,
+                    sampling, stop_ids, report=lambda engine, sampling: _generate_and_report(
+                        engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out))
+        return
+    engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress(),
+                         weights=weights)
     for note in engine.notes:
         typer.echo(f"note: {note}", err=True)
     try:
-        _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out)
+        _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
+                             _routing_policy(engine, routing))
     finally:
         engine.close()
 
@@ -169,7 +257,18 @@ def _manifest_progress():
     return progress
 
 
-def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out):
+def _routing_policy(engine, text: Optional[str]):
+    """--routing's policy, checked against the model's K; None keeps the family's routing."""
+    if text is None:
+        return None
+    from moekit.analysis.policy_eval import model_k
+    from moekit.model.routing import parse_policy
+
+    return parse_policy(text, model_k(engine.spec))
+
+
+def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
+                         policy=None):
     from moekit.engine.detokenize import TextStream
 
     prompt_tokens = engine.encode(prompt) if ids is None else ids
@@ -193,6 +292,16 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
                     out.write(("" if step == 0 else " ") + str(row_ids[0]))
                     out.flush()
 
+    if on_token is not None:
+        # Said once the engine accepted the request (a refused one stays a one-line error).
+        given = repr(prompt) if prompt is not None else f"{len(prompt_tokens)} token ids"
+        header, streamed = f"{engine.spec.name} · {describe_sampling(sampling)} · prompt {given}:", on_token
+
+        def on_token(step, row_ids):
+            if step == 0:
+                typer.echo(header, err=True)
+            streamed(step, row_ids)
+
     snapshot = {}
     if engine.store is not None:
         shown = on_token
@@ -203,7 +312,8 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
             if shown is not None:
                 shown(step, row_ids)
 
-    gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, on_token=on_token)
+    gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, on_token=on_token,
+                          **({} if policy is None else {"policy": policy}))
     acts = engine.meter(gen)
     offload = None
     if engine.store is not None:
@@ -211,9 +321,9 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
 
         offload = offload_report(snapshot, engine.store.stats(), gen.timing.decode_tokens, gen.timing.decode_s)
     if trace is not None:
-        from moekit.engine.trace import write_trace
+        from moekit.engine.trace import trace_model, write_trace
 
-        rows = write_trace(gen, trace)
+        rows = write_trace(gen, trace, trace_model(engine.spec, engine.folder))
     generated = gen.token_ids[0]
 
     if json_out:
@@ -241,6 +351,8 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
         f" · {engine.dtype} on {engine.device}]",
         err=True,
     )
+    if offload is not None:
+        typer.echo(paging_summary(offload), err=True)
     if trace is not None:
         typer.echo(f"routing trace: {rows} rows -> {trace}", err=True)
     if show_activation:
@@ -250,6 +362,18 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
         console.print(_activation_table(engine, acts))
         if offload is not None:
             console.print(_offload_table(offload))
+
+
+def paging_summary(report: dict) -> str:
+    """The expert store's decode figures in one line, as `--json` has them under "decode"."""
+    from moekit.calc.units import nbytes
+
+    d = report["decode"]
+    hit = "—" if report["decode_hit_rate"] is None else f"{report['decode_hit_rate']:.1%}"
+    disk = "—" if d["disk_bytes_per_token"] is None else nbytes(d["disk_bytes_per_token"])
+    stall = "—" if d["stall_s_per_token"] is None else f"{d['stall_s_per_token'] * 1e3:.2f} ms"
+    return (f"[expert store · {report['policy']}, {report['slots_per_layer']} slots per layer · decode hit rate {hit}"
+            f" · disk {disk} per token · stall {stall} per token]")
 
 
 def _offload_table(report: dict):
@@ -267,7 +391,7 @@ def _offload_table(report: dict):
         return "—" if x is None else f"{x:.1%}"
 
     rows = [
-        ("decode hit rate", pct(d["hit_rate"])),
+        ("decode hit rate", pct(report["decode_hit_rate"])),
         *((f"  layer {l}", pct(h)) for l, h in d["hit_rate_per_layer"].items()),
         ("disk bytes per decoded token", "—" if d["disk_bytes_per_token"] is None else format_bytes(d["disk_bytes_per_token"])),
         ("stall per decoded token", "—" if d["stall_s_per_token"] is None else f"{d['stall_s_per_token'] * 1e3:.2f} ms"),

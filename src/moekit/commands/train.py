@@ -18,7 +18,8 @@ Example:  moekit train --config configs/demo.toml --out runs/demo
 
 
 def train(
-    config: Path = typer.Option(..., "--config", help="TOML file with [model] and [train] tables."),
+    # \[ : rich reads a bare [model] in help as markup and prints nothing.
+    config: Path = typer.Option(..., "--config", help=r"TOML file with \[model] and \[train] tables."),
     out: Path = typer.Option(..., "--out", help="Run folder."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in OUT from its last checkpoint."),
     force: bool = typer.Option(False, "--force", help="Replace whatever run OUT holds."),

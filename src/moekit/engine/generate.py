@@ -20,6 +20,7 @@ from torch import Tensor
 
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
+from moekit.model.routing import PolicyRun
 
 # on_token(step, ids): ids[r] is row r's new token, None once row r has stopped.
 TokenCallback = Callable[[int, list[Optional[int]]], None]
@@ -153,8 +154,12 @@ def generate(
     on_token: Optional[TokenCallback] = None,
     record_routing: bool = True,
     pad_id: int = 0,
+    policy=None,
 ) -> Generation:
-    """Generate up to max_new_tokens per prompt with `decoder` (the moekit.model.Decoder contract)."""
+    """Generate up to max_new_tokens per prompt with `decoder` (the moekit.model.Decoder contract).
+
+    policy: None for the family's routing, else a moekit.model.routing policy (topk:1, adaptive:0.85,
+    ...); stateful ones (ema, reuse) carry their state from the prefill through every decode step."""
     spec = decoder.spec
     check_request(prompts, max_new_tokens, spec.vocab_size, spec.max_position_embeddings)
     check_sampling(sampling)
@@ -176,12 +181,13 @@ def generate(
     step_ids = torch.zeros((batch, 1), dtype=torch.int64, device=device)  # [B, 1]
     routing: list[StepRouting] = []
     steps_done = 0
+    routed = {} if policy is None else {"policy": PolicyRun(policy, batch)}
 
     with torch.inference_mode():
         _sync(device)
         start = time.perf_counter()
         decisions: Optional[list] = [] if record_routing else None
-        logits = decoder(ids.to(device), cache, positions.to(device), decisions, last_only=True)  # [B, 1, V]
+        logits = decoder(ids.to(device), cache, positions.to(device), decisions, last_only=True, **routed)  # [B, 1, V]
         token = next_tokens(logits[:, -1], sampling, generator)  # [B]
         out[:, 0] = token
         _sync(device)
@@ -199,7 +205,7 @@ def generate(
                 break
             step_ids[:, 0] = token
             decisions = [] if record_routing else None
-            logits = decoder(step_ids, cache, step_pos, decisions)  # [B, 1, V]
+            logits = decoder(step_ids, cache, step_pos, decisions, **routed)  # [B, 1, V]
             token = next_tokens(logits[:, -1], sampling, generator)
             was_finished = finished.clone() if on_token is not None else None
             token = token.masked_fill(finished, pad_id)

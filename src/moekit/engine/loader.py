@@ -19,6 +19,7 @@ from moekit.errors import CheckpointError, MoekitError
 from moekit.spec.model_spec import ModelSpec
 
 DTYPES = ("float32", "bfloat16")
+WEIGHTS = ("dtype", "int8", "int8-experts")  # the checkpoint's weights at dtype, or int8 (moekit.model.int8)
 
 Prompt = Union[str, Sequence[int]]
 
@@ -36,6 +37,7 @@ class Engine:
     folder: Path
     store: Optional[object] = None  # moekit.offload.store.ExpertStore when experts are paged
     notes: tuple[str, ...] = ()  # what loading decided that the user should hear
+    weights: str = "dtype"  # one of WEIGHTS
 
     def close(self) -> None:
         """Stop the expert store's reader threads (a no-op for a resident model)."""
@@ -67,8 +69,10 @@ class Engine:
         stop_ids: Optional[Sequence[int]] = None,
         on_token: Optional[TokenCallback] = None,
         record_routing: bool = True,
+        policy=None,
     ) -> Generation:
-        """stop_ids None means the model's eos tokens; () means never stop early."""
+        """stop_ids None means the model's eos tokens; () means never stop early. policy: a
+        moekit.model.routing policy (parse_policy), None for the family's routing."""
         batch = _as_batch(prompts)
         return generate(
             self.decoder,
@@ -78,6 +82,7 @@ class Engine:
             stop_ids=self.eos_ids if stop_ids is None else tuple(stop_ids),
             on_token=on_token,
             record_routing=record_routing,
+            policy=policy,
         )
 
     def meter(self, gen: Generation) -> list[TokenActivation]:
@@ -148,16 +153,23 @@ def torch_dtype(dtype: str):
 
 
 def load_engine(
-    path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None
+    path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None,
+    weights: str = "dtype",
 ) -> Engine:
     """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
-    (None: every weight resident). progress(done, total) reports a first-run checksum manifest."""
+    (None: every weight resident). progress(done, total) reports a first-run checksum manifest.
+    weights: "dtype" (the checkpoint's, at dtype), "int8" (every projection weight-only int8, one
+    scale per 32 inputs, quantized once here) or "int8-experts" (the routed experts only)."""
     from moekit.model.decoder import Decoder
     from moekit.spec import load_spec
     from moekit.weights.checkpoint import open_checkpoint
 
     folder = Path(path)
     tdtype = torch_dtype(dtype)
+    if weights not in WEIGHTS:
+        raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights != "dtype" and offload is not None:
+        raise MoekitError(f"--weights {weights} with --expert-memory: int8 experts are not paged by the store yet")
     dev = resolve_device(device)
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
@@ -173,6 +185,10 @@ def load_engine(
     decoder.load_checkpoint(ckpt)
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
+    if weights != "dtype":
+        from moekit.model.int8 import quantize_decoder
+
+        notes.append(quantize_decoder(decoder, experts_only=weights == "int8-experts"))
     store = None
     if plan is not None:
         from moekit.offload.attach import attach_store
@@ -189,4 +205,5 @@ def load_engine(
         folder=folder,
         store=store,
         notes=tuple(notes),
+        weights=weights,
     )

@@ -3,20 +3,102 @@
 One row per token x MoE layer, prompt tokens included (step 0 is the prefill). Columns:
 step, row, position, token_id, layer, expert_ids (list<int32>), weights (list<float32>).
 `token_id` is the token fed in at that position; the routing analysis tools read this file.
+
+The model's facts ride in the Parquet schema metadata under b"moekit" (JSON, see TraceModel):
+experts and K per MoE layer and a fingerprint of config.json, so a reader (cache-sim) never
+guesses the expert count from the highest id a short trace happens to contain. This module
+imports torch only to write a trace: reading the metadata needs pyarrow alone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Optional
 
-from moekit.engine.generate import Generation, token_routing
 from moekit.errors import MoekitError
 
+if TYPE_CHECKING:
+    from moekit.engine.generate import Generation
+    from moekit.spec.model_spec import ModelSpec
+
 COLUMNS = ("step", "row", "position", "token_id", "layer", "expert_ids", "weights")
+METADATA_KEY = b"moekit"
+TRACE_FORMAT = "moekit-trace"
+TRACE_VERSION = 1
 
 
-def trace_table(gen: Generation):
+@dataclass(frozen=True)
+class TraceModel:
+    """What a trace's reader needs to know about the model that wrote it."""
+
+    name: str
+    model_type: str
+    num_layers: int
+    experts: dict[int, int]  # MoE layer -> routed experts E
+    top_k: dict[int, int]  # MoE layer -> experts per token K
+    config_sha256: Optional[str]  # of config.json's bytes: which model, exactly
+
+    @property
+    def num_experts(self) -> int:
+        """The most routed experts of any MoE layer (the store sizes every layer's slots from it)."""
+        return max(self.experts.values(), default=0)
+
+    def to_json(self) -> dict:
+        return {
+            "format": TRACE_FORMAT,
+            "version": TRACE_VERSION,
+            "model": self.name,
+            "model_type": self.model_type,
+            "num_layers": self.num_layers,
+            "moe_layers": {str(l): {"num_experts": self.experts[l], "top_k": self.top_k[l]} for l in self.experts},
+            "config_sha256": self.config_sha256,
+        }
+
+
+def trace_model(spec: ModelSpec, folder: Optional[Path] = None) -> TraceModel:
+    """The facts of `spec` (and the sha256 of folder/config.json when there is one)."""
+    config = None if folder is None else Path(folder) / "config.json"
+    sha = hashlib.sha256(config.read_bytes()).hexdigest() if config is not None and config.is_file() else None
+    moe = {l: spec.layers[l].ffn for l in spec.moe_layers}
+    return TraceModel(
+        name=spec.name,
+        model_type=spec.model_type,
+        num_layers=spec.num_layers,
+        experts={l: ffn.num_experts for l, ffn in moe.items()},
+        top_k={l: ffn.top_k for l, ffn in moe.items()},
+        config_sha256=sha,
+    )
+
+
+def read_trace_model(metadata: Optional[dict], name: str = "trace") -> Optional[TraceModel]:
+    """The TraceModel in a Parquet schema's metadata; None for a trace written without one."""
+    raw = (metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw)
+        if doc.get("format") != TRACE_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        layers = {int(l): v for l, v in doc["moe_layers"].items()}
+        return TraceModel(
+            name=str(doc["model"]),
+            model_type=str(doc["model_type"]),
+            num_layers=int(doc["num_layers"]),
+            experts={l: int(v["num_experts"]) for l, v in layers.items()},
+            top_k={l: int(v["top_k"]) for l, v in layers.items()},
+            config_sha256=doc.get("config_sha256"),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise MoekitError(f"{name}: unreadable moekit metadata in the trace ({err})") from None
+
+
+def trace_table(gen: Generation, model: Optional[TraceModel] = None):
     import pyarrow as pa
+
+    from moekit.engine.generate import token_routing
 
     cols: dict[str, list] = {name: [] for name in COLUMNS}
     for ev in token_routing(gen):
@@ -38,17 +120,19 @@ def trace_table(gen: Generation):
             ("weights", pa.list_(pa.float32())),
         ]
     )
+    if model is not None:
+        schema = schema.with_metadata({METADATA_KEY: json.dumps(model.to_json()).encode()})
     return pa.table(cols, schema=schema)
 
 
-def write_trace(gen: Generation, path: str | Path) -> int:
-    """Write the trace; returns the number of rows written."""
+def write_trace(gen: Generation, path: str | Path, model: Optional[TraceModel] = None) -> int:
+    """Write the trace (with `model`'s facts in its metadata); returns the number of rows written."""
     import pyarrow.parquet as pq
 
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise MoekitError(f"{path}: folder {path.parent} does not exist")
-    table = trace_table(gen)
+    table = trace_table(gen, model)
     try:
         pq.write_table(table, path)
     except OSError as err:

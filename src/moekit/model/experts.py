@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moekit.model.linear import PLAIN, kernel_for
+from moekit.model.linear import PLAIN, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -29,6 +29,7 @@ class RoutedExperts(nn.Module):
         super().__init__()
         rows = (2 if spec.gated else 1) * spec.width
         self.num_experts = num_experts
+        self.in_features = (spec.hidden_size, spec.width)  # gate_up's and down's input widths: D, F
         self.gate_up = nn.Parameter(torch.empty(num_experts, rows, spec.hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, spec.hidden_size, spec.width))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, rows)) if spec.bias else None
@@ -70,10 +71,41 @@ class RoutedExperts(nn.Module):
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (kernels[0], kernels[1])
 
+    def quantize_int8(self) -> None:
+        """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),
+        one expert at a time from the Hub layout its kernel gives back."""
+        if self.offloaded:
+            raise RuntimeError("int8 experts are not paged by the expert store yet")
+        if self._weights is None:
+            raise RuntimeError("RoutedExperts.quantize_int8 before prepare()")
+        stacks, kernels = [], []
+        for weights, kernel, in_features in zip(self._weights, self.kernels, self.in_features):
+            hub = torch.stack([kernel.hub(w, in_features) for w in weights])  # [E, out, in]
+            int8 = int8_kernel_for(hub[0], hub.dtype)
+            packed = int8.prepare(hub.flatten(0, 1)).view(len(weights), hub.shape[1], -1)  # one pass for all E
+            del hub
+            stacks.append(tuple(packed.unbind(0)))  # expert e's blocks: a contiguous view
+            kernels.append(int8)
+        del self.gate_up, self.down
+        self.gate_up, self.down = (nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in ws]) for ws in stacks)
+        self._weights = (tuple(self.gate_up), tuple(self.down))
+        self.kernels = (kernels[0], kernels[1])
+
     def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) as this module holds them."""
         gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
         return gate_up[e], down[e]
+
+    def replace_expert(self, e: int, weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's prepared (gate_up, down) ← `weights` (already laid out for self.kernels: a hot
+        swap, or its rollback); returns the ones it replaces. Only what the forward reads changes:
+        the loaded parameter stacks keep the checkpoint's values."""
+        if self._weights is None or self.store is not None:
+            raise RuntimeError("replace_expert needs prepared, resident experts")
+        old = self.resident_weights(e)
+        gate_up, down = self._weights
+        self._weights = (gate_up[:e] + (weights[0],) + gate_up[e + 1 :], down[:e] + (weights[1],) + down[e + 1 :])
+        return old
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, D] → [N, D]."""

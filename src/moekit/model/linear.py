@@ -14,6 +14,12 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
   onednn      bf16 on CPU: oneDNN's blocked layout (`_reorder_linear_weight`) and its packed GEMM,
               1.4–1.8× F.linear in bf16 at every shape measured, and bit for bit the same result
               (F.linear is oneDNN too).
+  int8        weight-only int8 in q8_0 blocks (moekit.model.int8), by request only (`--weights int8`):
+              its reference dequantizes and runs F.linear in fp32; int8-gemv is a compiled operator
+              for few rows, chosen per shape by measuring which of the two is faster here.
+
+`Kernel.hub` gives a prepared weight back in the Hub layout [out, in], exactly (int8 excepted),
+so a prepared model can still be quantized after loading.
 
 Only the prepared layout stays in memory: preparing replaces the weight, it never keeps both.
 """
@@ -26,6 +32,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from moekit.model import int8
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -54,16 +62,34 @@ def _apply_packed(x: Tensor, packed: Tensor, bias: Optional[Tensor]) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def _unpack(packed: Tensor, in_features: int) -> Tensor:
+    """The Hub weight back from oneDNN's layout: I · Wᵀ, each output one product with 1 (exact)."""
+    eye = torch.eye(in_features, dtype=packed.dtype)
+    return _apply_packed(eye, packed, None).t().contiguous()
+
+
 @dataclass(frozen=True)
 class Kernel:
     name: str
     prepare: Callable[[Tensor], Tensor]  # Hub weight [out, in] → the layout `apply` reads
     apply: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]  # (x [.., in], prepared, bias) → [.., out]
+    hub: Callable[[Tensor, int], Tensor] = lambda w, in_features: w  # (prepared, in) → Hub weight [out, in]
 
 
 PLAIN = Kernel("plain", lambda w: w, linear_reference)
-TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed)
-ONEDNN = Kernel("onednn", _pack, _apply_packed)
+TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed, lambda w, in_features: w.t())
+ONEDNN = Kernel("onednn", _pack, _apply_packed, _unpack)
+
+
+INT8 = Kernel("int8", int8.quantize_q8_0, int8.int8_reference, int8.dequantize_q8_0)
+INT8_GEMV = Kernel("int8-gemv", int8.quantize_q8_0, int8.int8_gemv, int8.dequantize_q8_0)
+
+
+def int8_kernel_for(weight: Tensor, dtype: torch.dtype) -> Kernel:
+    """The int8 kernel for a Hub weight [out, in] whose activations are `dtype`: the operator
+    where it measured faster than the reference for one row of this shape, else the reference."""
+    out_features, in_features = weight.shape
+    return INT8_GEMV if int8.choose_gemv(in_features, out_features, dtype) == "gemv" else INT8
 
 # What each dtype runs on a CPU; anything missing here, and every other device, runs PLAIN.
 CPU_KERNELS: dict[torch.dtype, Kernel] = {torch.float32: TRANSPOSED, torch.bfloat16: ONEDNN}
@@ -103,6 +129,15 @@ class Linear(nn.Module):
             return
         # Rebinding drops the last reference to the Hub-layout weight: one layout resident.
         self.weight = nn.Parameter(kernel.prepare(self.weight.detach()), requires_grad=False)
+        self.kernel = kernel
+
+    def quantize_int8(self) -> None:
+        """Replace the weight (in whatever layout) by its q8_0 blocks; activations keep their dtype."""
+        if self.kernel in (INT8, INT8_GEMV):
+            return
+        hub = self.kernel.hub(self.weight.detach(), self.in_features)
+        kernel = int8_kernel_for(hub, hub.dtype)
+        self.weight = nn.Parameter(kernel.prepare(hub), requires_grad=False)
         self.kernel = kernel
 
     def forward(self, x: Tensor) -> Tensor:

@@ -15,12 +15,13 @@ No torch here: the trace is read with pyarrow and grouped with numpy.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from moekit.engine.trace import TraceModel, read_trace_model
 from moekit.errors import MoekitError
 from moekit.offload.policies import LIVE_POLICIES, POLICIES, Belady, Policy
 from moekit.offload.slot_cache import SlotCache, most_pins
@@ -40,6 +41,7 @@ class TraceCalls:
     trace_rows: int
     generated_tokens: int  # one per row from the prefill, one per (step >= 1, row)
     decode_tokens: int  # the (step >= 1, row) pairs
+    model: Optional[TraceModel] = None  # the model's facts from the trace's metadata (None: an older trace)
 
     @property
     def accesses(self) -> int:
@@ -65,7 +67,15 @@ def read_trace(path: str | Path) -> TraceCalls:
         table = pq.read_table(path, columns=list(NEEDED_COLUMNS))  # the weights are not needed
     except (pa.ArrowInvalid, OSError) as err:
         raise MoekitError(f"{path}: not a Parquet trace ({str(err).splitlines()[0]})") from None
-    return trace_calls(table, str(path))
+    model = read_trace_model(table.schema.metadata, str(path))
+    calls = trace_calls(table, str(path))
+    if model is not None:
+        unknown = sorted(set(calls.layers) - set(model.experts))
+        if unknown:
+            raise MoekitError(f"{path}: layer(s) {', '.join(map(str, unknown))} are not MoE layers of {model.name}")
+        if calls.max_expert >= model.num_experts:
+            raise MoekitError(f"{path}: routes to expert {calls.max_expert}, but {model.name} has {model.num_experts}")
+    return replace(calls, model=model)
 
 
 def trace_calls(table, name: str = "trace") -> TraceCalls:
@@ -149,18 +159,34 @@ def parse_policies(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def parse_slots(text: str, num_experts: int) -> list[int]:
-    """'4,8,16' or '25%,50%' (of num_experts, rounded down) -> ascending distinct slot counts."""
+NO_EXPERT_COUNT = (
+    "this trace does not record the model's experts per layer (written before moekit kept them in its "
+    "metadata); give --num-experts E, or count slots (--slots 4,8)"
+)
+
+
+def parse_slots(text: str, num_experts: Optional[int], notes: Optional[list[str]] = None) -> list[int]:
+    """'4,8,16' or '25%,50%' (of num_experts, rounded down, as a live --expert-memory share is) ->
+    ascending distinct slot counts. More slots than experts hold nothing more: capped at
+    num_experts, with a line in `notes`. Shares need num_experts (None: unknown, refused)."""
     out = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
+        share = part.endswith("%")
+        if share and num_experts is None:
+            raise MoekitError(f"--slots {part}: a share needs the expert count, and {NO_EXPERT_COUNT}")
         try:
-            slots = int(float(part[:-1]) * num_experts / 100) if part.endswith("%") else int(part)
+            slots = int(float(part[:-1]) * num_experts / 100) if share else int(part)
         except ValueError:
             raise MoekitError(f"--slots {text!r}: expected whole numbers or shares, e.g. 4,8,16 or 25%,50%") from None
         if slots < 1:
-            raise MoekitError(f"--slots {part}: a cache needs at least 1 slot per layer ({num_experts} experts)")
+            of = f" ({num_experts} experts)" if num_experts is not None else ""
+            raise MoekitError(f"--slots {part}: a cache needs at least 1 slot per layer{of}")
+        if num_experts is not None and slots > num_experts:
+            if notes is not None:
+                notes.append(f"--slots {part}: capped at {num_experts}, every expert of a layer (more slots hold nothing more)")
+            slots = num_experts
         out.append(slots)
     if not out:
         raise MoekitError(f"--slots {text!r}: give at least one slot count, e.g. 4,8,16 or 25%")
@@ -271,12 +297,12 @@ def simulate(trace: TraceCalls, policy: str, slots: int, pins: dict[int, list[in
     return SimResult(policy, slots, layers, {l: list(p) for l, p in pins.items() if l in layers})
 
 
-def result_dict(result: SimResult, trace: TraceCalls, num_experts: int) -> dict:
+def result_dict(result: SimResult, trace: TraceCalls, num_experts: Optional[int]) -> dict:
     total = result.total()
     return {
         "policy": result.policy,
         "slots": result.slots,
-        "slots_share": result.slots / num_experts,
+        "slots_share": result.slots / num_experts if num_experts else None,
         "pinned": sum(len(p) for p in result.pinned.values()),
         "accesses": total.accesses,
         "hits": total.hits,
@@ -293,14 +319,15 @@ def result_dict(result: SimResult, trace: TraceCalls, num_experts: int) -> dict:
 class SimRequest:
     policies: list[str]
     slots: list[int]
-    num_experts: int
+    num_experts: Optional[int]  # None: an older trace without the model's facts, and no --num-experts
     pins: dict[int, list[int]]  # as the pin file gave them, before capping
     pin_file: Optional[str] = None
+    notes: tuple[str, ...] = ()  # what parsing the request capped
 
 
 def run_cache_sim(trace: TraceCalls, request: SimRequest) -> dict:
     """Every policy × slots; the report as one JSON-ready dict (notes say what was capped)."""
-    notes = []
+    notes = list(request.notes)
     unknown = sorted(set(request.pins) - set(trace.layers))
     if unknown:
         notes.append(f"pins for layer(s) {', '.join(map(str, unknown))} ignored: not MoE layers of the trace")
@@ -317,6 +344,7 @@ def run_cache_sim(trace: TraceCalls, request: SimRequest) -> dict:
             results.append(result_dict(simulate(trace, policy, slots, pins), trace, request.num_experts))
     return {
         "trace_rows": trace.trace_rows,
+        "model": trace.model.to_json() if trace.model is not None else None,
         "layers": list(trace.layers),
         "num_experts": request.num_experts,
         "generated_tokens": trace.generated_tokens,
@@ -329,14 +357,18 @@ def run_cache_sim(trace: TraceCalls, request: SimRequest) -> dict:
     }
 
 
-def check_request(trace: TraceCalls, num_experts: Optional[int], pins: dict[int, list[int]]) -> int:
-    """num_experts (given or max id + 1), checked against the trace and the pins."""
-    seen = trace.max_expert + 1
-    if num_experts is None:
-        num_experts = seen
-    elif num_experts < seen:
+def check_request(trace: TraceCalls, num_experts: Optional[int], pins: dict[int, list[int]]) -> Optional[int]:
+    """The experts per layer: the trace's own (its metadata) or --num-experts, never a guess from
+    the highest id a trace happens to contain; checked against the trace and the pins. None when
+    neither says (an older trace): counts of slots still work, shares do not."""
+    known = trace.model.num_experts if trace.model is not None else None
+    if num_experts is not None and known is not None and num_experts != known:
+        raise MoekitError(f"--num-experts {num_experts}: the trace was written by {trace.model.name}, "
+                          f"which has {known} experts per layer (drop --num-experts)")
+    if num_experts is not None and num_experts <= trace.max_expert:
         raise MoekitError(f"--num-experts {num_experts}: the trace routes to expert {trace.max_expert}")
+    num_experts = known if known is not None else num_experts
     for layer, ids in pins.items():
-        if ids and max(ids) >= num_experts:
+        if ids and num_experts is not None and max(ids) >= num_experts:
             raise MoekitError(f"pins: layer {layer} pins expert {max(ids)}, but the model has {num_experts} experts")
     return num_experts

@@ -9,10 +9,18 @@ safetensors file, written here byte by byte (header, then the tensors in exactly
 safetensors' own writer sorts tensors by dtype and name, which would not keep them so), streamed
 one expert at a time, to a temporary file then os.replace'd. The manifest (moekit-experts.json)
 then points at it, with each extent's crc32 computed from the bytes written.
+
+The checkpoint itself is never changed (it may be the bundled model, or anyone's download): pack
+writes a new folder, the packed checkpoint, that `moekit run` loads like any other. It holds the
+packed file, its manifest, and the checkpoint's other top-level files (config, tokenizer, the
+safetensors the dense weights come from) hard-linked where the filesystem allows, else copied:
+no byte of the original is written either way. The folder is --out, or by default one per
+checkpoint under the user's cache directory (default_pack_dir).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -57,8 +65,11 @@ HEADER_ALIGN = 8  # safetensors pads its header with spaces to a multiple of 8
 
 @dataclass(frozen=True)
 class PackResult:
-    path: Path  # the packed file
+    folder: Path  # the packed checkpoint: load this one
+    path: Path  # the packed file in it
     manifest: Path
+    linked: tuple[str, ...]  # the checkpoint's files hard-linked into folder
+    copied: tuple[str, ...]  # ... and those copied (another filesystem)
     experts: int
     layers: int
     nbytes: int  # size of the packed file
@@ -121,11 +132,58 @@ def _writable(folder: Path) -> bool:
         return False
 
 
-def _relative(out: Path, folder: Path) -> str:
+def default_pack_dir(checkpoint: Path) -> Path:
+    """$XDG_CACHE_HOME (else ~/.cache)/moekit/packed/<name>-<hash of its absolute path>: one per checkpoint."""
+    folder = checkpoint.resolve()
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    tag = hashlib.sha256(str(folder).encode()).hexdigest()[:10]
+    return cache / "moekit" / "packed" / f"{folder.name}-{tag}"
+
+
+def _is_previous_pack(dest: Path) -> bool:
     try:
-        return str(out.resolve().relative_to(folder.resolve()))
-    except ValueError:
-        return str(out.resolve())
+        found = read_manifest(dest)
+    except MoekitError:
+        return False
+    return found is not None and found.source == "packed"
+
+
+def _check_dest(dest: Path, folder: Path, explicit: bool) -> None:
+    """The packed checkpoint goes to a new folder, an empty one, or one an earlier pack wrote."""
+    name = f"--out {dest}" if explicit else str(dest)
+    src, out = folder.resolve(), dest.resolve()
+    if out == src or src in out.parents:
+        raise MoekitError(f"{name}: moekit pack never writes into the checkpoint it packs; name a folder outside {folder}")
+    if out in src.parents:
+        raise MoekitError(f"{name} holds the checkpoint {folder}; name a new folder for the packed checkpoint")
+    if dest.exists() and not dest.is_dir():
+        raise MoekitError(f"{name} is a file; name a folder for the packed checkpoint")
+    if dest.is_dir() and any(dest.iterdir()) and not _is_previous_pack(dest):
+        raise MoekitError(f"{name} exists and holds other files; name a new or empty folder")
+    if explicit and not dest.parent.is_dir():
+        raise MoekitError(f"{name}: folder {dest.parent} does not exist")
+
+
+def _mirror(folder: Path, dest: Path) -> tuple[list[str], list[str]]:
+    """The checkpoint's top-level files (not its manifest or packed file) into dest. The weights
+    are hard-linked where the filesystem allows (nothing writes a safetensors file in place); the
+    small files are copied, so editing the packed checkpoint's config never edits the original's.
+    (linked, copied) names."""
+    linked, copied = [], []
+    skip = {MANIFEST_NAME, PACKED_NAME}
+    for src in sorted(p for p in folder.iterdir() if p.is_file() and p.name not in skip and not p.name.startswith(".")):
+        target = dest / src.name
+        target.unlink(missing_ok=True)
+        if src.suffix == ".safetensors":
+            try:
+                os.link(src, target)
+                linked.append(src.name)
+                continue
+            except OSError:
+                pass  # another filesystem: copy
+        shutil.copyfile(src, target)
+        copied.append(src.name)
+    return linked, copied
 
 
 def _source(folder: Path, spec: ModelSpec, extents: ExtentMap) -> Union[Manifest, ExtentMap]:
@@ -146,42 +204,41 @@ def _without_crcs(ex: ExpertExtents) -> ExpertExtents:
     return replace(ex, gate_up=tuple(bare[: len(ex.gate_up)]), down=tuple(bare[len(ex.gate_up) :]))
 
 
-def _check_out(out: Path, folder: Path) -> None:
-    if not out.parent.is_dir():
-        raise MoekitError(f"--out {out}: folder {out.parent} does not exist")
-    if out.is_dir():
-        raise MoekitError(f"--out {out} is a folder; give a file name")
-    protected = {(folder / f).resolve() for f in set(weight_files(folder).values())}
-    protected |= {(folder / "config.json").resolve(), (folder / MANIFEST_NAME).resolve()}
-    if out.resolve() in protected:
-        raise MoekitError(f"--out {out} would overwrite the checkpoint's own files; choose another name")
-
-
 def pack_experts(
     checkpoint: Union[str, Path], out: Optional[Union[str, Path]] = None, progress: Optional[Progress] = None
 ) -> PackResult:
-    """Write CHECKPOINT/experts.packed.safetensors (or `out`) and the manifest that points at it."""
+    """Write the packed checkpoint `out` (default: default_pack_dir) and leave `checkpoint` as it was."""
     start = time.perf_counter()
     folder = Path(checkpoint)
     spec = spec_from_config(read_config(folder), folder.name)
     require_moe(spec, folder)
-    out = folder / PACKED_NAME if out is None else Path(out)
-    _check_out(out, folder)
-    for where in {folder, out.parent}:
-        if not _writable(where):
-            raise MoekitError(
-                f"{where}: cannot write here (read-only or permission denied); moekit pack writes "
-                f"{out.name} and {MANIFEST_NAME} beside the checkpoint (--out can put the packed file elsewhere)"
-            )
+    dest = default_pack_dir(folder) if out is None else Path(out)
+    _check_dest(dest, folder, explicit=out is not None)
+    created = not dest.exists()
+    try:
+        dest.mkdir(parents=out is None, exist_ok=True)
+    except OSError as err:
+        raise MoekitError(f"{dest}: cannot create the packed checkpoint here ({err.strerror})") from None
+    try:
+        return _pack_into(folder, dest, spec, progress, start)
+    except BaseException:
+        if created:
+            shutil.rmtree(dest, ignore_errors=True)
+        raise
+
+
+def _pack_into(folder: Path, dest: Path, spec: ModelSpec, progress: Optional[Progress], start: float) -> PackResult:
+    if not _writable(dest):
+        raise MoekitError(f"{dest}: cannot write here (read-only or permission denied); --out names another folder")
     extents = expert_extents(folder, spec)
     entries = layout(folder, extents)
     header = header_bytes([x for pair in entries.values() for x in pair], spec)
     total = 8 + len(header) + sum(x.length for pair in entries.values() for x in pair)
-    free = shutil.disk_usage(out.parent).free
+    free = shutil.disk_usage(dest).free
     if free < total:
-        raise MoekitError(f"{out.parent}: {total:,} bytes needed for the packed experts, {free:,} free")
+        raise MoekitError(f"{dest}: {total:,} bytes needed for the packed experts, {free:,} free")
 
-    rel = _relative(out, folder)
+    out = dest / PACKED_NAME
     data_start = 8 + len(header)
     packed: dict[tuple[int, int], list[Extent]] = {}
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -194,7 +251,8 @@ def pack_experts(
                     data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
                     assert data.nbytes == entry.length, (entry.name, data.nbytes, entry.length)
                     fh.write(data)
-                    x = Extent(rel, data_start + entry.begin, entry.length, entry.dtype, entry.shape, zlib.crc32(data))
+                    x = Extent(PACKED_NAME, data_start + entry.begin, entry.length, entry.dtype, entry.shape,
+                               zlib.crc32(data))
                     packed.setdefault(key, []).append(x)
                 if progress is not None:
                     progress(done + 1, len(extents))
@@ -205,19 +263,23 @@ def pack_experts(
         tmp.unlink(missing_ok=True)
         raise
 
+    linked, copied = _mirror(folder, dest)
     experts = {key: ExpertExtents((gu,), (dn,)) for key, (gu, dn) in packed.items()}
     manifest = Manifest(
-        fingerprint(folder, spec, [rel, *referenced_files(extents)]),
+        fingerprint(dest, spec, [PACKED_NAME, *referenced_files(extents)]),
         experts,
         source="packed",
-        packed_file=rel,
+        packed_file=PACKED_NAME,
         built=True,
     )
-    if not write_manifest(folder, manifest):
-        raise MoekitError(f"{folder}: cannot write {MANIFEST_NAME} (read-only or permission denied)")
+    if not write_manifest(dest, manifest):
+        raise MoekitError(f"{dest}: cannot write {MANIFEST_NAME} (read-only or permission denied)")
     return PackResult(
+        folder=dest,
         path=out,
-        manifest=folder / MANIFEST_NAME,
+        manifest=dest / MANIFEST_NAME,
+        linked=tuple(linked),
+        copied=tuple(copied),
         experts=len(experts),
         layers=len(spec.moe_layers),
         nbytes=out.stat().st_size,

@@ -1,5 +1,8 @@
 """The store's figures for one generation, split at the prefill: what `--json` and `--show-activation` show.
 
+`hit_rate` counts every forward, the prompt pass included, and `decode_hit_rate` the decode steps
+alone: the names and meanings of `ExpertStore.stats()` and of cache-sim.
+
 Decode figures are per generated token after the first (the prefill produced the first); the
 prefill's loads are reported apart, since a long prompt reads many experts once. No torch here.
 """
@@ -39,13 +42,17 @@ def offload_report(after_prefill: dict, final: dict, decode_tokens: int, decode_
         then = after_prefill["layers"][l]
         n = now["accesses"] - then["accesses"]
         per_layer[l] = (now["hits"] - then["hits"]) / n if n else None
+    decode_hit_rate = hits / accesses if accesses else None
     return {
         **{k: final[k] for k in ("policy", "slots_per_layer", "prefetch", "expert_bytes", "budget_bytes", "pinned")},
+        # As store.stats() and cache-sim name them: every forward, then the decode steps alone.
+        "hit_rate": final["hit_rate"],
+        "decode_hit_rate": decode_hit_rate,
         "prefill": {"loads": after_prefill["loads"], "disk_bytes": after_prefill["disk_bytes"],
                     "stall_s": after_prefill["stall_s"]},
         "decode": {
             "tokens": decode_tokens,
-            "hit_rate": hits / accesses if accesses else None,
+            "hit_rate": decode_hit_rate,  # = decode_hit_rate above (kept for readers of this block)
             "hit_rate_per_layer": per_layer,
             "disk_bytes_per_token": disk / decode_tokens if decode_tokens else None,
             "stall_s_per_token": stall / decode_tokens if decode_tokens else None,

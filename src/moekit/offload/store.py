@@ -39,6 +39,9 @@ class LayerStats:
     predicted: int = 0  # prefetch: experts predicted for this layer
     predicted_used: int = 0  # ... that the forward then needed
     needed_after_prediction: int = 0  # experts needed by forwards that had a prediction
+    forwards: int = 0
+    first_accesses: int = 0  # ... of the layer's first forward: the prompt pass (the prefill)
+    first_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -47,10 +50,12 @@ class LayerStats:
     def as_dict(self) -> dict:
         precision = self.predicted_used / self.predicted if self.predicted else None
         recall = self.predicted_used / self.needed_after_prediction if self.needed_after_prediction else None
+        decode = self.accesses - self.first_accesses
         return {
             "accesses": self.accesses,
             "hits": self.hits,
             "hit_rate": self.hit_rate if self.accesses else None,
+            "decode_hit_rate": (self.hits - self.first_hits) / decode if decode else None,
             "prefetch_hits": self.prefetch_hits,
             "loads": self.loads,
             "disk_bytes": self.disk_bytes,
@@ -94,6 +99,7 @@ class LayerStore:
         self._prefetched: set[int] = set()  # admitted by a prefetch and not yet used
         self._prediction: Optional[set[int]] = None
         self.stats = LayerStats()
+        self.last_misses: set[int] = set()  # the experts the last forward had to read
 
     # --- residency -----------------------------------------------------------------------------
 
@@ -149,6 +155,8 @@ class LayerStore:
     def _acquire(self, e: int, access) -> Weights:
         """Expert e's weights after the SlotCache's access (hit or miss, and any victim) for it."""
         self.stats.accesses += 1
+        if not access.hit:
+            self.last_misses.add(e)  # this forward's misses: a batch charges each row its own
         if access.hit:
             self.stats.hits += 1
             if e in self._prefetched:
@@ -197,6 +205,7 @@ class LayerStore:
         needed = sorted(set(decision.topk_ids.reshape(-1).tolist()))
         self._score_prediction(needed)
         walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
+        self.last_misses = set()
         if x.shape[0] == 1:
             # RoutedExperts runs one token's experts in router order: take them all first (K fit
             # in the slots, and the walk protects the ones still to come).
@@ -215,6 +224,9 @@ class LayerStore:
             for e in sorted(self.cache.resident - self.cache.pinned):
                 self._drop(e)
                 self.cache.discard(e)
+        if self.stats.forwards == 0:  # the prompt pass: decode_hit_rate leaves it out, as cache-sim does
+            self.stats.first_accesses, self.stats.first_hits = self.stats.accesses, self.stats.hits
+        self.stats.forwards += 1
         return out
 
 
@@ -249,7 +261,10 @@ class ExpertStore:
             "expert_bytes": self.expert_bytes,
             "budget_bytes": self.slots * self.expert_bytes * len(self.layers),
             "pinned": sum(len(v) for v in self.pinned.values()),
+            # The names and meanings of cache-sim and `moekit run --json`: hit_rate counts every
+            # forward, the prompt pass included; decode_hit_rate leaves each layer's first forward out.
             "hit_rate": overall["hit_rate"],
+            "decode_hit_rate": overall["decode_hit_rate"],
             "accesses": overall["accesses"],
             "loads": overall["loads"],
             "disk_bytes": overall["disk_bytes"],

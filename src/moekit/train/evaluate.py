@@ -86,8 +86,10 @@ def windows(ids: list[int], window: int) -> list[list[int]]:
     return [ids[i : i + window] for i in range(0, len(ids) - 1, window) if len(ids[i : i + window]) >= 2]
 
 
-def score_windows(decoder, chunks: list[list[int]], num_experts: int, moe_layers: list[int], batch: int):
-    """(Σ nll, tokens scored, counts [L_moe, E]) over chunks, each scored from its own start."""
+def score_windows(decoder, chunks: list[list[int]], num_experts: int, moe_layers: list[int], batch: int, top_k=None):
+    """(Σ nll, tokens scored, counts [L_moe, E]) over chunks, each scored from its own start.
+
+    top_k: experts per token (an expert-budget tier); None for the model's own K."""
     total, scored = 0.0, 0
     counts = torch.zeros(len(moe_layers), num_experts, dtype=torch.float64)
     row_of = {layer: i for i, layer in enumerate(moe_layers)}
@@ -105,14 +107,15 @@ def score_windows(decoder, chunks: list[list[int]], num_experts: int, moe_layers
         positions = torch.arange(width)[None].expand(len(group), width)
         decisions: list = []
         with torch.inference_mode():
-            logits = decoder(ids.to(device), cache, positions.to(device), decisions)
+            per_token = None if top_k is None else [top_k] * ids.numel()
+            logits = decoder(ids.to(device), cache, positions.to(device), decisions, top_k=per_token)
         logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).cpu()
         target_ok = valid[:, 1:]
         nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
         total += float(nll[target_ok].sum())
         scored += int(target_ok.sum())
         for layer, decision in decisions:
-            chosen = decision.topk_ids.cpu().view(len(group), width, -1)[valid]  # real tokens only
+            chosen = decision.topk_ids.cpu().view(len(group), width, -1)[valid][:, : top_k or None]  # real tokens only
             counts[row_of[layer]] += torch.bincount(chosen.reshape(-1), minlength=num_experts).double()
     return total, scored, counts
 

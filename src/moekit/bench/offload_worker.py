@@ -1,6 +1,6 @@
 """One moekit decode run for `moekit bench offload`, in a child process so its peak RSS is its own.
 
-    python -m moekit.offload.bench_worker --folder F --expert-memory 25% --policy lru \
+    python -m moekit.bench.offload_worker --folder F --expert-memory 25% --policy lru \
         --prompt-ids 1,2,3 --new-tokens 32 --threads 1 --dtype bfloat16 --json
 
 prints one JSON line: decode tokens/s, the generated ids, the store's report, and the memory
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from moekit.offload.child import json_main, parse_ids
+from moekit.bench.child import json_main, parse_ids
 
 
 def current_rss_bytes() -> int:
@@ -35,11 +35,11 @@ def warm_kernels(dtype) -> None:
     import torch
     import torch.nn.functional as F
 
-    from moekit.model.linear import CPU_KERNELS, PLAIN
+    from moekit.model.linear import kernel_for
 
     x = torch.randn(4, 64, dtype=dtype)
     w = torch.randn(96, 64, dtype=dtype)
-    kernel = CPU_KERNELS.get(dtype, PLAIN)
+    kernel = kernel_for(w)  # what the engine will run here (oneDNN bf16 only where this CPU has it)
     kernel.apply(x, kernel.prepare(w), None)
     kernel.apply(x[:1], kernel.prepare(w), None)
     F.linear(x, w)
@@ -106,7 +106,7 @@ def run(folder: str, expert_memory: Optional[str], policy: str, prefetch: bool, 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moekit.offload.bench_worker",
+    parser = argparse.ArgumentParser(prog="python -m moekit.bench.offload_worker",
                                      description="One moekit decode run; prints one JSON line.")
     parser.add_argument("--folder", required=True)
     parser.add_argument("--expert-memory", default=None, help="omit for the fully resident engine")

@@ -1,7 +1,7 @@
 """`moekit bench offload`: decode speed under expert budgets, against named baselines, in one run.
 
-moekit runs at every budget twice, without and with prefetch. Every configuration runs in its own child process (moekit.offload.bench_worker, or
-moekit.offload.accelerate_baseline for transformers + accelerate), one after another, so each
+moekit runs at every budget twice, without and with prefetch. Every configuration runs in its own child process (moekit.bench.offload_worker, or
+moekit.bench.accelerate_baseline for transformers + accelerate), one after another, so each
 peak RSS is that configuration's own and no run's page cache or threads help another's timing
 more than the OS does. Baselines: the fully resident engine, moekit with no cache (every use
 read from disk) at the smallest budget, and accelerate's disk offload at the same memory (dense
@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from moekit.offload.child import run_json_child
+from moekit.bench.child import run_json_child
 
 
 RSS_SLACK = 0.10  # the issue's bound: peak RSS growth ≤ (dense + budget) × 1.10
@@ -36,7 +36,7 @@ class OffloadBench:
 
 def _moekit(b: OffloadBench, budget: Optional[str], policy: str, prefetch: bool) -> list[str]:
     """The worker's command line; prefetch on adds the guessing (and its extra width)."""
-    argv = [sys.executable, "-m", "moekit.offload.bench_worker", "--folder", b.folder,
+    argv = [sys.executable, "-m", "moekit.bench.offload_worker", "--folder", b.folder,
             "--policy", policy, "--prompt-ids", ",".join(map(str, b.prompt_ids)),
             "--new-tokens", str(b.new_tokens), "--threads", str(b.threads), "--dtype", b.dtype]
     if budget is not None:
@@ -62,7 +62,7 @@ def run_bench(b: OffloadBench, minimum_budget: str, on_start: Callable[[str], No
             results[f"prefetch@{budget}"] = run_json_child(_moekit(b, budget, b.policy, True),
                                                       f"moekit at {budget} with prefetch", b.timeout_s)
         if b.vs_accelerate:
-            from moekit.offload.accelerate_baseline import child_command
+            from moekit.bench.accelerate_baseline import child_command
 
             # The same memory: our resident weights plus the expert budget (at 100% that is the whole model).
             memory = ours["dense_bytes"] + ours["budget_bytes"]
@@ -106,6 +106,7 @@ def summary_rows(b: OffloadBench, results: dict) -> list[dict]:
             "prefetch_precision": guess.get("prefetch_precision"),
             "prefetch_disk_bytes_per_token": guess.get("decode", {}).get("disk_bytes_per_token"),
             "disk_bytes_per_token": decode.get("disk_bytes_per_token"),
+            "stall_s_per_token": decode.get("stall_s_per_token"),
             "stall_share": decode.get("stall_share"),
             "rss_growth_bytes": growth,
             "rss_bound_bytes": bound,

@@ -15,7 +15,7 @@ import pytest
 from hf_tiny import write_checkpoint
 from moekit.engine.loader import load_engine
 from moekit.errors import MoekitError
-from moekit.offload.accelerate_baseline import measure_accelerate
+from moekit.bench.accelerate_baseline import measure_accelerate
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -136,7 +136,7 @@ def test_the_parent_side_imports_without_torch_or_transformers():
     import sys
 
     code = (
-        "import sys, moekit.offload.accelerate_baseline; "
+        "import sys, moekit.bench.accelerate_baseline; "
         "print(sorted(m for m in ('torch', 'transformers', 'accelerate') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -1,10 +1,11 @@
-"""Decode speed measured in one run: moekit against transformers' `generate`, same checkpoint, dtype, prompts.
+"""Decode speed measured in one run: moekit against a named baseline, same checkpoint, precision, prompts.
 
 Both sides see the same B prompts of the same length (no padding) and must produce exactly N new
 tokens (no early stop). Decode tokens/s counts B x (N - 1) tokens over the decode steps:
 - moekit times its decode loop directly (the prefill is timed apart);
 - transformers' `generate` is timed whole for N and for 1 new token; the difference is N - 1
-  decode steps (its per-call set-up cancels out).
+  decode steps (its per-call set-up cancels out);
+- llama.cpp (llama-cpp-python, in a child process, batch 1 only) times its own decode loop.
 Each side gets warm-up calls, then the median of `repeats` timed calls, the two sides taking turns. The roofline divides the
 machine's memory bandwidth by the bytes one decode step reads (from the meter: shared weights
 once, one embedding row per row, the union of the experts the batch chose), KV cache excluded.
@@ -13,9 +14,8 @@ once, one embedding row per row, the union of the experts the batch chose), KV c
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -34,20 +34,61 @@ class BenchSettings:
     seed: int = 0
 
 
+class Baseline(Protocol):
+    """What a named baseline gives the harness: its own decode tok/s and greedy tokens on our prompts."""
+
+    name: str
+
+    def supports(self, batch: int) -> bool: ...
+
+    def timer(self, prompts: torch.Tensor, new_tokens: int) -> Callable[[], float]: ...
+
+    def tokens(self, prompts: torch.Tensor, new_tokens: int) -> list[list[int]]: ...
+
+    def info(self) -> dict: ...
+
+
+BASELINES = ("transformers", "llama.cpp")
+
+
+def decode_baseline(vs: Optional[str], engine: Engine, weights: str = "dtype",
+                    llama_cpp_root=None) -> Optional[Baseline]:
+    """The named baseline at the engine's precision, or None; a mismatch is refused before the
+    baseline loads. (With --weights int8 the roofline still counts the dtype's bytes per weight.)"""
+    if vs is None:
+        return None
+    if vs not in BASELINES:
+        raise MoekitError(f"--vs {vs}: the baselines are {', '.join(BASELINES)}")
+    if vs == "transformers":
+        if weights != "dtype":
+            raise MoekitError(f"--vs transformers runs the checkpoint's own weights: drop --weights {weights}")
+        from moekit.bench.transformers_baseline import TransformersBaseline
+
+        return TransformersBaseline(engine.folder, engine.dtype, engine.device)
+    from moekit.bench.llama_cpp import LlamaCppBaseline, ensure_gguf, find_build, gguf_type
+
+    if engine.device != "cpu":
+        raise MoekitError("--vs llama.cpp: the llama.cpp build here is CPU only")
+    outtype = gguf_type(engine.dtype, weights)
+    build = find_build(llama_cpp_root)
+    return LlamaCppBaseline(build, ensure_gguf(build, engine.folder, outtype), torch.get_num_threads())
+
+
 @dataclass(frozen=True)
 class BatchResult:
     batch: int
     moekit_tok_s: float
-    transformers_tok_s: Optional[float]
+    baseline: Optional[str]  # its name; None without one, or where it does not run this batch
+    baseline_tok_s: Optional[float]
     bytes_per_step: float  # mean over decode steps, at the engine dtype
     roofline_tok_s: Optional[float]  # B x bandwidth / bytes_per_step
     same_tokens: Optional[bool]  # greedy outputs identical on both sides
 
     @property
     def ratio(self) -> Optional[float]:
-        if not self.transformers_tok_s:
+        if not self.baseline_tok_s:
             return None
-        return self.moekit_tok_s / self.transformers_tok_s
+        return self.moekit_tok_s / self.baseline_tok_s
 
     @property
     def roofline_share(self) -> Optional[float]:
@@ -94,57 +135,10 @@ def moekit_metered(engine: Engine, prompts: torch.Tensor, settings: BenchSetting
     return statistics.fmean(decode_step_params(engine.spec, gen)), gen.token_ids
 
 
-def load_transformers(folder, dtype: str, device: str):
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise MoekitError("--vs transformers needs the transformers package: pip install transformers") from None
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype))
-    # Exactly N tokens, like moekit with no stop ids (min_new_tokens would forbid eos instead,
-    # and the two sides would then generate different text).
-    model.generation_config.eos_token_id = None
-    return model.to(device).eval()
-
-
-def _hf_generate(model, ids: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:
-    """(wall seconds, output ids) of one greedy transformers generate call."""
-    device = ids.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, pad_token_id=0
-        )
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
-
-
-def transformers_timer(model, prompts: torch.Tensor, settings: BenchSettings) -> Callable[[], float]:
-    """One call = generate N and generate 1; N - 1 decode steps are the difference."""
-    ids = prompts.to(next(model.parameters()).device)
-
-    def once() -> float:
-        full, _ = _hf_generate(model, ids, settings.tokens)
-        first, _ = _hf_generate(model, ids, 1)
-        return prompts.shape[0] * (settings.tokens - 1) / max(full - first, 1e-9)
-
-    return once
-
-
-def transformers_tokens(model, prompts: torch.Tensor, settings: BenchSettings) -> list[list[int]]:
-    ids = prompts.to(next(model.parameters()).device)
-    return _hf_generate(model, ids, settings.tokens)[1][:, prompts.shape[1] :].tolist()
-
-
 def bench_decode(
     engine: Engine,
     settings: BenchSettings,
-    vs_transformers: bool,
+    baseline: Optional[Baseline],
     bandwidth_bytes_s: Optional[float],
 ) -> list[BatchResult]:
     if settings.tokens < 2:
@@ -155,18 +149,18 @@ def bench_decode(
         raise MoekitError("--batch sizes must be at least 1")
     if settings.prompt_len + settings.tokens > engine.spec.max_position_embeddings:
         raise MoekitError("prompt length + tokens exceeds the model's context")
-    hf = load_transformers(engine.folder, engine.dtype, engine.device) if vs_transformers else None
     results = []
     for batch in settings.batches:
         prompts = bench_prompts(engine.spec.vocab_size, batch, settings.prompt_len, settings.seed + batch)
+        theirs = baseline if baseline is not None and baseline.supports(batch) else None
         sides = [moekit_timer(engine, prompts, settings)]
-        if hf is not None:
-            sides.append(transformers_timer(hf, prompts, settings))
+        if theirs is not None:
+            sides.append(theirs.timer(prompts, settings.tokens))
         medians = _interleaved_medians(sides, settings.repeats, settings.warmup)
         params_step, our_tokens = moekit_metered(engine, prompts, settings)
-        theirs = medians[1] if hf is not None else None
-        same = transformers_tokens(hf, prompts, settings) == our_tokens if hf is not None else None
+        same = theirs.tokens(prompts, settings.tokens) == our_tokens if theirs is not None else None
         step_bytes = params_step * engine.bytes_per_param
         roof = batch * bandwidth_bytes_s / step_bytes if bandwidth_bytes_s else None
-        results.append(BatchResult(batch, medians[0], theirs, step_bytes, roof, same))
+        results.append(BatchResult(batch, medians[0], theirs.name if theirs else None,
+                                   medians[1] if theirs else None, step_bytes, roof, same))
     return results

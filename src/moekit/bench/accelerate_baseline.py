@@ -4,7 +4,7 @@
 happens in a child process (`measure_accelerate`) so that its peak RSS is its own and nothing it
 loads stays in the caller:
 
-    python -m moekit.offload.accelerate_baseline --folder F --memory-bytes N \
+    python -m moekit.bench.accelerate_baseline --folder F --memory-bytes N \
         --prompt-ids 1,2,3 --new-tokens 16 --threads 1 --json
 
 How the cap becomes real: `device_map="auto"` with `max_memory={"cpu": N}` and no GPU makes
@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from moekit.errors import MoekitError
-from moekit.offload.child import json_main, parse_ids, run_json_child
+from moekit.bench.child import json_main, parse_ids, run_json_child
 
 DTYPES = ("float32", "bfloat16")
 MISSING_LIBRARIES = "the accelerate baseline needs transformers and accelerate: pip install accelerate transformers"
@@ -223,7 +223,7 @@ def child_command(
     argv = [
         sys.executable,
         "-m",
-        "moekit.offload.accelerate_baseline",
+        "moekit.bench.accelerate_baseline",
         "--folder",
         str(folder),
         "--memory-bytes",
@@ -261,7 +261,7 @@ def measure_accelerate(
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m moekit.offload.accelerate_baseline",
+        prog="python -m moekit.bench.accelerate_baseline",
         description="Greedy decode with transformers + accelerate disk offload under a RAM cap; prints one JSON line.",
     )
     parser.add_argument("--folder", required=True)

@@ -38,10 +38,12 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_json_child(argv: list[str], what: str, timeout_s: Optional[float] = None) -> dict:
-    """Run argv and return the JSON object on its last stdout line."""
+def run_json_child(argv: list[str], what: str, timeout_s: Optional[float] = None,
+                   env: Optional[dict[str, str]] = None) -> dict:
+    """Run argv (with `env` as its whole environment, when given) and return the JSON object on its
+    last stdout line."""
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise MoekitError(f"{what} did not finish within {timeout_s} s") from None
     if done.returncode != 0:

@@ -1,0 +1,107 @@
+"""`moekit eval-routing`: each routing policy's quality cost and parameter saving on held-out text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+HELP = """Measure routing policies against the family's exact routing on a corpus's held-out split.
+
+Per policy, on every domain and pooled: bits per byte (and the change against exact routing), routed experts per token, the mean active share, the share of positions whose greedy next token equals exact routing's, and the share of a greedy continuation generated before it first differs from exact routing's. Policies: topk:k, adaptive:τ (top-1 alone when its share of the combine is >= τ), topp:p, ema:α (router logits smoothed across tokens), reuse (the previous token's experts while the top-1 is unchanged).
+
+Examples:
+
+  moekit eval-routing                                   # the bundled model on its shipped held-out sample
+
+  moekit eval-routing --corpus data/corpus --policies top1,adaptive:0.6,adaptive:0.85,topp:0.9
+
+  moekit eval-routing path/to/checkpoint --corpus data/corpus --json --plot pareto.png
+"""
+
+POLICIES = "topk:1,adaptive:0.6,adaptive:0.85,topp:0.9,ema:0.95,reuse"
+
+
+def check_counts(**values: int) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise MoekitError(f"--{name.replace('_', '-')} must not be negative, got {value}")
+
+
+def load_for_routing(checkpoint: Optional[Path], device: str, threads: int):
+    """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads:
+    small models' GEMMs gain nothing from more, and on a busy machine a thread barrier costs a time slice."""
+    import torch
+
+    from moekit.engine.default_model import default_checkpoint
+    from moekit.engine.loader import load_engine
+
+    if threads < 1:
+        raise MoekitError(f"--threads must be at least 1, got {threads}")
+    torch.set_num_threads(threads)
+    return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device)
+
+
+def eval_routing(
+    checkpoint: Optional[Path] = typer.Argument(None, metavar="CHECKPOINT", help="Checkpoint folder. Default: the bundled model."),
+    corpus: Optional[Path] = typer.Option(None, "--corpus", help="A corpus built by `moekit corpus build`. Default: "
+                                          "the held-out sample shipped with moekit."),
+    policies: str = typer.Option(POLICIES, "--policies", help="Comma-separated policies (exact routing is always measured)."),
+    max_tokens: int = typer.Option(4096, "--max-tokens", help="Held-out tokens scored per domain (at most)."),
+    window: int = typer.Option(256, "--window", help="Tokens per scored window."),
+    agree_prompts: int = typer.Option(4, "--agree-prompts", help="Documents per domain continued greedily under each policy."),
+    agree_tokens: int = typer.Option(32, "--agree-tokens", help="Tokens generated per continuation."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
+    plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Write the Pareto plot (active share vs bits per byte)."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+) -> None:
+    from moekit.analysis.policy_eval import evaluate_policies, model_k, parse_policies
+    from moekit.analysis.sample import SAMPLE
+
+    if window < 2 or max_tokens < 2:
+        raise MoekitError("--window and --max-tokens must be at least 2")
+    check_counts(agree_prompts=agree_prompts, agree_tokens=agree_tokens)
+    if plot is not None and not plot.parent.exists():
+        raise MoekitError(f"--plot {plot}: folder {plot.parent} does not exist")
+    engine = load_for_routing(checkpoint, device, threads)
+    chosen = parse_policies(policies, model_k(engine.spec))
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    with err.status("scoring…") as status:
+        result = evaluate_policies(engine, corpus if corpus is not None else SAMPLE, chosen, max_tokens, window,
+                                   agree_prompts, agree_tokens, progress=lambda text: status.update(text))
+    result["model"] = engine.spec.name
+    if plot is not None:
+        import base64
+
+        from moekit.analysis.plots import pareto_plot
+
+        plot.write_bytes(base64.b64decode(pareto_plot(result)))
+    if as_json:
+        typer.echo(json.dumps(result, indent=1))
+        return
+    print_routing(Console(width=max(100, Console().width)), result)
+
+
+def print_routing(console, result: dict) -> None:
+    from rich.table import Table
+
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    for scope, rows in [("all domains", result["all"])] + [(f"domain {d}", r) for d, r in result["domains"].items()]:
+        table = Table(title=f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)")
+        for i, h in enumerate(["policy", "bits/byte", "Δ vs exact", "experts/token/layer", "active share",
+                               "next-token agree", "generated agree"]):
+            table.add_column(h, justify="left" if i == 0 else "right")
+        for name, r in rows.items():
+            table.add_row(name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}",
+                          f"{r['experts_per_token']:.3f}", f"{r['active_share']:.3%}", pct(r["next_token_agreement"]),
+                          pct(r["generated_agreement"]))
+        console.print(table)

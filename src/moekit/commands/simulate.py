@@ -1,0 +1,135 @@
+"""`moekit simulate`: replay a routing trace through placements at 8-256 ranks, without the model."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+HELP = """Replay a routing trace through an expert placement at many ranks (nodes of 8), without running the model.
+
+Per rank count: balancedness (mean ÷ max tokens per rank), all-to-all bytes per token (dispatch + combine, within and between nodes, at --dtype), and with --hardware an estimated MoE time per forward. Without --placement it compares the even, in-order split (linear) with an EPLB plan made from the same trace.
+
+Examples:
+
+  moekit simulate trace.parquet --ranks 8,16,64,256 --hardware h100
+
+  moekit simulate trace.parquet --placement placement.json --hardware h100
+
+  moekit simulate --uniform deepseek-v3 --tokens 256 --ranks 8,16,64,256 --hardware h100   # a uniform router
+"""
+
+
+def _ranks(text: str) -> list[int]:
+    values = [p.strip() for p in text.split(",") if p.strip()]
+    if not values or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise MoekitError(f"--ranks: expected comma-separated positive rank counts like 8,16,64, got {text!r}")
+    return [int(v) for v in values]
+
+
+def simulate(
+    trace: Optional[str] = typer.Argument(None, metavar="TRACE.parquet", help="Routing trace from `moekit run --trace`."),
+    ranks: str = typer.Option("8,16,64,256", "--ranks", metavar="N,...", help="Rank counts to simulate."),
+    placement_file: Optional[str] = typer.Option(None, "--placement", help="A `moekit placement` plan (its rank count only)."),
+    redundant: Optional[int] = typer.Option(None, "--redundant", help="Redundant experts of the EPLB plan "
+                                            "(default: the fewest that divide, at least one per rank)."),
+    hardware: Optional[str] = typer.Option(None, "--hardware", help="Catalog GPU for the time estimate (h100, h200, a100, b200, mi300x)."),
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint, config.json or preset: hidden size and expert "
+                                        "size (default: the bundled model when the trace is its)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Values on the wire and in the experts: float32, bfloat16, fp8."),
+    uniform: Optional[str] = typer.Option(None, "--uniform", metavar="MODEL", help="No trace: a uniform router on this "
+                                          "model's shape (a preset such as deepseek-v3, or a config)."),
+    tokens: int = typer.Option(256, "--tokens", help="With --uniform: tokens per forward (the global batch)."),
+    forwards: int = typer.Option(8, "--forwards", help="With --uniform: forwards per layer."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+) -> None:
+    from moekit.dist.costs import check_dtype
+
+    check_dtype(dtype)
+    counts = _ranks(ranks)
+    fwd, spec = _load(trace, uniform, model, tokens, forwards)
+    from moekit.dist.costs import make_cost, spec_facts
+
+    d, expert_params, _, _, groups = spec_facts(spec)
+    cost = make_cost(d, expert_params, dtype, hardware)
+    results = _runs(fwd, counts, placement_file, redundant, groups, cost)
+    doc = {"trace": trace or f"uniform:{uniform}", "model": spec.name, "dtype": dtype, "hardware": hardware,
+           "tokens": fwd.tokens, "results": results}
+    if as_json:
+        typer.echo(json.dumps(doc))
+        return
+    _print(doc)
+
+
+def _load(trace, uniform, model, tokens, forwards):
+    from moekit.dist.costs import bundled_model_for, spec_facts
+    from moekit.dist.simulate import read_forwards, uniform_forwards
+    from moekit.spec import load_spec
+
+    if (trace is None) == (uniform is None):
+        raise MoekitError("give a TRACE.parquet or --uniform MODEL (one of the two)")
+    if uniform is not None:
+        if tokens < 1 or forwards < 1:
+            raise MoekitError("--tokens and --forwards must be at least 1")
+        spec = load_spec(uniform)
+        _, _, experts, top_k, _ = spec_facts(spec)
+        return uniform_forwards(experts, top_k, tokens, forwards), spec
+    fwd = read_forwards(trace)
+    source = model or bundled_model_for(fwd.model.get("config_sha256"))
+    if source is None:
+        raise MoekitError(f"{trace}: the trace records no hidden size; name the model with --model CKPT (or a preset)")
+    spec = load_spec(source)
+    _, _, experts, _, _ = spec_facts(spec)
+    if experts != fwd.experts and fwd.model:
+        raise MoekitError(f"--model {source}: its MoE layers and experts do not match the trace's")
+    return fwd, spec
+
+
+def _runs(fwd, counts, placement_file, redundant, groups, cost) -> list[dict]:
+    from moekit.dist.placement import check_placement, linear_placement, read_placement
+    from moekit.dist.plan import default_redundant, eplb_placement
+    from moekit.dist.simulate import sim_report, simulate as replay
+
+    experts = min(fwd.experts.values())
+    if placement_file is not None:
+        plan = read_placement(placement_file)
+        check_placement(plan, fwd.experts, plan.ranks, fwd.model, placement_file)
+        return [sim_report(fwd, plan, replay(fwd, plan, cost), cost)]
+    results = []
+    for r in counts:
+        if r <= experts:
+            lin = linear_placement(fwd.experts, r)
+            results.append(sim_report(fwd, lin, replay(fwd, lin, cost), cost))
+        extra = default_redundant(experts, r) if redundant is None else redundant
+        g = groups if groups > 1 and (r // min(8, r)) <= groups else 0
+        plan = eplb_placement(fwd, r, extra, groups=g)
+        results.append(sim_report(fwd, plan, replay(fwd, plan, cost), cost))
+    return results
+
+
+def _print(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from moekit.calc.units import nbytes
+
+    timed = doc["results"][0]["moe_time_per_forward_s"] is not None
+    table = Table(title=f"{doc['trace']} · {doc['model']} · {doc['tokens']} tokens per layer · {doc['dtype']}"
+                        + (f" · {doc['hardware']}" if doc["hardware"] else ""))
+    for name in ("ranks", "placement", "redundant", "balancedness", "bytes/token", "intra-node", "inter-node",
+                 "experts/rank"):
+        table.add_column(name, justify="right")
+    if timed:
+        table.add_column("MoE µs/forward", justify="right")
+        table.add_column("of which all-to-all", justify="right")
+    for r in doc["results"]:
+        cells = [str(r["ranks"]), r["placement"], str(r["redundant"]), f"{r['balancedness']:.3f}",
+                 nbytes(r["bytes_per_token"]), nbytes(r["intra_node_bytes_per_token"]),
+                 nbytes(r["inter_node_bytes_per_token"]), nbytes(r["expert_bytes_per_rank"])]
+        if timed:
+            cells += [f"{r['moe_time_per_forward_s'] * 1e6:.1f}", f"{r['a2a_time_per_forward_s'] / r['moe_time_per_forward_s']:.0%}"]
+        table.add_row(*cells)
+    Console(width=max(120, Console().width)).print(table)

@@ -1,0 +1,61 @@
+"""`moekit run ... --expert-parallel N|auto [--placement FILE]`: the run command's sharded path.
+
+commands/run.py parses and checks the request as always, then hands it here with its own report
+function, which rank 0 calls; the other ranks generate quietly. The exchange's figures (experts
+held, bytes sent per decoded token, peak RSS per rank) follow on stderr.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+AUTO = "auto"
+
+
+def parse_ranks(text: str) -> Optional[int]:
+    """'4' → 4; 'auto' → None (torchrun's world size)."""
+    if text.strip().lower() == AUTO:
+        return None
+    try:
+        ranks = int(text)
+    except ValueError:
+        raise MoekitError(f"--expert-parallel takes a rank count or auto (torchrun's ranks), got {text!r}") from None
+    if ranks < 1:
+        raise MoekitError(f"--expert-parallel needs at least 1 rank, got {ranks}")
+    return ranks
+
+
+def run_sharded(expert_parallel: Optional[str], placement: Optional[Path], timeout_s: float, checkpoint, prompt,
+                prompt_ids, dtype: str, device: str, offload, max_new_tokens: int, sampling, stop_ids, report) -> None:
+    from moekit.dist.session import Job, run_expert_parallel, summary
+
+    if expert_parallel is None:
+        raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
+    if timeout_s <= 0:
+        raise MoekitError(f"--ep-timeout must be positive, got {timeout_s:g}")
+    ranks = parse_ranks(expert_parallel)
+    offload_fields = None
+    if offload is not None:
+        offload_fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(offload).items()}
+    job = Job(
+        checkpoint=str(checkpoint),
+        dtype=dtype,
+        device=device,
+        prompt=prompt,
+        prompt_ids=None if prompt_ids is None else list(prompt_ids),
+        max_new_tokens=max_new_tokens,
+        sampling=asdict(sampling),
+        stop_ids=None if stop_ids is None else list(stop_ids),
+        offload=offload_fields,
+        placement=None if placement is None else str(placement),
+        timeout_s=timeout_s,
+    )
+    result = run_expert_parallel(job, ranks, report)
+    if result:
+        typer.echo(summary(result), err=True)

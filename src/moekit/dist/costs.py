@@ -1,0 +1,55 @@
+"""The simulator's cost inputs from a model spec and a catalog device (no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from moekit.dist.simulate import Cost, links_for
+from moekit.errors import MoekitError
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}
+PEAK_NAME = {"float32": "fp32", "bfloat16": "bf16", "fp8": "fp8"}
+
+
+def check_dtype(dtype: str) -> int:
+    if dtype not in DTYPE_BYTES:
+        raise MoekitError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return DTYPE_BYTES[dtype]
+
+
+def spec_facts(spec) -> tuple[int, int, dict[int, int], int, int]:
+    """(D, one routed expert's params, MoE layer → E, K, router groups) of a ModelSpec."""
+    layers = spec.moe_layers
+    if not layers:
+        raise MoekitError(f"{spec.name}: a dense model has no routed experts")
+    ffn = spec.layers[layers[0]].ffn
+    expert = ffn.expert
+    params = ((2 if expert.gated else 1) * expert.width + expert.width) * expert.hidden_size
+    return (spec.hidden_size, params, {l: spec.layers[l].ffn.num_experts for l in layers}, ffn.top_k,
+            ffn.router.n_group)
+
+
+def bundled_model_for(config_sha256: Optional[str]) -> Optional[str]:
+    """The bundled demo model's folder when a trace's config fingerprint is its config.json's."""
+    import hashlib
+
+    from moekit.engine.default_model import bundled_model_path
+
+    folder = bundled_model_path()
+    config = folder / "config.json"
+    if config_sha256 and config.is_file() and hashlib.sha256(config.read_bytes()).hexdigest() == config_sha256:
+        return str(folder)
+    return None
+
+
+def make_cost(d: int, expert_params: int, dtype: str, hardware: Optional[str]) -> Cost:
+    size = check_dtype(dtype)
+    if hardware is None:
+        return Cost(row_bytes=d * size, expert_bytes=expert_params * size, expert_params=expert_params)
+    from moekit.calc.hardware import get_hardware
+
+    hw = get_hardware(hardware)
+    _, flops = hw.peak(PEAK_NAME[dtype])
+    return Cost(row_bytes=d * size, expert_bytes=expert_params * size, expert_params=expert_params,
+                hbm=hw.bandwidth, flops=flops, links=links_for(hw.name), memory=hw.memory_bytes)

@@ -1,0 +1,240 @@
+"""Weight-only int8 with one scale per 32 inputs: GGUF's q8_0 block, quantized once at load.
+
+A weight [out, in] becomes bytes [out, nb * 34], nb = ceil(in / 32): per row, nb blocks of a
+float16 scale d then 32 int8 q, as llama.cpp lays q8_0 out (the last block of a row whose `in` is
+not a multiple of 32 is padded with zeros). d = max|w| / 127 over the block and q = round(w / d),
+half away from zero: bit for bit what gguf-py's Q8_0 writes. Activations stay in the engine's
+dtype; products are accumulated in fp32 and cast back.
+
+  int8_reference   dequantize the whole weight to fp32 and F.linear: what the kernels must equal.
+  q8 gemv          a small C++ operator (torch.utils.cpp_extension, built once per machine with
+                   -march=native, cached by torch): reads the 34-byte blocks and multiplies in fp32
+                   without materialising the weight; up to GEMV_ROWS rows of x, threads over `out`.
+  dequantize+mm    the reference's arithmetic; used for more rows (prefill), and everywhere when
+                   the operator cannot be built here (no compiler) or measures slower.
+
+Which of the two runs one-row products is measured once per process (`choose_gemv`), never
+assumed from the CPU. tests/model/test_int8.py holds the kernel to the reference.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+BLOCK = 32
+BLOCK_BYTES = 2 + BLOCK  # float16 scale, then 32 int8
+GEMV_ROWS = 16  # x rows up to which the operator runs; more rows amortise a dequantized weight
+PROBE_ROWS = 1024  # choose_gemv times at most this many output rows: the per-row cost is what differs
+
+
+def quantize_q8_0(weight: Tensor) -> Tensor:
+    """weight [out, in] (any float dtype) → uint8 [out, nb * 34], q8_0 blocks along `in`."""
+    out_features, in_features = weight.shape
+    nb = -(-in_features // BLOCK)
+    w = weight.detach().to(torch.float32, copy=True)  # worked on in place below
+    if nb * BLOCK != in_features:
+        w = F.pad(w, (0, nb * BLOCK - in_features))
+    blocks = w.view(out_features, nb, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True).div_(127)  # [out, nb, 1]
+    blocks.mul_(torch.where(d == 0, torch.zeros_like(d), 1 / d))
+    q = blocks.add_(torch.copysign(torch.full_like(blocks, 0.5), blocks)).trunc_().to(torch.int8)  # roundf
+    packed = torch.empty(out_features, nb, BLOCK_BYTES, dtype=torch.uint8)
+    packed[..., :2] = d.to(torch.float16).view(torch.uint8)
+    packed[..., 2:] = q.view(torch.uint8)
+    return packed.view(out_features, nb * BLOCK_BYTES)
+
+
+def dequantize_q8_0(packed: Tensor, in_features: int) -> Tensor:
+    """uint8 [out, nb * 34] → fp32 [out, in_features]."""
+    out_features = packed.shape[0]
+    blocks = packed.view(out_features, -1, BLOCK_BYTES)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [out, nb, 1]
+    q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [out, nb, 32]
+    return (q * d).view(out_features, -1)[:, :in_features]
+
+
+def int8_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [.., in] → [.., out] in x's dtype: the dequantized weight, F.linear in fp32."""
+    w = dequantize_q8_0(packed, x.shape[-1])
+    y = F.linear(x.float(), w, None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define Q8_AVX2 1
+#endif
+
+static inline float half_to_float(uint16_t h) {
+#ifdef Q8_AVX2
+    return _cvtsh_ss(h);
+#else
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+#ifdef Q8_AVX2
+// One block: 32 int8 codes · 32 floats of x, in two independent chains (FMA latency, not
+// throughput, bounds a single chain).
+static inline __m256 block_dot(const uint8_t* w, const float* x) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18));
+    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+    __m256 p0 = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
+    __m256 p1 = _mm256_mul_ps(q1, _mm256_loadu_ps(x + 8));
+    p0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), p0);
+    p1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), p1);
+    return _mm256_add_ps(p0, p1);
+}
+
+static inline __m256 block_scale(const uint8_t* w) {
+    uint16_t dh; std::memcpy(&dh, w, 2);
+    return _mm256_set1_ps(half_to_float(dh));
+}
+#endif
+
+// One weight row (nb blocks of 34 bytes) against one x row (nb * 32 floats, zero padded).
+static inline float row_dot(const uint8_t* w, const float* x, int64_t nb) {
+#ifdef Q8_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 68, x += 64) {
+        acc0 = _mm256_fmadd_ps(block_dot(w, x), block_scale(w), acc0);
+        acc1 = _mm256_fmadd_ps(block_dot(w + 34, x + 32), block_scale(w + 34), acc1);
+    }
+    if (b < nb) acc0 = _mm256_fmadd_ps(block_dot(w, x), block_scale(w), acc0);
+    const __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b, w += 34, x += 32) {
+        uint16_t dh; std::memcpy(&dh, w, 2);
+        const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
+        float s = 0.f;
+        for (int j = 0; j < 32; ++j) s += float(q[j]) * x[j];
+        acc += s * half_to_float(dh);
+    }
+    return acc;
+#endif
+}
+
+// x [M, nb*32] fp32 contiguous, w [N, nb*34] uint8 → [M, N] fp32.
+torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w) {
+    const int64_t M = x.size(0), N = w.size(0), nb = w.size(1) / 34;
+    auto y = torch::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>();
+    const uint8_t* wp = w.data_ptr<uint8_t>();
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+        for (int64_t n = begin; n < end; ++n)
+            for (int64_t m = 0; m < M; ++m)
+                yp[m * N + n] = row_dot(wp + n * nb * 34, xp + m * nb * 32, nb);
+    });
+    return y;
+}
+"""
+
+
+@lru_cache(maxsize=1)
+def gemv_operator():
+    """The compiled operator, or None where it cannot be built (the reason is in `gemv_status`)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
+        # already loaded, so there is one thread pool, not two.
+        module = load_inline(name="moekit_q8_gemv_v2", cpp_sources=_SOURCE, functions=["q8_gemv"],
+                             extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+    except Exception as err:  # a missing compiler or headers: fall back, and say why
+        _STATUS["gemv"] = f"the q8 operator could not be built ({type(err).__name__}: {str(err)[:120]})"
+        return None
+    return module.q8_gemv
+
+
+_STATUS: dict[str, str] = {}
+
+
+def _pad_input(x2: Tensor, packed: Tensor) -> Tensor:
+    width = packed.shape[1] // BLOCK_BYTES * BLOCK
+    x2 = x2.float().contiguous()
+    return x2 if x2.shape[1] == width else F.pad(x2, (0, width - x2.shape[1]))
+
+
+def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """The operator on ≤ GEMV_ROWS rows (else the reference's dequantize + matmul)."""
+    op = gemv_operator()
+    x2 = x.reshape(-1, x.shape[-1])
+    if op is None or x2.shape[0] > GEMV_ROWS:
+        return int8_reference(x, packed, bias)
+    y = op(_pad_input(x2, packed), packed)
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
+
+
+def _time(fn, *args, repeats: int = 10) -> float:
+    fn(*args)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(*args)
+    return (time.perf_counter() - start) / repeats
+
+
+@lru_cache(maxsize=None)
+def choose_gemv(in_features: int, out_features: int, dtype: torch.dtype) -> str:
+    """'gemv' or 'reference': whichever runs one row of this shape faster here, measured once per
+    process on up to PROBE_ROWS of its output rows (best of three alternating rounds, so a noisy
+    neighbour hurts both alike)."""
+    if gemv_operator() is None:
+        return "reference"
+    gen = torch.Generator().manual_seed(0)
+    packed = quantize_q8_0(torch.randn(min(out_features, PROBE_ROWS), in_features, generator=gen))
+    x = torch.randn(1, in_features, generator=gen).to(dtype)
+    with torch.inference_mode():
+        rounds = [(_time(int8_gemv, x, packed), _time(int8_reference, x, packed)) for _ in range(3)]
+    fast, plain = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    return "gemv" if fast < plain else "reference"
+
+
+def gemv_status() -> str:
+    return _STATUS.get("gemv", "the q8 operator is built" if gemv_operator() is not None else "")
+
+
+def quantize_decoder(decoder, experts_only: bool = False) -> str:
+    """After loading and preparing: the routed experts (and, unless experts_only, every other
+    projection) as q8_0 blocks. Routers stay at the dtype (they choose; a flip changes the experts),
+    and so do the embedding, norms and MLA's per-head kv_b halves. Returns what was done, in words."""
+    from moekit.model.experts import RoutedExperts
+    from moekit.model.linear import Linear
+    from moekit.model.moe import Router
+
+    counts = {"experts": 0, "linears": 0}
+    with torch.inference_mode(False):
+        for sub in list(decoder.modules()):
+            if isinstance(sub, RoutedExperts):
+                sub.quantize_int8()
+                counts["experts"] += 1
+            elif isinstance(sub, Linear) and not isinstance(sub, Router) and not experts_only and sub.out_features > 1:
+                sub.quantize_int8()
+                counts["linears"] += 1
+    what = f"int8 weights (q8_0 blocks of {BLOCK}): routed experts of {counts['experts']} layers"
+    if not experts_only:
+        what += f" and {counts['linears']} other projections"
+    status = gemv_status()
+    return what + (f"; {status}" if status else "")

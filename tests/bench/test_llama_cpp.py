@@ -1,0 +1,106 @@
+"""`moekit bench decode --vs llama.cpp`: precision to GGUF type, naming, the command lines, refusals.
+
+The pure parts run everywhere. The one end-to-end test needs the llama.cpp build
+(benchmarks/build_llama_cpp.sh) and skips only when its folder is absent.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moekit.bench import llama_cpp
+from moekit.bench.llama_cpp import LlamaCppBuild, find_build, gguf_type, worker_command
+from moekit.errors import MoekitError
+
+
+@pytest.mark.parametrize("dtype, weights, want", [("float32", "dtype", "f32"), ("bfloat16", "dtype", "bf16"),
+                                                  ("float32", "int8", "q8_0"), ("bfloat16", "int8", "q8_0")])
+def test_each_precision_meets_the_gguf_type_that_holds_the_same_weights(dtype, weights, want):
+    assert gguf_type(dtype, weights) == want
+
+
+def test_int8_experts_have_no_gguf_counterpart():
+    with pytest.raises(MoekitError, match="int8-experts"):
+        gguf_type("float32", "int8-experts")
+
+
+def test_a_gguf_is_named_by_checkpoint_folder_and_type_and_two_folders_never_share_one(tmp_path):
+    build = LlamaCppBuild(tmp_path / "llama.cpp")
+    a, b = tmp_path / "x" / "qwen3_moe-150m", tmp_path / "y" / "qwen3_moe-150m"
+    path = build.gguf_path(a, "q8_0")
+    assert path.parent == tmp_path / "llama.cpp" / "gguf"
+    assert path.name.startswith("qwen3_moe-150m-") and path.name.endswith("-q8_0.gguf")
+    assert build.gguf_path(a, "q8_0") == path and build.gguf_path(b, "q8_0") != path
+    assert build.gguf_path(a, "f32") != path
+
+
+def test_a_missing_build_is_one_error_naming_the_build_script(tmp_path):
+    with pytest.raises(MoekitError, match="benchmarks/build_llama_cpp.sh"):
+        find_build(tmp_path / "nothing-here")
+
+
+def test_the_worker_runs_under_the_builds_python_with_the_same_threads_and_prompt(tmp_path):
+    build = LlamaCppBuild(tmp_path)
+    argv = worker_command(build, tmp_path / "m.gguf", [1, 17, 42], new_tokens=8, threads=2)
+    assert argv[0] == str(tmp_path / "venv" / "bin" / "python")
+    assert argv[1:3] == ["-m", "moekit.bench.llama_cpp_worker"]
+    assert argv[argv.index("--prompt-ids") + 1] == "1,17,42"
+    assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--new-tokens") + 1] == "8"
+
+
+@pytest.mark.parametrize("kwargs", [dict(prompt_ids=[]), dict(new_tokens=1), dict(threads=0)])
+def test_bad_worker_requests_are_refused_before_a_child_starts(tmp_path, kwargs):
+    args = dict(prompt_ids=[1, 2], new_tokens=4, threads=1) | kwargs
+    with pytest.raises(MoekitError):
+        worker_command(LlamaCppBuild(tmp_path), tmp_path / "m.gguf", **args)
+
+
+def test_the_converter_runs_under_this_python_with_the_asked_type(tmp_path):
+    argv = llama_cpp.convert_command(LlamaCppBuild(tmp_path), tmp_path / "ckpt", "bf16", tmp_path / "o.gguf")
+    assert argv[0] == sys.executable and argv[argv.index("--outtype") + 1] == "bf16"
+    with pytest.raises(MoekitError, match="q8_0"):
+        llama_cpp.convert_command(LlamaCppBuild(tmp_path), tmp_path / "ckpt", "q4_k", tmp_path / "o.gguf")
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_before_converting(tmp_path):
+    with pytest.raises(MoekitError, match="tokenizer.json"):
+        llama_cpp.ensure_gguf(LlamaCppBuild(tmp_path), tmp_path, "f32")
+
+
+def test_neither_side_of_the_baseline_imports_torch():
+    code = ("import sys, moekit.bench.llama_cpp, moekit.bench.llama_cpp_worker; "
+            "print(sorted(m for m in ('torch', 'transformers', 'llama_cpp') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"
+
+
+needs_build = pytest.mark.skipif(not llama_cpp.DEFAULT_ROOT.joinpath("venv", "bin", "python").exists(),
+                                 reason="llama.cpp not built (benchmarks/build_llama_cpp.sh)")
+
+
+@needs_build
+def test_llama_cpp_decodes_the_same_greedy_tokens_as_moekit_at_fp32(capsys, tmp_path):
+    import json
+
+    from cli_runner import moekit
+    from hf_tiny import CORPUS, write_checkpoint
+    from moekit.train.tokenizer import save_tokenizer, train_tokenizer
+
+    folder = write_checkpoint("qwen3_moe", tmp_path / "qwen", vocab_size=300)  # norm_topk_prob, as llama.cpp assumes
+    save_tokenizer(train_tokenizer(CORPUS, 280), folder)  # with its tokenizer_config.json, as the converter reads it
+    root = tmp_path / "llama.cpp"
+    root.mkdir()
+    for part in ("venv", "src"):  # the real build, with this test's own gguf folder
+        (root / part).symlink_to(llama_cpp.DEFAULT_ROOT / part)
+    code, out, err = moekit(capsys, "bench", "decode", folder, "--vs", "llama.cpp", "--batch", "1", "--tokens", "6",
+                            "--prompt-len", "5", "--repeats", "1", "--warmup", "0", "--threads", "1",
+                            "--llama-cpp-dir", root, "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    (row,) = data["results"]
+    assert row["baseline"] == "llama.cpp" and row["same_tokens"] is True and row["baseline_tok_s"] > 0
+    assert Path(data["baseline_info"]["gguf"]).parent == root / "gguf"

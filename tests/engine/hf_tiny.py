@@ -107,11 +107,26 @@ FAMILIES: dict[str, dict] = {
         attn_config=dict(kv_n_heads=2, clip_qkv=0.25, rope_theta=10000.0),  # small enough to clip
         ffn_config=dict(ffn_hidden_size=32, moe_num_experts=6, moe_top_k=2, moe_normalize_expert_weights=1.0),
     ),
+    "llama4_text": dict(
+        intermediate_size=32,  # experts and the shared expert
+        intermediate_size_mlp=64,  # the dense layers
+        num_hidden_layers=4,
+        head_dim=12,
+        num_local_experts=6,
+        num_experts_per_tok=2,  # Llama 4 routes one; two exercise the sum over K and the tiers
+        interleave_moe_layer_step=2,  # layers 1 and 3 MoE, 0 and 2 dense
+        no_rope_layers=[1, 1, 0, 1],  # layer 2 NoPE: full attention, temperature-tuned queries
+        attention_chunk_size=5,  # shorter than prompt + new tokens, so chunks matter
+        floor_scale=4,  # the query temperature changes every 4 positions (8192 would never here)
+        attn_scale=0.5,
+    ),
     "llama": dict(intermediate_size=64, num_hidden_layers=2),
     "qwen3": dict(intermediate_size=64, num_hidden_layers=2, head_dim=12),
 }
 
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe", "dbrx")
+MOE_FAMILIES = (
+    "mixtral", "qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss", "deepseek_v3", "phimoe", "dbrx", "llama4_text",
+)
 DENSE_FAMILIES = ("llama", "qwen3")
 
 
@@ -186,13 +201,22 @@ def reference_routing(model, ids: list[int]) -> dict[int, list[list[int]]]:
 
     Every MoE block of every family calls `self.experts(hidden, topk_ids, topk_weights)`, so a
     pre-hook on each `...layers.N.<block>.experts` (DBRX: `blocks.N`) module sees the choice whatever the router.
+    llama4's experts see every token pre-weighed instead: its router's top-K of its logits is the choice.
     """
     chosen: dict[int, list[list[int]]] = {}
     hooks = []
     for name, module in model.named_modules():
         parts = name.split(".")
+        if type(module).__name__ == "Llama4Router":
+            layer = int(parts[parts.index("layers") + 1])
+
+            def llama4_hook(mod, args, output, layer=layer):
+                chosen[layer] = torch.topk(output[1], mod.top_k, dim=1).indices.tolist()
+
+            hooks.append(module.register_forward_hook(llama4_hook))
+            continue
         stack = "layers" if "layers" in parts else "blocks"  # DBRX's transformer.blocks.N
-        if parts[-1] != "experts" or stack not in parts:
+        if parts[-1] != "experts" or stack not in parts or type(module).__name__ == "Llama4TextExperts":
             continue
         layer = int(parts[parts.index(stack) + 1])
 

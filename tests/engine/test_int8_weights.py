@@ -70,9 +70,15 @@ def test_int8_quantizes_every_projection_but_routers_and_int8_experts_only_the_e
     assert [len(row) for row in gen.token_ids] == [4, 4]
 
 
-def test_int8_with_an_expert_budget_is_refused_for_now(tiny_checkpoints):
-    with pytest.raises(MoekitError, match="not paged"):
-        load_engine(tiny_checkpoints("qwen3_moe"), weights="int8", offload=object())
+def test_int8_with_an_expert_budget_pages_int8_experts(tiny_checkpoints):
+    # Exactness against the resident int8 engine: tests/offload/test_precision.py.
+    from moekit.offload.options import OffloadOptions
+
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8", offload=OffloadOptions("50%"))
+    try:
+        assert engine.store is not None and "int8" in engine.store.precision
+    finally:
+        engine.close()
 
 
 def test_unknown_weights_are_refused(tiny_checkpoints):

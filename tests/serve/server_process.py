@@ -39,7 +39,7 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str) -> Server:
+def start_server(*args: str, timeout: float = START_TIMEOUT_S) -> Server:
     """`moekit serve ARGS --port 0`, returned once it serves (or failing with its stderr)."""
     cmd = [sys.executable, "-m", "moekit", "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -55,11 +55,11 @@ def start_server(*args: str) -> Server:
         ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + timeout
     while not ready.wait(0.2):
         if time.monotonic() > deadline:
             proc.kill()
-            pytest.fail(f"moekit serve did not start in {START_TIMEOUT_S} s: {server.log}")
+            pytest.fail(f"moekit serve did not start in {timeout} s: {server.log}")
     if not server.url:
         proc.wait(10)
         pytest.fail(f"moekit serve exited {proc.returncode}: {server.log}")

@@ -61,6 +61,8 @@ def raw_config(source: str, presets: list[str]) -> Optional[dict]:
         text = resources.files("moekit.spec").joinpath("presets", f"{source}.json").read_text()
     else:
         path = Path(source)
+        if path.suffix == ".gguf" and path.is_file():  # a GGUF's metadata is no config.json, and states no claims
+            return None
         path = path / "config.json" if path.is_dir() else path
         text = path.read_text()
     config = json.loads(text)

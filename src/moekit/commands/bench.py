@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import COMPILE, NO_VERIFY
 from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
@@ -61,6 +62,8 @@ def decode(
                                                  "built llama.cpp (default: bench-out/llama.cpp); GGUFs go to its gguf/."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 (both sides)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
+    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
     batch: str = typer.Option("1,8", "--batch", help="Comma-separated batch sizes."),
     tokens: int = typer.Option(32, "--tokens", help="New tokens per row."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Prompt tokens per row."),
@@ -87,7 +90,10 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
-    engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights)
+    engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights, verify=not no_verify,
+                         compile=compile_step)
+    for note in engine.notes:
+        typer.echo(note, err=True)
     baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
     bandwidth, source = local_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),

@@ -37,8 +37,10 @@ def calc(
         metavar="NAME",
         help="Device for the roofline and --sla-ms (e.g. h100, a100-80gb, mi300x, local); --list shows all. Default: none.",
     ),
-    dtype: str = typer.Option(
-        "bf16", "--dtype", metavar="DTYPE", help="Weight storage: fp32, bf16, fp16, fp8, int8, int4, mxfp4."
+    dtype: Optional[str] = typer.Option(
+        None, "--dtype", metavar="DTYPE",
+        help="Weight storage: fp32, bf16, fp16, fp8, int8, int4, mxfp4. Default: the checkpoint's "
+        "quantization_config (mxfp4, fp8) where it has one, else bf16.",
     ),
     kv_dtype: Optional[str] = typer.Option(
         None,
@@ -79,8 +81,8 @@ def calc(
     from moekit.calc.request import parse_request
     from moekit.spec import load_spec
 
-    request = parse_request(dtype, kv_dtype, context, batch, hardware, gpus, sla_ms)
     specs = [(source, load_spec(source)) for source in models]
+    request = parse_request(dtype or _stored_dtype(models), kv_dtype, context, batch, hardware, gpus, sla_ms)
     device = get_hardware(request.hardware) if request.hardware else None
     reports = [build_report(spec, request, device) for _, spec in specs]
 
@@ -96,6 +98,22 @@ def calc(
         from moekit.calc.table import report_table
 
         Console().print(report_table(reports))
+
+
+def _stored_dtype(models: List[str]) -> str:
+    """The weight format the checkpoints were published in: mxfp4 (gpt-oss) or fp8 (DeepSeek-V3)
+    when every one's config.json declares that quantization_config, else bf16."""
+    from moekit.calc.claims import raw_config
+    from moekit.spec import list_presets
+
+    presets = list_presets()
+    found = set()
+    for source in models:
+        config = raw_config(source, presets) or {}
+        qc = config.get("quantization_config")
+        found.add(qc.get("quant_method") if isinstance(qc, dict) else None)
+    (method,) = found if len(found) == 1 else (None,)
+    return method if method in ("mxfp4", "fp8") else "bf16"
 
 
 def _print_explanations(reports, sources) -> None:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import typer
 
+from moekit.commands.options import NO_VERIFY
+
 HELP = """Evaluate a run folder or checkpoint on a corpus's held-out split.
 
 Per domain: loss (nats/token) and perplexity, the perplexity of a unigram model fit on the train
@@ -23,6 +25,7 @@ def evaluate(
     max_tokens: int = typer.Option(50_000, help="Held-out tokens scored per domain (at most)."),
     window: int = typer.Option(256, help="Tokens per scored window."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     as_json: bool = typer.Option(False, "--json", help="Print the full result as JSON."),
 ) -> None:
     from rich.console import Console
@@ -36,7 +39,7 @@ def evaluate(
         raise MoekitError("--window and --max-tokens must be at least 2")
     console = Console(stderr=True)
     result = run_eval(resolve_checkpoint(target), corpus, window=window, max_tokens=max_tokens, device=device,
-                      progress=lambda d: console.print(f"scoring {d}…") if not as_json else None)
+                      verify=not no_verify, progress=lambda d: console.print(f"scoring {d}…") if not as_json else None)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
         return

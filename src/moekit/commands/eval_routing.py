@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Measure routing policies against the family's exact routing on a corpus's held-out split.
@@ -32,7 +33,7 @@ def check_counts(**values: int) -> None:
             raise MoekitError(f"--{name.replace('_', '-')} must not be negative, got {value}")
 
 
-def load_for_routing(checkpoint: Optional[Path], device: str, threads: int):
+def load_for_routing(checkpoint: Optional[Path], device: str, threads: int, verify: bool = True):
     """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads:
     small models' GEMMs gain nothing from more, and on a busy machine a thread barrier costs a time slice."""
     import torch
@@ -43,7 +44,8 @@ def load_for_routing(checkpoint: Optional[Path], device: str, threads: int):
     if threads < 1:
         raise MoekitError(f"--threads must be at least 1, got {threads}")
     torch.set_num_threads(threads)
-    return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device)
+    return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device,
+                       verify=verify)
 
 
 def eval_routing(
@@ -56,6 +58,7 @@ def eval_routing(
     agree_prompts: int = typer.Option(4, "--agree-prompts", help="Documents per domain continued greedily under each policy."),
     agree_tokens: int = typer.Option(32, "--agree-tokens", help="Tokens generated per continuation."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Write the Pareto plot (active share vs bits per byte)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
@@ -68,7 +71,7 @@ def eval_routing(
     check_counts(agree_prompts=agree_prompts, agree_tokens=agree_tokens)
     if plot is not None and not plot.parent.exists():
         raise MoekitError(f"--plot {plot}: folder {plot.parent} does not exist")
-    engine = load_for_routing(checkpoint, device, threads)
+    engine = load_for_routing(checkpoint, device, threads, verify=not no_verify)
     chosen = parse_policies(policies, model_k(engine.spec))
     from rich.console import Console
 

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Run PROMPTS (one per line) through CHECKPOINT and count each layer's expert use.
@@ -29,6 +30,7 @@ def profile(
     top: Optional[int] = typer.Option(None, "--top", help="Experts pinned per layer (default: a quarter of them)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Profile a model larger than memory: as in `moekit run`."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
 ) -> None:
     from rich.progress import Progress
 
@@ -45,7 +47,7 @@ def profile(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory)
-    engine = load_engine(checkpoint, dtype=dtype, offload=offload)
+    engine = load_engine(checkpoint, dtype=dtype, offload=offload, verify=not no_verify)
     try:
         if engine.tokenizer is None:
             raise MoekitError(f"{checkpoint}: no tokenizer.json, so text prompts cannot be profiled")

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Write one self-contained HTML report (plots embedded, opens offline) of a model's routing.
@@ -41,6 +42,7 @@ def report(
     eval_tokens: int = typer.Option(1024, "--eval-tokens", help="Held-out tokens per domain for the policies."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Also keep the combined routing trace (*.parquet)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
 ) -> None:
     from moekit.analysis.analyze import analyze
@@ -59,7 +61,7 @@ def report(
     if min(per_domain, prompt_tokens, max_new_tokens) < 1 or eval_tokens < 2:
         raise MoekitError("--per-domain, --prompt-tokens and --max-new-tokens must be at least 1, --eval-tokens at least 2")
     chosen = read_prompts(prompts) if prompts is not None else corpus_prompts(corpus, per_domain)
-    engine = load_for_routing(checkpoint, device, threads)
+    engine = load_for_routing(checkpoint, device, threads, verify=not no_verify)
     k = model_k(engine.spec)
     policy = parse_policy(routing, k) if routing is not None else None
     scored = parse_policies(policies, k) if policies.strip() else None

@@ -14,6 +14,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import COMPILE, NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
@@ -158,6 +159,8 @@ def run(
     weights: str = typer.Option("dtype", "--weights", help="dtype (the checkpoint's, at --dtype), int8 (every "
                                 "projection weight-only int8, one scale per 32 inputs) or int8-experts (routed experts only)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
+    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", show_default=False,
         help="0 = greedy. Default: 0, or 1 when --top-p or --top-k is given (they sample)."),
@@ -221,6 +224,10 @@ def run(
         raise MoekitError(f"--weights {weights} with --expert-parallel is not supported yet")
     if routing is not None and (expert_parallel is not None or placement is not None):
         raise MoekitError("--routing with --expert-parallel is not supported yet")
+    if no_verify and (expert_parallel is not None or placement is not None):
+        raise MoekitError("--no-verify with --expert-parallel is not supported yet (every rank verifies)")
+    if compile_step and (expert_parallel is not None or placement is not None):
+        raise MoekitError("--compile with --expert-parallel is not supported yet")
     if expert_parallel is not None or placement is not None:
         from moekit.dist.cli import run_sharded
 
@@ -229,9 +236,12 @@ def run(
                         engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out))
         return
     engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress(),
-                         weights=weights)
+                         weights=weights, verify=not no_verify, compile=compile_step)
     for note in engine.notes:
         typer.echo(f"note: {note}", err=True)
+    if engine.decoder.compiled is not None:
+        typer.echo("compiling the decode step (cached on disk for later runs) ...", err=True)
+        engine.decoder.compiled.warm_up((1,))  # before the clock starts: the timing line is decode only
     try:
         _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
                              _routing_policy(engine, routing))

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.options import COMPILE, NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
@@ -69,6 +70,8 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
+    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
     queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
@@ -121,11 +124,15 @@ def serve(
         offload=offload,
         threads=threads,
         admin_token=admin_token,
+        verify=not no_verify,
+        compile=compile_step,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()
 
     def ready(state) -> None:
+        for note in state.engine.notes:
+            typer.echo(f"note: {note}", err=True)
         typer.echo(
             f"serving {config.model_name!r} on http://{bound[0]}:{bound[1]}/v1 "
             f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype})",

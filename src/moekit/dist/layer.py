@@ -109,6 +109,8 @@ class ExpertParallelLayer:
         plan = dispatch(ids, self.rank, self.ranks, self.table, forward)
         order = torch.from_numpy(plan.order).to(x.device)
         send = x[plan.begin: plan.end][order // k]  # [N_send, D] hidden rows, in send order
+        if experts.weigh_input:  # llama4: the weight scales the expert's input, here on the home rank
+            send = send * decision.topk_weights[plan.begin: plan.end].reshape(-1)[order].to(x.dtype)[:, None]
 
         send_counts = torch.from_numpy(plan.counts).to(x.device)  # NCCL moves device tensors only
         recv_counts = torch.empty_like(send_counts)
@@ -126,7 +128,8 @@ class ExpertParallelLayer:
         back = x.new_empty((len(plan.order), d))
         self._all_to_all("combine", back, y.contiguous(), sends, recvs)
 
-        home = self._weighted_sum(x, decision, plan, back, single_token=t == 1)
+        home = self._weighted_sum(x, decision, plan, back, single_token=t == 1,
+                                  experts_weigh_input=experts.weigh_input)
         out = self._gather(home, t)
         size = x.element_size() * d
         self.stats.pairs.append(sum(recvs))
@@ -136,7 +139,8 @@ class ExpertParallelLayer:
         self.stats.tokens.append(t)
         return out
 
-    def _weighted_sum(self, x, decision, plan, back: torch.Tensor, single_token: bool) -> torch.Tensor:
+    def _weighted_sum(self, x, decision, plan, back: torch.Tensor, single_token: bool,
+                      experts_weigh_input: bool = False) -> torch.Tensor:
         """The home chunk's outputs [T_home, D]: each token's K (output · weight) added from zero in
         RoutedExperts' order (router order for one token; else ascending expert id, ties by k)."""
         k = decision.topk_ids.shape[1]
@@ -144,6 +148,8 @@ class ExpertParallelLayer:
         per_pair = back.new_empty((rows * k, back.shape[1]))
         per_pair[torch.from_numpy(plan.order).to(x.device)] = back
         weights = decision.topk_weights[plan.begin: plan.end].reshape(-1, 1)  # [T_home*K, 1] fp32
+        if experts_weigh_input:  # already applied to the rows sent (llama4): y·1 is y exactly
+            weights = torch.ones_like(weights)
         terms = (per_pair * weights).to(x.dtype).view(rows, k, x.shape[1])  # [T_home, K, D]
         if single_token:
             slots = torch.arange(k, device=x.device).expand(rows, k)

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from moekit.engine.generate import Generation, TokenCallback, generate
-from moekit.engine.meter import TokenActivation, meter
+from moekit.engine.meter import TokenActivation, meter, packed_expert_bytes
 from moekit.engine.sampling import SamplingParams
 from moekit.errors import CheckpointError, MoekitError
 from moekit.spec.model_spec import ModelSpec
@@ -38,6 +38,7 @@ class Engine:
     store: Optional[object] = None  # moekit.offload.store.ExpertStore when experts are paged
     notes: tuple[str, ...] = ()  # what loading decided that the user should hear
     weights: str = "dtype"  # one of WEIGHTS
+    expert_bytes: Optional[Callable[[int, int], int]] = None  # (layer, expert) → its bytes; None: the dtype's
 
     def close(self) -> None:
         """Stop the expert store's reader threads (a no-op for a resident model)."""
@@ -86,7 +87,7 @@ class Engine:
         )
 
     def meter(self, gen: Generation) -> list[TokenActivation]:
-        return meter(self.spec, gen, self.bytes_per_param)
+        return meter(self.spec, gen, self.bytes_per_param, expert_bytes=self.expert_bytes)
 
 
 def _as_batch(prompts) -> list[Prompt]:
@@ -154,51 +155,79 @@ def torch_dtype(dtype: str):
 
 def load_engine(
     path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None,
-    weights: str = "dtype",
+    weights: str = "dtype", verify: bool = True, compile: bool = False,
 ) -> Engine:
     """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
     (None: every weight resident). progress(done, total) reports a first-run checksum manifest.
     weights: "dtype" (the checkpoint's, at dtype), "int8" (every projection weight-only int8, one
-    scale per 32 inputs, quantized once here) or "int8-experts" (the routed experts only)."""
+    scale per 32 inputs, quantized once here) or "int8-experts" (the routed experts only).
+    verify: check every weight read against moekit-experts.json when one is beside the checkpoint
+    (moekit.weights.checkpoint; the resident load never writes one); False skips it, said in notes.
+    A first paged run writes the manifest even then: it is the store's map of where experts are.
+    compile: run the decode steps as one compiled graph (moekit.model.compiled_step); where this
+    model or these options cannot, the engine runs eager and the notes say why."""
     from moekit.model.decoder import Decoder
     from moekit.spec import load_spec
-    from moekit.weights.checkpoint import open_checkpoint
+    from moekit.weights.checkpoint import base_checkpoint, open_checkpoint
 
     folder = Path(path)
     tdtype = torch_dtype(dtype)
     if weights not in WEIGHTS:
         raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if weights != "dtype" and offload is not None:
-        raise MoekitError(f"--weights {weights} with --expert-memory: int8 experts are not paged by the store yet")
     dev = resolve_device(device)
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
+    if offload is not None and getattr(ckpt, "method", None) in ("mxfp4", "fp8"):  # before budgeting at the dtype
+        raise CheckpointError(f"{folder}: {ckpt.method.upper()} experts are not paged by the expert store yet "
+                              "(run without --expert-memory)")
     plan, notes = None, []
+    gguf_tokenizer = None
+    if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized
+        from moekit.weights.gguf_checkpoint import engine_parts
+
+        gguf_tokenizer, gguf_notes = engine_parts(ckpt, offload)
+        notes.extend(gguf_notes)
+    checked = base_checkpoint(ckpt)  # the safetensors reads verification happens in
+    if checked is not None:
+        checked.verify = verify
+    if not verify:
+        notes.append("checksums not verified (--no-verify)")
+    if offload is None and _packed_in_blocks(folder):
+        from moekit.offload.options import OffloadOptions
+
+        # A resident load would run the checkpoint's float experts, not the packed int8/int4 ones.
+        offload = OffloadOptions(expert_memory="100%")
     if offload is not None:
         from moekit.offload.attach import plan_offload
 
-        plan = plan_offload(spec, tdtype, offload)
+        plan = plan_offload(spec, tdtype, offload, folder=folder, quantize=weights != "dtype")
         if plan.fully_resident:
             notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
             plan = None
     decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
-    decoder.load_checkpoint(ckpt)
+    compiled = compile and weights == "dtype" and plan is None
+    decoder.load_checkpoint(ckpt, kernels=not compiled)
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
+    if checked is not None:
+        notes.extend(checked.notes)  # (close raised any checksum mismatch)
     if weights != "dtype":
         from moekit.model.int8 import quantize_decoder
 
         notes.append(quantize_decoder(decoder, experts_only=weights == "int8-experts"))
+    if compile:
+        notes.append(_compile_decode(decoder, weights, plan is not None))
     store = None
     if plan is not None:
         from moekit.offload.attach import attach_store
 
-        store = attach_store(decoder, folder, plan, offload, progress=progress)
+        store = attach_store(decoder, folder, plan, offload, progress=progress, quantize=weights != "dtype",
+                             verify=verify)
         notes.extend(store.notes)
     return Engine(
         spec=spec,
         decoder=decoder,
-        tokenizer=load_tokenizer(folder),
+        tokenizer=gguf_tokenizer if folder.suffix == ".gguf" else load_tokenizer(folder),
         eos_ids=eos_ids(folder, ckpt.config, spec),
         dtype=dtype,
         device=str(dev),
@@ -206,4 +235,41 @@ def load_engine(
         store=store,
         notes=tuple(notes),
         weights=weights,
+        expert_bytes=store.expert_nbytes if store is not None
+        else _resident_expert_bytes(spec, weights) or packed_expert_bytes(decoder),  # MXFP4 / FP8 kept packed
     )
+
+
+def _compile_decode(decoder, weights: str, paged: bool) -> str:
+    """Install the compiled decode step, or say why the engine stays eager."""
+    from moekit.model.compiled_step import unsupported
+
+    reason = ("int8 weights are not in the compiled step" if weights != "dtype"
+              else "routed experts are paged by the expert store" if paged else unsupported(decoder))
+    if reason is not None:
+        return f"--compile: running eager ({reason})"
+    decoder.compile_decode()
+    return "--compile: decode steps run as one compiled graph (the first step compiles it)"
+
+
+def _packed_in_blocks(folder: Path) -> bool:
+    """Whether `folder` is a packed checkpoint whose experts are (partly) int8/int4 blocks."""
+    from moekit.offload.extents import PACKED_NAME
+
+    if not (folder / PACKED_NAME).is_file():
+        return False
+    from moekit.offload.attach import packed_experts
+    from moekit.offload.precision import stored_kind
+
+    packed = packed_experts(folder)
+    return packed is not None and any(stored_kind(ex) for ex in packed.values())
+
+
+def _resident_expert_bytes(spec: ModelSpec, weights: str):
+    """(layer, expert) → bytes for the meter when resident experts are int8; None: the dtype's."""
+    if weights == "dtype" or not spec.moe_layers:
+        return None
+    from moekit.offload.attach import expert_shape, int8_nbytes
+
+    each = int8_nbytes(*expert_shape(spec))
+    return lambda layer, e: each

@@ -9,7 +9,8 @@ Two per-token numbers, because vendors and physics disagree:
   dense model.
 - `params_touched`: what the pass physically reads: ONE embedding row, not the table (a tied
   head already holds that row). `bytes_touched` = params_touched x bytes per element at the engine
-  dtype. KV-cache reads are not included.
+  dtype, except routed experts when `expert_bytes` says what each one holds (int8 / int4 / mixed
+  precisions: its real bytes). KV-cache reads are not included.
 
 A token's routing is that of the forward pass that PRODUCED it: generated token 0 comes from the
 last prompt position of the prefill, token i from the decode step that fed token i-1. Distinct
@@ -20,7 +21,7 @@ all of those had to be resident.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 from moekit.engine.generate import Generation, TokenRouting, token_routing
 from moekit.spec.model_spec import ModelSpec
@@ -124,8 +125,10 @@ def _group_by_token(events: Iterable[TokenRouting]) -> Iterable[list[TokenRoutin
         yield group
 
 
-def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int) -> list[TokenActivation]:
-    """Per generated token, row by row. A dense model (no MoE layer) still gets one entry per token."""
+def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int,
+          expert_bytes: Optional[Callable[[int, int], int]] = None) -> list[TokenActivation]:
+    """Per generated token, row by row. A dense model (no MoE layer) still gets one entry per token.
+    expert_bytes: (layer, expert) → the bytes that expert holds, when not params × bytes_per_param."""
     counts = params_per_token(spec)
     seen: dict[int, dict[int, set[int]]] = {row: {l: set() for l in counts.top_k} for row in range(len(gen.prompts))}
     found: dict[tuple[int, int], TokenActivation] = {}
@@ -134,6 +137,11 @@ def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int) -> list[TokenA
         used = {ev.layer: len(set(ev.expert_ids)) for ev in layers}
         active = counts.active(used)
         touched = counts.touched(used)
+        nbytes = touched * bytes_per_param
+        if expert_bytes is not None:
+            chosen = {ev.layer: set(ev.expert_ids) for ev in layers}
+            nbytes -= sum(counts.expert_each[l] * len(ids) for l, ids in chosen.items()) * bytes_per_param
+            nbytes += sum(expert_bytes(l, e) for l, ids in chosen.items() for e in ids)
         found[(row, index)] = TokenActivation(
             row=row,
             index=index,
@@ -143,7 +151,7 @@ def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int) -> list[TokenA
             weights={ev.layer: ev.weights for ev in layers},
             active_params=active,
             params_touched=touched,
-            bytes_touched=touched * bytes_per_param,
+            bytes_touched=nbytes,
             share=active / counts.total_params,
             distinct_experts={l: len(s) for l, s in seen[row].items()},
             distinct_experts_total=sum(len(s) for s in seen[row].values()),
@@ -178,3 +186,20 @@ def decode_step_params(spec: ModelSpec, gen: Generation) -> list[int]:
     if not out and not counts.top_k:  # dense, routing not recorded: every step reads the same
         out = [counts.touched({}, rows=len(gen.prompts))] * gen.timing.decode_steps
     return out
+
+
+def packed_expert_bytes(decoder) -> Optional[Callable[[int, int], int]]:
+    """(layer, expert) → the bytes that resident expert holds, when the checkpoint's experts were
+    kept packed (MXFP4 4.25 bits a weight, FP8 8.25: moekit.model.packed); None otherwise."""
+    from moekit.model.experts import RoutedExperts
+
+    each: dict[int, int] = {}
+    for index, block in enumerate(decoder.layers):
+        ex = getattr(block, "ffn", None)
+        ex = getattr(ex, "experts", None)
+        if isinstance(ex, RoutedExperts) and ex.kept_packed:
+            biases = [b[0] for b in (ex.gate_up_bias, ex.down_bias) if b is not None]  # at the engine dtype
+            each[index] = sum(w.numel() * w.element_size() for w in (*ex.resident_weights(0), *biases))
+    if not each:
+        return None
+    return lambda layer, e: each[layer]

@@ -4,7 +4,9 @@ One module serves every MHA family; the AttentionSpec says which pieces a layer 
   qk_norm "head" (qwen3): RMSNorm of head_dim on each head;  "full" (olmoe): RMSNorm over the whole
   q / k projection;  sinks (gpt_oss): one learned logit per head that takes part in the softmax and
   then is dropped;  sliding_window: keys more than `window - 1` slots back are masked;
-  softmax_scale (granitemoe's attention_multiplier) replaces 1/sqrt(head_dim).
+  softmax_scale (granitemoe's attention_multiplier) replaces 1/sqrt(head_dim);
+  llama4: chunk_size (a query sees only its own chunk of positions p // chunk), qk_norm "l2" (a
+  weightless RMSNorm of each head AFTER RoPE), use_rope False (NoPE layers) with query_temperature.
 
 Slots vs positions: a row's slot s is where its token sits in the cache; prompts are left-padded, so
 its RoPE position (count of real tokens before it) can be smaller. Masks work on slots; RoPE on positions.
@@ -44,15 +46,41 @@ def attention_mask(
     return mask[:, None]
 
 
-def row_attention_mask(key_mask: torch.Tensor | None, slot: torch.Tensor, end: int, window: int | None) -> torch.Tensor | None:
+def chunk_mask(positions: torch.Tensor, start: int, total: int, chunk: int) -> torch.Tensor:
+    """llama4's chunked attention: positions [B, T] of the queries at slots start.. → [B, 1, T, S] bool,
+    True where key slot s holds a position of the query's chunk (p // chunk).
+
+    A row's real tokens fill consecutive slots, so the keys of query p's chunk are the p % chunk
+    slots just before its own: the same test for a left-padded row as for one alone, as the
+    reference's left-padding offset makes it."""
+    length = positions.shape[1]
+    q_slot = torch.arange(start, start + length, device=positions.device)[:, None]  # [T, 1]
+    k_slot = torch.arange(total, device=positions.device)[None, :]  # [1, S]
+    back = q_slot - k_slot  # [T, S] how many slots before the query
+    return (back[None] <= (positions % chunk)[:, :, None])[:, None]  # [B, 1, T, S]
+
+
+def row_attention_mask(
+    key_mask: torch.Tensor | None, slot: torch.Tensor, end: int, window: int | None,
+    chunk: int | None = None, position: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Continuous batching's decode mask: row r's one query sits at slot[r] and may see slots
-    0..slot[r] (within the window). key_mask [B, end] (True up to each row's slot) or None when
-    every row is at slot end-1. → [B, 1, 1, end] bool, or None when nothing is masked."""
+    0..slot[r] (within the window, or within its chunk: the last position[r] % chunk slots).
+    key_mask [B, end] (True up to each row's slot) or None when every row is at slot end-1.
+    → [B, 1, 1, end] bool, or None when nothing is masked."""
+    k_slot = torch.arange(end, device=slot.device)[None, :]  # [1, S]
     if window is not None and window < end:
-        k_slot = torch.arange(end, device=slot.device)[None, :]  # [1, S]
         inside = k_slot > slot[:, None] - window
         key_mask = inside if key_mask is None else key_mask & inside
+    if chunk is not None and end > chunk:
+        inside = k_slot >= (slot - position % chunk)[:, None]  # [B, S]
+        key_mask = inside if key_mask is None else key_mask & inside
     return None if key_mask is None else key_mask[:, None, None, :]
+
+
+def query_temperature(positions: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """llama4's NoPE-layer query scale [B, T] fp32, in the reference's order of operations."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
 def write_rows(cache: torch.Tensor, slot: torch.Tensor, values: torch.Tensor, slot_dim: int) -> None:
@@ -126,6 +154,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(heads)) if spec.sinks else None
         self.scale = spec.softmax_scale if spec.softmax_scale is not None else hd**-0.5
         self.window = spec.sliding_window
+        self.chunk = spec.chunk_size
+        self.l2_eps = norm.eps if spec.qk_norm == "l2" else None  # llama4's weightless q/k norm
         self.clip_qkv = clip_qkv
         self.qk_norm_weight: torch.Tensor | None = None  # set by prepare()
         self._rope = (rope,)  # shared with every layer; the decoder owns it as a submodule
@@ -163,13 +193,30 @@ class Attention(nn.Module):
         if self.spec.qk_norm == "head":
             weight = self.qk_norm_weight if self.qk_norm_weight is not None else self._stacked_qk_norm_weight()
             qk = weight * rms_normalize(qk, self.q_norm.eps)  # each head on its own, as q_norm / k_norm do
-        rope = self._rope[0]
-        cos, sin_signed = rope.cos_sin_signed(positions, qk.dtype)  # [B, T, 1, rot]
-        if rope.dim == hd:
-            qk = apply_rope_rolled(qk, cos, sin_signed)
-        else:  # partial rotary: only the first `rot` dims of each head turn
-            qk = torch.cat((apply_rope_rolled(qk[..., : rope.dim], cos, sin_signed), qk[..., rope.dim :]), dim=-1)
+        if self.spec.use_rope:
+            qk = self._rotate(qk, positions)
+        if self.l2_eps is not None:
+            # After RoPE, as llama4 does: a rotation keeps the norm only in exact arithmetic.
+            qk = rms_normalize(qk, self.l2_eps)
         return qk, v
+
+    def _rotate(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        rope, hd = self._rope[0], self.head_dim
+        dtype = torch.float32 if rope.fp32 else qk.dtype
+        cos, sin_signed = rope.cos_sin_signed(positions, dtype)  # [B, T, 1, rot]
+        x = qk.to(dtype)
+        if rope.dim == hd:
+            x = apply_rope_rolled(x, cos, sin_signed)
+        else:  # partial rotary: only the first `rot` dims of each head turn
+            x = torch.cat((apply_rope_rolled(x[..., : rope.dim], cos, sin_signed), x[..., rope.dim :]), dim=-1)
+        return x.to(qk.dtype)
+
+    def _tune(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """q [B, H, T, hd] × llama4's temperature of each query's position (fp32, cast back)."""
+        if self.spec.query_temperature is None:
+            return q
+        scale = query_temperature(positions, *self.spec.query_temperature)  # [B, T]
+        return (q * scale[:, None, :, None]).to(q.dtype)
 
     def forward(self, x, positions, layer_cache, start, key_mask) -> torch.Tensor:
         """x [B, T, D], positions [B, T], key_mask [B, start+T] or None (no padding) → [B, T, D];
@@ -177,10 +224,11 @@ class Attention(nn.Module):
         decode step of continuous batching (see Decoder.forward_rows)."""
         b, t, _ = x.shape
         qk, v = self._project(x, positions)
-        q = qk[:, :, : self.heads].transpose(1, 2)  # [B, H, T, hd]
+        q = self._tune(qk[:, :, : self.heads].transpose(1, 2), positions)  # [B, H, T, hd]
         cache_k, cache_v = layer_cache
         if isinstance(start, torch.Tensor):
-            return self._forward_rows(q, qk[:, 0, self.heads :], v[:, 0], cache_k, cache_v, start, key_mask)
+            k_new, v_new = qk[:, 0, self.heads :], v[:, 0]
+            return self._forward_rows(q, k_new, v_new, cache_k, cache_v, start, key_mask, positions[:, 0])
         end = start + t
         cache_k[:, :, start:end].copy_(qk[:, :, self.heads :].transpose(1, 2))  # [B, Hkv, T, hd]
         cache_v[:, :, start:end].copy_(v.transpose(1, 2))
@@ -191,19 +239,22 @@ class Attention(nn.Module):
             out = _attend_with_sinks(q, keys, values, mask, self.scale, self.sinks)
         else:
             plain = t == 1 and key_mask is None and (self.window is None or self.window >= end)
+            plain = plain and (self.chunk is None or self.chunk >= end)
             mask = None if plain else attention_mask(key_mask, start, t, self.window, x.device)
+            if self.chunk is not None and not plain:
+                mask = mask & chunk_mask(positions, start, end, self.chunk)
             out = _attend(q, keys, values, mask, self.scale)
         out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)
 
-    def _forward_rows(self, q, k, v, cache_k, cache_v, slot, key_mask) -> torch.Tensor:
-        """q [B, H, 1, hd], k / v [B, Hkv, hd] of the new tokens, slot [B] → [B, 1, D]."""
+    def _forward_rows(self, q, k, v, cache_k, cache_v, slot, key_mask, position) -> torch.Tensor:
+        """q [B, H, 1, hd], k / v [B, Hkv, hd] of the new tokens, slot / position [B] → [B, 1, D]."""
         b = q.shape[0]
         write_rows(cache_k, slot, k, 2)
         write_rows(cache_v, slot, v, 2)
         end = int(slot.max()) + 1
         keys, values = cache_k[:b, :, :end], cache_v[:b, :, :end]  # [B, Hkv, S, hd] views
-        mask = row_attention_mask(key_mask, slot, end, self.window)
+        mask = row_attention_mask(key_mask, slot, end, self.window, self.chunk, position)
         if self.sinks is not None:
             if mask is None:
                 mask = torch.ones((b, 1, 1, end), dtype=torch.bool, device=q.device)

@@ -22,7 +22,7 @@ class KVCache:
         return self.key_mask.shape[1]
 
 
-def _slot_tensors(entry) -> list[tuple[Tensor, int]]:
+def slot_tensors(entry) -> list[tuple[Tensor, int]]:
     """A layer's cache tensors with the axis their slots lie on: attention keeps (k, v), each
     [B, Hkv, S, hd]; MLA one [B, S, R+Rr] (moekit.model.mla.MLACache)."""
     if isinstance(entry, tuple):
@@ -35,5 +35,5 @@ def copy_row(dst: KVCache, dst_row: int, src: KVCache, src_row: int, length: int
     layer: a prefilled request joins the running batch (from a left-padded prefill, its real
     tokens start at src_start), or a row moves down to keep the running rows contiguous."""
     for dst_entry, src_entry in zip(dst.layers, src.layers):
-        for (d, axis), (s, _) in zip(_slot_tensors(dst_entry), _slot_tensors(src_entry)):
+        for (d, axis), (s, _) in zip(slot_tensors(dst_entry), slot_tensors(src_entry)):
             d[dst_row].narrow(axis - 1, 0, length).copy_(s[src_row].narrow(axis - 1, src_start, length))

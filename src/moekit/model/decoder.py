@@ -33,8 +33,6 @@ def _mixer(layer: LayerSpec, rope: Rope, spec: ModelSpec) -> nn.Module:
     attn = layer.mixer
     if not isinstance(attn, AttentionSpec):
         raise SpecError(f"{spec.name}: {type(attn).__name__} mixers are not supported by the engine")
-    if attn.chunk_size is not None or attn.qk_norm == "l2":
-        raise SpecError(f"{spec.name}: llama4-style attention (chunked, L2 q/k norm) is not supported by the engine")
     if attn.kind == "mla":
         return MLAttention(attn, rope, interleaved=bool(spec.extra("rope_interleave", True)))
     return Attention(attn, rope, layer.norm, clip_qkv=spec.extra("clip_qkv"))
@@ -131,6 +129,7 @@ class Decoder(nn.Module):
         self.rope = rope
         self.requires_grad_(False)
         self.prepared = False
+        self.compiled = None  # a moekit.model.compiled_step.CompiledStep once compile_decode() ran
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         """Preallocated slots for `batch` rows of up to `max_len` tokens; key_mask starts all True
@@ -165,6 +164,11 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
+        if t == 1 and self.compiled is not None and top_k is None and policy is None:
+            slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
+            logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions)
+            cache.length = start + 1
+            return logits
         key_mask = cache.key_mask[:, : start + t]
         if bool(key_mask.all()):
             key_mask = None  # no padding: the mixers skip masking (checked once here, not per layer)
@@ -195,6 +199,9 @@ class Decoder(nn.Module):
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+        if self.compiled is not None and top_k is None:
+            # Rows are never padded (slot = position), so the cache's key_mask is all True here.
+            return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions)
         if b == 1 or bool((lengths == lengths[0]).all()):
             key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
         else:
@@ -210,6 +217,21 @@ class Decoder(nn.Module):
                     decisions.append((i, decision))
         return self.head(self.norm(x))
 
+    def _compiled_step(self, input_ids, cache, slot, positions, key_mask, decisions) -> torch.Tensor:
+        result = self.compiled(input_ids, cache, slot, positions, key_mask)
+        if decisions is not None:
+            decisions.extend(result.decisions)
+        return result.logits
+
+    def compile_decode(self, cpp_wrapper: bool = True) -> None:
+        """Run every later T = 1 step (generate's decode, continuous batching) as one compiled graph
+        (moekit.model.compiled_step), where it applies; prefill, tiers and policies stay eager.
+        Needs a decoder prepared with kernels=False (the Hub layout the compiled step reads).
+        cpp_wrapper: see CompiledStep (False compiles faster and runs the same kernels slower)."""
+        from moekit.model.compiled_step import CompiledStep
+
+        self.compiled = CompiledStep(self, cpp_wrapper)
+
     def head(self, h: torch.Tensor) -> torch.Tensor:
         # A tied head shares the embedding table, which the lookup needs in the Hub layout: plain F.linear.
         logits = nn.functional.linear(h, self.embed.weight, self.head_bias) if self.lm_head is None else self.lm_head(h)
@@ -217,25 +239,28 @@ class Decoder(nn.Module):
             logits = logits / self.spec.multipliers.logits_scaling
         return logits.float()
 
-    def load_checkpoint(self, ckpt) -> None:
-        """Fill every parameter from `ckpt` (Hub names, all checked), then prepare the fast layouts."""
+    def load_checkpoint(self, ckpt, kernels: bool = True) -> None:
+        """Fill every parameter from `ckpt` (Hub names, all checked), then prepare the fast layouts
+        (kernels=False keeps the Hub layout, which the compiled decode step reads)."""
         from moekit.model.loading import load_into
 
         if self.prepared:
             raise RuntimeError("load_checkpoint on a prepared decoder: build a new Decoder to load again")
         load_into(self, ckpt)
-        self.prepare()
+        self.prepare(kernels)
 
-    def prepare(self) -> None:
-        """Lay each projection's weight out for its kernel, once; the Hub layout is dropped, not kept."""
+    def prepare(self, kernels: bool = True) -> None:
+        """Lay each projection's weight out for its kernel, once; the Hub layout is dropped, not kept.
+        kernels=False: every projection stays in the Hub layout and runs the plain reference kernel."""
         if self.prepared:
             return
 
         for sub in list(self.modules()):
             if isinstance(sub, (Attention, MLAttention)):
                 sub.prepare()  # fusions on the Hub layout come first
-        prepare_linears(self)
+        if kernels:
+            prepare_linears(self)
         for sub in self.modules():
             if isinstance(sub, RoutedExperts):
-                sub.prepare()
+                sub.prepare(kernels)
         self.prepared = True

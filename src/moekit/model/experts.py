@@ -36,6 +36,9 @@ class RoutedExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(num_experts, spec.hidden_size)) if spec.bias else None
         self.act = act
         self.kernels = (PLAIN, PLAIN)  # gate_up's and down's, set by prepare()
+        # Per expert (gate_up's, down's) when an expert store holds this layer's experts at several
+        # precisions (a profile's hot ones in bf16, the rest int4); None: `kernels` for all.
+        self.expert_kernels: tuple | None = None
         self._weights: tuple[tuple, tuple] | None = None  # per-expert (gate_up, down), set by prepare()
         self.store = None  # a moekit.offload.store.LayerStore once the weights live there instead
 
@@ -49,18 +52,20 @@ class RoutedExperts(nn.Module):
     def offloaded(self) -> bool:
         return self.gate_up is None
 
-    def prepare(self) -> None:
+    def prepare(self, kernels: bool = True) -> None:
         """Lay every expert's weights out for their kernel (moekit.model.linear.kernel_for), one
-        expert at a time, dropping the stacks."""
+        expert at a time, dropping the stacks. kernels=False keeps the stacks (the plain kernel)."""
+        if self.kept_packed:
+            return  # laid out by keep_packed() straight from the checkpoint's bytes
         if self._weights is not None:
             raise RuntimeError("RoutedExperts.prepare called twice: the Hub layout is gone")
         if self.offloaded:
             return  # the store prepares each expert as it loads it (kernels_for_expert)
-        kernels = []
+        chosen = []
         for name in ("gate_up", "down"):
             stack = getattr(self, name).detach()
-            kernel = kernel_for(stack[0])
-            kernels.append(kernel)
+            kernel = kernel_for(stack[0]) if kernels else PLAIN
+            chosen.append(kernel)
             if kernel is PLAIN:
                 continue  # the stack already is that layout
             delattr(self, name)
@@ -69,13 +74,24 @@ class RoutedExperts(nn.Module):
             setattr(self, name, nn.ParameterList(per_expert))
         # Plain tuples for the hot loop: ParameterList indexing costs microseconds per expert.
         self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = (kernels[0], kernels[1])
+        self.kernels = (chosen[0], chosen[1])
+
+    kept_packed = False  # True once keep_packed() has set the weights
+
+    def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+        """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.model.packed), each expert's
+        prepared bytes given, in place of the full-precision stacks, which are dropped unfilled."""
+        del self.gate_up, self.down
+        self.gate_up, self.down = (nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in ws]) for ws in (gate_up, down))
+        self._weights = (tuple(self.gate_up), tuple(self.down))
+        self.kernels = kernels
+        self.kept_packed = True
 
     def quantize_int8(self) -> None:
         """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),
         one expert at a time from the Hub layout its kernel gives back."""
         if self.offloaded:
-            raise RuntimeError("int8 experts are not paged by the expert store yet")
+            return  # the store quantizes each expert as it loads it (moekit.offload.attach)
         if self._weights is None:
             raise RuntimeError("RoutedExperts.quantize_int8 before prepare()")
         stacks, kernels = [], []
@@ -99,9 +115,17 @@ class RoutedExperts(nn.Module):
     def replace_expert(self, e: int, weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's prepared (gate_up, down) ← `weights` (already laid out for self.kernels: a hot
         swap, or its rollback); returns the ones it replaces. Only what the forward reads changes:
-        the loaded parameter stacks keep the checkpoint's values."""
+        the loaded parameter stacks keep the checkpoint's values, except in the plain layout, where
+        the stacks are what the forward reads."""
         if self._weights is None or self.store is not None:
             raise RuntimeError("replace_expert needs prepared, resident experts")
+        if self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter):
+            # The Hub-layout stacks are what the compiled decode step reads (W[topk_ids]): the new
+            # expert is written into them in place, and a copy of the old one is handed back.
+            old = (self.gate_up[e].clone(), self.down[e].clone())
+            self.gate_up[e].copy_(weights[0])
+            self.down[e].copy_(weights[1])
+            return old
         old = self.resident_weights(e)
         gate_up, down = self._weights
         self._weights = (gate_up[:e] + (weights[0],) + gate_up[e + 1 :], down[:e] + (weights[1],) + down[e + 1 :])
@@ -115,7 +139,7 @@ class RoutedExperts(nn.Module):
         """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D]."""
         up_bias = self.gate_up_bias[e] if self.gate_up_bias is not None else None
         down_bias = self.down_bias[e] if self.down_bias is not None else None
-        up_kernel, down_kernel = self.kernels
+        up_kernel, down_kernel = self.kernels if self.expert_kernels is None else self.expert_kernels[e]
         h = up_kernel.apply(x, gate_up, up_bias)
         return down_kernel.apply(self.act(h), down, down_bias)
 
@@ -133,12 +157,27 @@ class RoutedExperts(nn.Module):
             return self._one_token(x, decision, weights)
         return self._grouped(x, decision, weights)
 
+    # llama4: the routing weight scales the expert's INPUT, expert(w·x), and the output is added as is.
+    # Set by MoE from MoESpec.weigh_input; an expert of a zero input gives exactly zero, so a row
+    # repeated at weight 0 (route_rows) still adds nothing.
+    weigh_input = False
+
     def _one_token(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
+        if self.weigh_input:
+            return self._one_token_weighed_input(x, decision, weights)
         ids = decision.topk_ids.tolist()[0]
         scales = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
         out = self.apply_expert(ids[0], *weights(ids[0]), x).mul_(scales[0])
         for e, w in zip(ids[1:], scales[1:]):
             out.add_(self.apply_expert(e, *weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
+        return out
+
+    def _one_token_weighed_input(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
+        ids = decision.topk_ids.tolist()[0]
+        scales = decision.topk_weights[0].to(x.dtype)  # [K] rounded as the reference rounds its scores
+        out = self.apply_expert(ids[0], *weights(ids[0]), x * scales[0])
+        for k, e in enumerate(ids[1:], start=1):
+            out.add_(self.apply_expert(e, *weights(e), x * scales[k]))
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
@@ -155,7 +194,10 @@ class RoutedExperts(nn.Module):
             if n == 0:
                 continue
             rows = slice(begin, begin + n)
-            y = self.apply_expert(e, *weights(e), chosen[rows]) * weight_of[rows, None]
+            if self.weigh_input:
+                y = self.apply_expert(e, *weights(e), chosen[rows] * weight_of[rows, None].to(x.dtype))
+            else:
+                y = self.apply_expert(e, *weights(e), chosen[rows]) * weight_of[rows, None]
             # One index_add_ per expert, as the reference does: in bf16 a single call over all
             # experts would round the sums differently.
             out.index_add_(0, token_of[rows], y.to(x.dtype))
@@ -164,11 +206,16 @@ class RoutedExperts(nn.Module):
 
 
 def experts_reference(experts: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
-    """The slow obvious sum: for every token, for each of its K experts, add weight × expert(token)."""
+    """The slow obvious sum: for every token, for each of its K experts, add weight × expert(token)
+    (llama4's weigh_input: expert(weight × token))."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for k in range(decision.topk_ids.shape[1]):
             e = int(decision.topk_ids[t, k])
+            w = decision.topk_weights[t, k]
+            if experts.weigh_input:
+                out[t] += experts.expert(e, x[t : t + 1] * w.to(x.dtype))[0]
+                continue
             y = experts.expert(e, x[t : t + 1])[0]
-            out[t] += (y * decision.topk_weights[t, k]).to(x.dtype)
+            out[t] += (y * w).to(x.dtype)
     return out

@@ -13,14 +13,18 @@ an MoE block whose layout is this table's business:
   gpt_oss       mlp                router (+ bias)  experts.gate_up_proj [E, D, 2F] gate/up INTERLEAVED,
                                                     down_proj [E, F, D] (x @ W), *_bias
   dbrx          ffn                router.layer     experts.mlp.w1 / v1 / w2, each [E*F, D] (w2: x @ W)
+  llama4        feed_forward       router           experts.gate_up_proj [E, D, 2F] gate half then up
+                                                    half, down_proj [E, F, D] (both x @ W); shared_expert
 
 DBRX also names everything else its own way (transformer.wte, transformer.blocks.{i}.norm_attn_norm.*,
-a fused Wqkv): the top-level fields below.
+a fused Wqkv): the top-level fields below. llama4 calls its dense feed-forward `feed_forward` too, and
+its multimodal checkpoints (model_type llama4) keep the text decoder under `language_model.`
+beside a vision tower the text engine leaves unused.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Optional
 
 
@@ -31,6 +35,7 @@ class HubNames:
     embed: str = "embed_tokens"
     final_norm: str = "norm"
     layers: str = "layers"
+    lm_head: str = "lm_head"  # the untied head's module (top level, not under prefix)
     input_norm: str = "input_layernorm"  # under a layer
     post_norm: str = "post_attention_layernorm"
     attention: str = "self_attn"
@@ -41,8 +46,9 @@ class HubNames:
     selection_bias: str = "gate.e_score_correction_bias"
     # "per_expert": experts.{j}.<gate|up|down>.weight;  "stacked": one [E, ...] tensor each;
     # "stacked_interleaved": gpt_oss's transposed, interleaved tensors with biases;
-    # "stacked_rows": DBRX's [E*F, D] gate, up and (transposed) down, named by expert_gate/up/down.
-    experts: Literal["per_expert", "stacked", "stacked_interleaved", "stacked_rows"] = "per_expert"
+    # "stacked_rows": DBRX's [E*F, D] gate, up and (transposed) down, named by expert_gate/up/down;
+    # "stacked_transposed": llama4's [E, D, 2F] (gate half, up half) and [E, F, D], both x @ W.
+    experts: Literal["per_expert", "stacked", "stacked_interleaved", "stacked_rows", "stacked_transposed"] = "per_expert"
     expert_gate: str = "gate_proj"
     expert_up: str = "up_proj"
     expert_down: str = "down_proj"
@@ -50,7 +56,14 @@ class HubNames:
     stacked_down: str = "experts.down_proj"
     shared: Optional[str] = None  # the shared expert(s) MLP under the MoE block
     shared_gate: str = "shared_expert_gate"
+    dense_mlp: str = "mlp"  # a dense layer's feed-forward, under model.layers.{i}
+    # Tensors of other modalities a text decoder rightly leaves unused (llama4's vision tower).
+    unused_prefixes: tuple[str, ...] = ()
 
+
+_LLAMA4 = HubNames(
+    moe="feed_forward", dense_mlp="feed_forward", router="router", experts="stacked_transposed", shared="shared_expert"
+)
 
 FAMILIES: dict[str, HubNames] = {
     "mixtral": HubNames(moe="block_sparse_moe", expert_gate="w1", expert_up="w3", expert_down="w2"),
@@ -82,6 +95,13 @@ FAMILIES: dict[str, HubNames] = {
         expert_gate="experts.mlp.w1",
         expert_up="experts.mlp.v1",
         expert_down="experts.mlp.w2",
+    ),
+    "llama4_text": _LLAMA4,
+    "llama4": replace(
+        _LLAMA4,
+        prefix="language_model.model",
+        lm_head="language_model.lm_head",
+        unused_prefixes=("vision_model.", "multi_modal_projector."),
     ),
     "deepseek_v2": HubNames(shared="shared_experts"),
     "deepseek_v3": HubNames(shared="shared_experts"),

@@ -188,7 +188,8 @@ def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tenso
     return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
 
 
-def _time(fn, *args, repeats: int = 10) -> float:
+def mean_time(fn, *args, repeats: int = 10) -> float:
+    """Seconds per call of fn(*args), after one untimed call (kernel choice at load)."""
     fn(*args)
     start = time.perf_counter()
     for _ in range(repeats):
@@ -207,7 +208,7 @@ def choose_gemv(in_features: int, out_features: int, dtype: torch.dtype) -> str:
     packed = quantize_q8_0(torch.randn(min(out_features, PROBE_ROWS), in_features, generator=gen))
     x = torch.randn(1, in_features, generator=gen).to(dtype)
     with torch.inference_mode():
-        rounds = [(_time(int8_gemv, x, packed), _time(int8_reference, x, packed)) for _ in range(3)]
+        rounds = [(mean_time(int8_gemv, x, packed), mean_time(int8_reference, x, packed)) for _ in range(3)]
     fast, plain = min(r[0] for r in rounds), min(r[1] for r in rounds)
     return "gemv" if fast < plain else "reference"
 
@@ -228,7 +229,7 @@ def quantize_decoder(decoder, experts_only: bool = False) -> str:
     with torch.inference_mode(False):
         for sub in list(decoder.modules()):
             if isinstance(sub, RoutedExperts):
-                sub.quantize_int8()
+                sub.quantize_int8()  # paged experts: a no-op, the store quantizes them as they load
                 counts["experts"] += 1
             elif isinstance(sub, Linear) and not isinstance(sub, Router) and not experts_only and sub.out_features > 1:
                 sub.quantize_int8()

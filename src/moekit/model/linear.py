@@ -17,8 +17,14 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
   int8        weight-only int8 in q8_0 blocks (moekit.model.int8), by request only (`--weights int8`):
               its reference dequantizes and runs F.linear in fp32; int8-gemv is a compiled operator
               for few rows, chosen per shape by measuring which of the two is faster here.
+  int4        weight-only 4-bit in q4_0 blocks (moekit.model.int4): dequantize + F.linear in fp32;
+              written by `moekit pack --precision int4` (or a profile's cold experts) only.
+  mxfp4, fp8  weights kept as published (moekit.model.packed): gpt-oss's MXFP4 and DeepSeek's
+              block-scaled FP8 routed experts, dequantized per use (exactly) and F.linear;
+              mxfp4-gemv, fp8-gemv (moekit.model.packed_gemv) read the packed rows in a compiled few-row
+              product, chosen per shape by measuring, as int8-gemv is.
 
-`Kernel.hub` gives a prepared weight back in the Hub layout [out, in], exactly (int8 excepted),
+`Kernel.hub` gives a prepared weight back in the Hub layout [out, in], exactly (int8 and int4 excepted),
 so a prepared model can still be quantized after loading.
 
 Only the prepared layout stays in memory: preparing replaces the weight, it never keeps both.
@@ -27,13 +33,15 @@ Only the prepared layout stays in memory: preparing replaces the weight, it neve
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.model import int8
+from moekit.model import int4, int8
+from moekit.model import packed, packed_gemv
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -83,6 +91,41 @@ ONEDNN = Kernel("onednn", _pack, _apply_packed, _unpack)
 
 INT8 = Kernel("int8", int8.quantize_q8_0, int8.int8_reference, int8.dequantize_q8_0)
 INT8_GEMV = Kernel("int8-gemv", int8.quantize_q8_0, int8.int8_gemv, int8.dequantize_q8_0)
+# q4_0 blocks (moekit.model.int4): only the reference so far; the expert store runs cold experts with it.
+INT4 = Kernel("int4", int4.quantize_q4_0, int4.int4_reference, int4.dequantize_q4_0)
+
+
+# Weights kept as published (moekit.model.packed): gpt-oss's MXFP4 experts, DeepSeek's FP8 experts.
+MXFP4 = Kernel("mxfp4", packed.mxfp4_prepare, packed.mxfp4_apply, packed.mxfp4_hub)
+MXFP4_GEMV = Kernel("mxfp4-gemv", packed.mxfp4_prepare, packed_gemv.mxfp4_gemv, packed.mxfp4_hub)
+
+
+def mxfp4_kernel_for(in_features: int, out_features: int, dtype: torch.dtype) -> Kernel:
+    """The compiled MXFP4 operator where it measured faster for one row of this shape, else the reference."""
+    return MXFP4_GEMV if packed_gemv.choose(in_features, out_features, dtype) == "gemv" else MXFP4
+
+
+def fp8_kernel(block_in: int = 128, gemv: bool = False) -> Kernel:
+    """The block-scaled FP8 kernel for column blocks `block_in` wide (128 in every published
+    checkpoint): the reference, or with gemv the compiled operator (moekit.model.packed_gemv).
+    One Kernel per (block_in, gemv), however the arguments are spelled."""
+    return _fp8_kernel(int(block_in), bool(gemv))
+
+
+@lru_cache(maxsize=None)
+def _fp8_kernel(block_in: int, gemv: bool) -> Kernel:
+    apply = packed_gemv.fp8_gemv if gemv else packed.fp8_apply
+    return Kernel(
+        f"fp8-{block_in}" + ("-gemv" if gemv else ""),
+        lambda w: packed.fp8_prepare(w, block_in),
+        lambda x, w, bias: apply(x, w, bias, block_in),
+        lambda w, in_features: packed.fp8_hub(w, in_features, block_in),
+    )
+
+
+def fp8_kernel_for(in_features: int, out_features: int, dtype: torch.dtype, block_in: int = 128) -> Kernel:
+    """The compiled FP8 operator where it measured faster for one row of this shape, else the reference."""
+    return fp8_kernel(block_in, packed_gemv.choose(in_features, out_features, dtype, block_in) == "gemv")
 
 
 def int8_kernel_for(weight: Tensor, dtype: torch.dtype) -> Kernel:

@@ -22,6 +22,8 @@ from moekit.model.hub_names import HubNames, hub_names
 from moekit.model.mlp import MLP
 from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm
+from moekit.model.packed_loading import keep_packed_experts
+from moekit.model.rope import pairs_to_halves
 
 Shape = tuple[int, ...]
 UNMAP_EVERY = 4 * 1024 * 1024  # bytes read through the checkpoint's mmaps before they are dropped
@@ -73,6 +75,19 @@ def _transposed(target: Tensor, src: list[Tensor]) -> None:
     target.copy_(src[0].transpose(1, 2))
 
 
+def _qk_pairs_to_halves(heads: int, kv_heads: int, head_dim: int) -> Callable[[Tensor, list[Tensor]], None]:
+    """q, k, v rows stacked (as _rows), then each q and k head's pair-wise dims reordered into halves:
+    llama4's complex rotation becomes the rolled one (moekit.model.rope.pairs_to_halves)."""
+
+    def fill(target: Tensor, src: list[Tensor]) -> None:
+        _rows(target, src)
+        q, k = heads * head_dim, kv_heads * head_dim
+        target[:q].copy_(pairs_to_halves(target[:q].clone(), heads, head_dim))
+        target[q : q + k].copy_(pairs_to_halves(target[q : q + k].clone(), kv_heads, head_dim))
+
+    return fill
+
+
 def _expert_rows(target: Tensor, src: list[Tensor]) -> None:
     """DBRX's [E*F, D] gate and up → ours [E, 2F, D]: expert j's F rows of each, gate first."""
     e, _, d = target.shape
@@ -92,6 +107,7 @@ def _expert_rows_transposed(target: Tensor, src: list[Tensor]) -> None:
 class _Planner:
     def __init__(self, decoder):
         self.names = hub_names(decoder.spec.model_type)
+        self.pairs = decoder.spec.rope.interleaved  # llama4: q/k rows reordered for the rolled rotation
         self.params = dict(decoder.named_parameters())
         self.pieces: list[Piece] = []
         self.external: set[str] = set()  # Hub tensors an expert store reads instead of us
@@ -122,9 +138,15 @@ class _Planner:
         names = self.names
         projections = [f"{hub}.{names.fused_qkv}"] if names.fused_qkv else [f"{hub}.{p}_proj" for p in "qkv"]
         widths = [sum(attn.split)] if names.fused_qkv else list(attn.split)
-        self.rows(f"{ours}.qkv.weight", [f"{p}.weight" for p in projections], widths)
-        if attn.qkv.bias is not None:
-            self.rows(f"{ours}.qkv.bias", [f"{p}.bias" for p in projections], widths)
+        if self.pairs and attn.spec.use_rope:
+            fill = _qk_pairs_to_halves(attn.heads, attn.kv_heads, attn.head_dim)
+            for kind in ("weight", "bias") if attn.qkv.bias is not None else ("weight",):
+                rest = self.shape(f"{ours}.qkv.{kind}")[1:]
+                self.add(f"{ours}.qkv.{kind}", [(f"{p}.{kind}", (w, *rest)) for p, w in zip(projections, widths)], fill)
+        else:
+            self.rows(f"{ours}.qkv.weight", [f"{p}.weight" for p in projections], widths)
+            if attn.qkv.bias is not None:
+                self.rows(f"{ours}.qkv.bias", [f"{p}.bias" for p in projections], widths)
         self.copy(f"{ours}.o_proj.weight", f"{hub}.{names.o_proj}.weight")
         if attn.o_proj.bias is not None:
             self.copy(f"{ours}.o_proj.bias", f"{hub}.{names.o_proj}.bias")
@@ -167,6 +189,9 @@ class _Planner:
         if names.experts == "stacked":
             self.copy(f"{ours}.gate_up", f"{block}.{names.stacked_gate_up}")
             self.copy(f"{ours}.down", f"{block}.{names.stacked_down}")
+        elif names.experts == "stacked_transposed":
+            self.add(f"{ours}.gate_up", [(f"{block}.{names.stacked_gate_up}", (e, d, rows))], _transposed)
+            self.add(f"{ours}.down", [(f"{block}.{names.stacked_down}", (e, f, d))], _transposed)
         elif names.experts == "stacked_rows":
             gated = rows == 2 * f
             kinds = [names.expert_gate, names.expert_up] if gated else [names.expert_up]
@@ -226,11 +251,11 @@ def _planned(decoder) -> _Planner:
     p.copy("embed.weight", f"{names.prefix}.{names.embed}.weight")
     p.norm("norm", f"{names.prefix}.{names.final_norm}", decoder.norm)
     if decoder.lm_head is not None:
-        p.copy("lm_head.weight", "lm_head.weight")
+        p.copy("lm_head.weight", f"{names.lm_head}.weight")
         if decoder.lm_head.bias is not None:
-            p.copy("lm_head.bias", "lm_head.bias")
+            p.copy("lm_head.bias", f"{names.lm_head}.bias")
     if decoder.head_bias is not None:
-        p.copy("head_bias", "lm_head.bias")
+        p.copy("head_bias", f"{names.lm_head}.bias")
     for i, block in enumerate(decoder.layers):
         ours, hub = f"layers.{i}", f"{names.prefix}.{names.layers}.{i}"
         p.norm(f"{ours}.input_norm", f"{hub}.{names.input_norm}", block.input_norm)
@@ -239,7 +264,7 @@ def _planned(decoder) -> _Planner:
         if isinstance(block.ffn, MoE):
             p.moe(f"{ours}.ffn", hub, block.ffn, names)
         else:
-            p.mlp(f"{ours}.ffn", f"{hub}.mlp", block.ffn)
+            p.mlp(f"{ours}.ffn", f"{hub}.{names.dense_mlp}", block.ffn)
     left = set(p.params) - {piece.target for piece in p.pieces}
     assert not left, f"parameters with no Hub source: {sorted(left)}"
     return p
@@ -251,13 +276,16 @@ def _ignored(name: str, decoder) -> bool:
     layer = re.match(rf"{re.escape(names.prefix)}\.{re.escape(names.layers)}\.(\d+)\.", name)
     if layer and int(layer.group(1)) >= decoder.spec.num_layers:
         return True  # DeepSeek's multi-token-prediction layers follow the decoder's last layer
-    if name == "lm_head.weight" and decoder.lm_head is None:
+    if name == f"{names.lm_head}.weight" and decoder.lm_head is None:
         return True  # a tied head saved anyway
+    if name.startswith(names.unused_prefixes):
+        return True  # another modality's tower (llama4's vision model)
     return name.endswith("rotary_emb.inv_freq")
 
 
 def load_into(decoder, ckpt) -> None:
     planner = _planned(decoder)
+    kept = keep_packed_experts(planner, decoder, ckpt)  # MXFP4 / FP8 experts stay packed; [] otherwise
     pieces, external = planner.pieces, planner.external
     present = set(ckpt.files)
     for piece in pieces:
@@ -287,3 +315,6 @@ def load_into(decoder, ckpt) -> None:
                 # without this a model's weights would be counted twice while it loads.
                 ckpt.close()
                 mapped = 0
+        for k in kept:  # one MoE layer at a time, then its pages are unmapped
+            k.fill(ckpt)
+            ckpt.close()

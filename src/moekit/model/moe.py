@@ -44,6 +44,7 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(spec.expert, spec.num_experts, activation_for(spec.expert, extras))
         self.shared = MLP(spec.shared, activation_for(spec.shared, extras)) if spec.shared is not None else None
         self.shared_gate = Linear(d, 1, bias=False) if spec.shared_gate else None
+        self.experts.weigh_input = spec.weigh_input
 
     def forward(self, x: torch.Tensor, top_k=None, policy=None) -> tuple[torch.Tensor, RoutingDecision]:
         """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major).

@@ -127,6 +127,8 @@ class Rope(nn.Module):
         super().__init__()
         inv_freq, self.attention_scaling = inverse_frequencies(rope, dim, max_position_embeddings)
         self.dim = dim
+        self.spec = rope
+        self.fp32 = rope.fp32  # llama4 rotates in fp32 whatever the model dtype
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("cos_table", torch.empty(0, dim), persistent=False)
         self.register_buffer("sin_table", torch.empty(0, dim), persistent=False)
@@ -211,3 +213,23 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def pairs_to_halves(rows: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """q or k projection rows [heads·hd, ...] for pair-wise rotation (llama4: (x0, x1), (x2, x3) turn
+    as one complex number each) → the same rows with each head's even dims first, odd dims after.
+
+    Rotating those halves (apply_rope_rolled) gives each pair exactly the complex product's real and
+    imaginary parts, only stored apart; q and k are reordered alike, so every q·k is the same sum.
+    """
+    rest = rows.shape[1:]
+    return rows.reshape(heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(heads * head_dim, *rest)
+
+
+def apply_rope_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """llama4's rotation as transformers writes it, the slow obvious form: x [B, T, heads, rot]
+    read as rot/2 complex numbers of adjacent pairs, each times e^(i·pos·freq), in fp32, cast back."""
+    freqs = positions[..., None].float() * inv_freq.float()  # [B, T, rot/2]
+    turn = torch.polar(torch.ones_like(freqs), freqs)[:, :, None, :]
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(z * turn).flatten(3).type_as(x)

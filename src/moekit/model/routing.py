@@ -9,7 +9,8 @@ Orders reproduced from transformers 5.24:
       score = sum of the top-2 choice scores in each of n_group groups; experts outside the best
       topk_group groups are masked with -inf; top-K; weights = unbiased sigmoid scores of the chosen,
       / (sum + 1e-20) if normalize.
-  topk_then_score (gpt_oss, granitemoe): top-K on the raw logits, softmax over those K.
+  topk_then_score (gpt_oss, granitemoe): top-K on the raw logits, softmax over those K;
+      with sigmoid (llama4): top-K on the raw logits, each chosen one's sigmoid, no renormalising.
   sparsemixer (phimoe): K passes of "best free expert, weighed by a softmax over its near logits".
 Every order ends with × scaling (routed_scaling_factor).
 """
@@ -69,9 +70,15 @@ def _score_then_topk(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | 
     return topk_ids, weights
 
 
-def _topk_then_softmax(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor]:
+def _topk_then_score(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor]:
     top_logits, topk_ids = torch.topk(logits, spec.top_k, dim=-1)
-    return topk_ids, torch.softmax(top_logits, dim=-1)
+    return topk_ids, _score_chosen(top_logits, spec)
+
+
+def _score_chosen(top_logits: Tensor, spec: RouterSpec) -> Tensor:
+    """[T, K] logits of the chosen → their weights: a softmax over the K (gpt_oss, granitemoe) or
+    each one's own sigmoid (llama4, whose reference takes sigmoid of -inf, i.e. 0, for the rest)."""
+    return top_logits.sigmoid() if spec.scoring == "sigmoid" else torch.softmax(top_logits, dim=-1)
 
 
 def _sparsemixer(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor]:
@@ -95,7 +102,7 @@ def route(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None = None
     """logits [T, E] (made fp32 here: every reference scores in fp32) → RoutingDecision."""
     logits = logits.float()
     if spec.order == "topk_then_score":
-        topk_ids, weights = _topk_then_softmax(logits, spec)
+        topk_ids, weights = _topk_then_score(logits, spec)
     elif spec.order == "sparsemixer":
         topk_ids, weights = _sparsemixer(logits, spec)
     else:
@@ -275,7 +282,7 @@ def weights_for(logits: Tensor, spec: RouterSpec, ids: Tensor) -> Tensor:
         raise MoekitError("phimoe's sparsemixer weighs each expert by the passes that chose it: it has no rule "
                           "for experts chosen another way (reuse)")
     if spec.order == "topk_then_score":
-        weights = torch.softmax(logits.gather(1, ids), dim=-1)
+        weights = _score_chosen(logits.gather(1, ids), spec)
     else:
         scores = logits.sigmoid() if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         weights = scores.gather(1, ids)

@@ -3,23 +3,32 @@
 `load_engine(..., offload=OffloadOptions(...))` calls `plan_offload` before building the decoder (a
 budget that covers every expert means a plain resident load) and `attach_store` after the dense
 weights are in.
+
+What an expert holds once loaded, and the kernel it runs with, follow how it is stored: a float
+expert (a checkpoint's, or a packed bf16/fp32 one) is cast to the engine dtype and laid out for
+kernel_for, or quantized to q8_0 on load with `quantize` (`--weights int8`: cheap, but the disk
+still moves float bytes); a packed Q8_0 / Q4_0 expert is used as read, with the int8 / int4
+kernels. A packed file with block-format experts always runs through the store, even when the
+budget holds every expert: a plain resident load would read the checkpoint's float experts instead.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from moekit.errors import MoekitError
 from moekit.model.experts import RoutedExperts
-from moekit.model.linear import kernel_for
+from moekit.model.linear import INT4, int8_kernel_for, kernel_for
 from moekit.offload.budget import SlotPlan, parse_budget, plan_slots
 from moekit.offload.memory import pin_mmap_threshold
 from moekit.offload.options import NO_CACHE, OffloadOptions
 from moekit.offload.pins import read_pins
+from moekit.offload.precision import describe, memory_bytes, stored_kind
 from moekit.offload.policies import LIVE_POLICIES, make_policy
 from moekit.offload.prefetch import install_prefetch
 from moekit.offload.slot_cache import SlotCache, most_pins as pins_allowed
@@ -45,40 +54,96 @@ def moe_layers(spec: ModelSpec) -> list[int]:
     return [i for i, layer in enumerate(spec.layers) if layer.is_moe]
 
 
-def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions) -> SlotPlan:
+_FLOAT_NAMES = {torch.float32: ("F32", "fp32"), torch.bfloat16: ("BF16", "bf16"), torch.float16: ("F16", "fp16")}
+_KIND_NAMES = {"Q8_0": "int8", "Q4_0": "int4"}
+
+
+def packed_experts(folder: Optional[Path]):
+    """The packed manifest's extents when `folder` is a packed checkpoint, else None."""
+    from moekit.offload.manifest import read_manifest
+
+    found = read_manifest(folder) if folder is not None else None
+    return found.experts if found is not None and found.source == "packed" else None
+
+
+def held_bytes(spec: ModelSpec, dtype: torch.dtype, extents, quantize: bool) -> dict[tuple[int, int], int]:
+    """(layer, expert) → bytes it holds once loaded. extents: a packed manifest's, or None (the
+    checkpoint's float experts, all alike)."""
+    if extents is None:
+        rows, d, f = expert_shape(spec)
+        each = int8_nbytes(rows, d, f) if quantize else expert_nbytes(spec, dtype)
+        return {(l, e): each for l in moe_layers(spec) for e in range(spec.layers[l].ffn.num_experts)}
+    return {key: memory_bytes(ex, _FLOAT_NAMES[dtype][0], quantize) for key, ex in extents.items()}
+
+
+def int8_nbytes(rows: int, d: int, f: int) -> int:
+    """One expert as q8_0 blocks: gate_up [rows, D] and down [D, F], 34 bytes per 32 inputs."""
+    from moekit.offload.precision import weight_bytes
+
+    return weight_bytes("Q8_0", (rows, d)) + weight_bytes("Q8_0", (d, f))
+
+
+def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions, folder: Optional[Path] = None,
+                 quantize: bool = False) -> SlotPlan:
+    """folder: the checkpoint, whose packed experts (if any) decide each expert's bytes; quantize:
+    float experts are held as q8_0 (`--weights int8`)."""
     layers = moe_layers(spec)
     if not layers:
         raise MoekitError(f"{spec.name}: a dense model has no routed experts to offload; drop --expert-memory")
     if options.policy not in (*LIVE_POLICIES, NO_CACHE):
         raise MoekitError(f"unknown cache policy {options.policy!r}; choose one of {', '.join((*LIVE_POLICIES, NO_CACHE))}")
     first = spec.layers[layers[0]].ffn
-    each = expert_nbytes(spec, dtype)
-    budget = parse_budget(options.expert_memory, each * first.num_experts * len(layers))
-    return plan_slots(budget, each, len(layers), first.num_experts, first.router.top_k, text=options.expert_memory)
+    packed = packed_experts(folder)
+    sizes = held_bytes(spec, dtype, packed, quantize)
+    total = sum(sizes.values())
+    budget = parse_budget(options.expert_memory, total)
+    plan = plan_slots(budget, max(sizes.values()), len(layers), first.num_experts, first.router.top_k,
+                      text=options.expert_memory, total_bytes=total)
+    if packed is not None and any(stored_kind(ex) for ex in packed.values()):
+        plan = replace(plan, fully_resident=False)  # only the store reads the packed blocks
+    return plan
+
+
+def expert_kernels(kind: Optional[str], probe_up: torch.Tensor, probe_down: torch.Tensor, quantize: bool) -> tuple:
+    """(gate_up's, down's) kernel for an expert stored as `kind` (None: a float), chosen as
+    RoutedExperts.prepare / quantize_int8 would for a resident stack of this shape and dtype."""
+    if kind == "Q4_0":
+        return INT4, INT4
+    if kind == "Q8_0" or quantize:
+        return int8_kernel_for(probe_up, probe_up.dtype), int8_kernel_for(probe_down, probe_down.dtype)
+    return kernel_for(probe_up), kernel_for(probe_down)
 
 
 @dataclass
 class _ExpertLoader:
     """Runs on a worker thread: read → the kernel's layout. Kernels are per dtype and shape, the
-    same ones RoutedExperts.prepare would have chosen for a resident stack.
+    same ones RoutedExperts.prepare would have chosen for a resident stack. A block-format expert
+    is already that layout: the bytes read are the weights.
 
     An expert's bytes are checked against the manifest on its first load in this process; later
     reloads of it skip the crc32 (0.23 of a 1.25 ms load for a 1 MB expert, measured)."""
 
     reader: object  # moekit.offload.reader.ExpertReader
-    kernels: tuple
+    kinds: dict  # (layer, expert) → stored kind (None: a float)
+    kernels: dict  # stored kind → (gate_up's, down's) kernel
     verified: set = field(default_factory=set)  # (layer, expert) checked once already
+    verify: bool = True  # False: --no-verify, no expert's crc32 is checked
 
     def __call__(self, layer: int, e: int):
-        first = (layer, e) not in self.verified
+        first = self.verify and (layer, e) not in self.verified
         gate_up, down = self.reader.read(layer, e, verify=first)
         self.verified.add((layer, e))  # only after the check passed
-        up_kernel, down_kernel = self.kernels
+        kind = self.kinds[layer, e]
+        if kind is not None:
+            return gate_up, down
+        up_kernel, down_kernel = self.kernels[kind]
         return up_kernel.prepare(gate_up), down_kernel.prepare(down)
 
 
-def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None) -> ExpertStore:
-    """Wire an ExpertStore into every offloaded RoutedExperts of `decoder` (built with offload_experts=True)."""
+def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None,
+                 quantize: bool = False, verify: bool = True) -> ExpertStore:
+    """Wire an ExpertStore into every offloaded RoutedExperts of `decoder` (built with offload_experts=True).
+    quantize: float experts are quantized to q8_0 as they load (`--weights int8`)."""
     from moekit.offload.manifest import load_or_build_manifest
     from moekit.offload.reader import ExpertReader
 
@@ -91,10 +156,16 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     rows, d, f = expert_shape(spec)
     probe_up = torch.empty(rows, d, dtype=decoder.dtype, device=decoder.device)
     probe_down = torch.empty(d, f, dtype=decoder.dtype, device=decoder.device)
-    kernels = (kernel_for(probe_up), kernel_for(probe_down))
-    load = _ExpertLoader(reader, kernels)
+    kinds = {key: stored_kind(ex) for key, ex in manifest.experts.items()}
+    kernels = {kind: expert_kernels(kind, probe_up, probe_down, quantize) for kind in sorted(set(kinds.values()), key=str)}
+    load = _ExpertLoader(reader, kinds, kernels, verify=verify)
+    sizes = held_bytes(spec, decoder.dtype, manifest.experts if manifest.source == "packed" else None, quantize)
+    float_name = "int8" if quantize else _FLOAT_NAMES.get(decoder.dtype, ("", str(decoder.dtype)))[1]
+    precision = describe({key: _KIND_NAMES.get(kind, float_name) for key, kind in kinds.items()})
 
     notes: list[str] = []
+    if quantize or any(kinds.values()):
+        notes.append(f"routed experts paged as {precision}")
     if plan.clamped:
         notes.append("the budget is larger than all routed experts: capped at their total")
     pins = read_pins(options.pin, folder, spec) if options.pin is not None else {}
@@ -111,11 +182,17 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     pinned: dict[int, list[int]] = {}
     for i in moe_layers(spec):
         experts: RoutedExperts = decoder.layers[i].ffn.experts
-        experts.kernels = kernels
+        width = experts.num_experts
+        layer_kinds = [kinds[i, e] for e in range(width)]
+        experts.kernels = kernels[layer_kinds[0]]
+        # Several precisions in one layer: each expert runs with its own pair of kernels.
+        experts.expert_kernels = None if len(set(layer_kinds)) == 1 else tuple(kernels[k] for k in layer_kinds)
         layer_pins = pins.get(i, [])[:most_pins] if retain else []
         policy = make_policy("lru" if not retain else options.policy)
         cache = SlotCache(plan.slots, policy, pinned=layer_pins)
-        stores[i] = LayerStore(i, cache, load, manifest.experts[(i, 0)].nbytes, pool, clock, retain=retain)
+        disk = [manifest.experts[i, e].nbytes for e in range(width)]
+        held = [sizes[i, e] for e in range(width)]
+        stores[i] = LayerStore(i, cache, load, disk, held, pool, clock, retain=retain)
         experts.store = stores[i]
         pinned[i] = list(layer_pins)
     try:
@@ -141,5 +218,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         prefetch=prefetch,
         pinned=pinned,
         notes=notes,
+        precision=precision,
+        budget=plan.budget_bytes,
     )
 

@@ -4,6 +4,10 @@ The budget covers routed experts only; dense weights (attention, embeddings, rou
 experts) are resident regardless. It is split evenly across MoE layers, because every token visits
 every layer: a layer starved of slots would miss on every token whatever the others hold.
 
+Experts packed at several precisions (moekit.offload.precision) differ in size; a slot is sized
+for the largest, so no mix of resident experts exceeds the budget, and a budget that covers every
+expert's own bytes holds them all.
+
 No torch here.
 """
 
@@ -71,19 +75,24 @@ def plan_slots(
     num_experts: int,
     top_k: int,
     text: str | None = None,
+    total_bytes: int | None = None,
 ) -> SlotPlan:
     """Slots per layer = floor(budget / (expert bytes × layers)), capped at num_experts. Below
     top_k slots one token's own experts would evict each other, so that is the minimum.
-    `text` is the user's --expert-memory, quoted in the error."""
+    `text` is the user's --expert-memory, quoted in the error. `total_bytes`: every expert's own
+    bytes summed, when they differ (expert_bytes is then the largest); a budget of at least that
+    holds every expert."""
     if expert_bytes <= 0 or n_moe_layers <= 0 or num_experts <= 0:
         raise MoekitError("--expert-memory needs a model with routed experts; this one has none")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k {top_k} must be in 1..{num_experts}")
     per_slot = expert_bytes * n_moe_layers  # one more slot in every layer
     fits = budget_bytes // per_slot
+    if total_bytes is not None and budget_bytes >= total_bytes:
+        fits = max(fits, num_experts)
     if fits < top_k:
         minimum = top_k * per_slot
-        share = minimum / (num_experts * per_slot)
+        share = minimum / (num_experts * per_slot if total_bytes is None else total_bytes)
         given = text if text is not None else nbytes(budget_bytes)
         raise MoekitError(
             f"--expert-memory {given} is below the minimum: {top_k} experts per layer × {n_moe_layers} "
@@ -96,5 +105,5 @@ def plan_slots(
         n_layers=n_moe_layers,
         budget_bytes=budget_bytes,
         fully_resident=slots == num_experts,
-        clamped=budget_bytes > num_experts * per_slot,
+        clamped=budget_bytes > (num_experts * per_slot if total_bytes is None else total_bytes),
     )

@@ -11,9 +11,11 @@ Our layout of one expert (moekit.model.experts): gate_up [rows, D] with gate row
 
   "rows"                    the extents of a part, stacked row-wise, ARE our layout
                             (per-expert gate/up/down tensors; granitemoe's row e of [E, 2F, D];
-                            a packed file)
+                            a packed file, whose int8/int4 experts are Q8_0/Q4_0 block bytes
+                            [out, nb * block bytes]: moekit.offload.precision)
   "interleaved_transposed"  gpt_oss: gate_up is slice e of [E, D, 2F] with gate at even and up at
                             odd columns, down is slice e of [E, F, D] (x @ W): both transposed
+  "transposed"              llama4: as gpt_oss, but gate_up's gate is its first half, up its second
 
 Only routed-expert weights live here: biases, routers and shared experts stay resident.
 No torch: the manifest (and `moekit pack`'s planning) use this on machines without it.
@@ -32,8 +34,8 @@ from moekit.weights.checkpoint import Header, read_header
 from moekit.model.hub_names import hub_names
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
-Layout = Literal["rows", "interleaved_transposed"]
-LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed")
+Layout = Literal["rows", "interleaved_transposed", "transposed"]
+LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed", "transposed")
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -41,7 +43,10 @@ PACKED_NAME = "experts.packed.safetensors"
 
 # Bytes per element of the safetensors dtypes an expert may be stored in (a float the engine can
 # cast from exactly as loading.py's copy_ does).
-ITEMSIZE: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+FLOATS: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
+# ... and in a packed file, the block formats of moekit.offload.precision: their extents' shapes
+# count bytes ([out, nb * block bytes]), so one "element" is a byte.
+ITEMSIZE: dict[str, int] = {**FLOATS, "Q8_0": 1, "Q4_0": 1}
 
 
 
@@ -114,6 +119,8 @@ class _Files:
     def entry(self, name: str, shape: tuple[int, ...]) -> tuple[str, int, str]:
         """(file, absolute offset, dtype) of tensor `name`, which must have `shape`."""
         if name not in self.where:
+            if f"{name}_blocks" in self.where:  # gpt-oss as published (moekit.weights.quantized)
+                raise CheckpointError(f"{self.folder}: MXFP4 experts ({name}_blocks) are not paged by the expert store yet")
             raise CheckpointError(f"{self.folder}: tensor {name} is missing (a routed expert's weight)")
         file = self.where[name]
         if file not in self.headers:
@@ -128,10 +135,10 @@ class _Files:
         if tuple(meta["shape"]) != shape:
             raise CheckpointError(f"{self.folder}: tensor {name} has shape {meta['shape']}, expected {list(shape)}")
         dtype = meta["dtype"]
-        if dtype not in ITEMSIZE:
+        if dtype not in FLOATS:
             raise CheckpointError(
                 f"{self.folder}: tensor {name} is stored as {dtype}; the expert store reads "
-                f"{', '.join(ITEMSIZE)} weights only"
+                f"{', '.join(FLOATS)} weights only"
             )
         begin, end = meta["data_offsets"]
         if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
@@ -170,10 +177,11 @@ def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
                 gate_up = (files.row(f"{block}.{names.stacked_gate_up}", (n, rows, d), e),)
                 down = (files.row(f"{block}.{names.stacked_down}", (n, d, f), e),)
                 out[layer, e] = ExpertExtents(gate_up, down)
-            elif names.experts == "stacked_interleaved":
+            elif names.experts in ("stacked_interleaved", "stacked_transposed"):
                 gate_up = (files.row(f"{block}.{names.stacked_gate_up}", (n, d, rows), e),)
                 down = (files.row(f"{block}.{names.stacked_down}", (n, f, d), e),)
-                out[layer, e] = ExpertExtents(gate_up, down, "interleaved_transposed")
+                layout = "interleaved_transposed" if names.experts == "stacked_interleaved" else "transposed"
+                out[layer, e] = ExpertExtents(gate_up, down, layout)
             else:
                 kinds = [names.expert_gate, names.expert_up] if moe.expert.gated else [names.expert_up]
                 prefix = f"{block}.experts.{e}"
@@ -185,7 +193,7 @@ def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
 
 def our_shapes(experts: ExpertExtents) -> tuple[tuple[int, int], tuple[int, int]]:
     """(gate_up [rows, D], down [D, F]) of one expert in our layout."""
-    if experts.layout == "interleaved_transposed":
+    if experts.layout in ("interleaved_transposed", "transposed"):
         (gu,), (dn,) = experts.gate_up, experts.down
         return (gu.shape[1], gu.shape[0]), (dn.shape[1], dn.shape[0])
     rows = sum(x.shape[0] for x in experts.gate_up)

@@ -9,11 +9,24 @@ folder is touched. A read-only folder keeps it in memory (`Manifest.on_disk` is 
 A fingerprint ties it to one model: model_type, layer and expert counts, the sha256 of
 config.json's bytes and the size of every weight file it depends on. `source` says whether the
 extents point into the checkpoint's own safetensors or into a packed file (`moekit pack`).
+
+`tensors` adds a crc32 of every other tensor of the checkpoint's safetensors (attention, norms,
+embeddings, routers, shared experts; in a packed folder also the original expert tensors), whole
+tensor by whole tensor, so the resident load (Checkpoint.get, moekit.weights.integrity) verifies
+everything it reads and the paged load its dense weights. It is an optional key of the same format
+version: an older moekit ignores it, and a manifest without it (an older moekit's, or `moekit
+pack`'s) verifies the routed experts only; `moekit checksum` adds it. A family or format whose
+experts the store cannot page yet (no extents) gets a manifest of whole-tensor checksums only.
+
+Who writes it: the first paged run (`--expert-memory`), `moekit pack`, and `moekit checksum`. The
+resident load does not build one on first use: it would read every weight twice on a path that
+never needed a manifest before; it verifies when one is there.
 No torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import hashlib
 import json
@@ -33,8 +46,11 @@ from moekit.offload.extents import (
     ExtentMap,
     expert_extents,
     referenced_files,
+    weight_files,
 )
 from moekit.spec.model_spec import ModelSpec
+from moekit.weights.checkpoint import read_header
+from moekit.weights.integrity import RangeCheck
 
 MANIFEST_NAME = "moekit-experts.json"
 FORMAT = "moekit-experts"
@@ -55,6 +71,17 @@ class Fingerprint:
 
 
 @dataclass(frozen=True)
+class TensorSum:
+    """A whole tensor's bytes in a safetensors file and their crc32."""
+
+    name: str
+    file: str  # relative to the folder
+    offset: int  # absolute byte offset in the file
+    length: int
+    crc32: int
+
+
+@dataclass(frozen=True)
 class Manifest:
     fingerprint: Fingerprint
     experts: ExtentMap  # every extent carries its crc32
@@ -62,6 +89,8 @@ class Manifest:
     packed_file: Optional[str] = None  # relative to the folder (absolute when packed elsewhere)
     on_disk: bool = False  # False: the folder was read-only, this manifest lives in memory only
     built: bool = False  # True: checksummed by this call; False: read from moekit-experts.json
+    # Every tensor the expert extents do not cover; None: a manifest without them (see the docstring).
+    tensors: Optional[tuple[TensorSum, ...]] = None
 
 
 def require_moe(spec: ModelSpec, folder: Path) -> None:
@@ -117,12 +146,149 @@ def checksum(folder: Path, extents: ExtentMap, progress: Optional[Progress] = No
     return dict(sorted(out.items()))
 
 
-def build_manifest(folder: str | Path, spec: ModelSpec, progress: Optional[Progress] = None) -> Manifest:
-    """Checksum every routed expert where the checkpoint keeps it (not written anywhere)."""
+def _placements(folder: Path) -> list[tuple[str, str, int, int]]:
+    """(name, file, absolute offset, length) of every tensor of the checkpoint's safetensors, in file order."""
+    where = weight_files(folder)
+    out = []
+    for file in sorted(set(where.values())):
+        header = read_header(folder / file)
+        for name, meta in header.tensors.items():
+            if where.get(name) == file:
+                begin, end = meta["data_offsets"]
+                out.append((name, file, header.data_start + begin, end - begin))
+    return sorted(out, key=lambda p: (p[1], p[2]))
+
+
+def _uncovered(folder: Path, extents: ExtentMap) -> list[tuple[str, str, int, int]]:
+    """The tensors no expert extent covers: extents are whole tensors or rows of a stacked one and
+    never overlap, so a tensor is covered when the extents starting inside it add up to its length."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for ex in extents.values():
+        for x in ex.extents:
+            by_file.setdefault(x.file, []).append((x.offset, x.length))
+    starts, prefix = {}, {}
+    for file, row in by_file.items():
+        row.sort()
+        starts[file] = [o for o, _ in row]
+        prefix[file] = [0]
+        for _, n in row:
+            prefix[file].append(prefix[file][-1] + n)
+    out = []
+    for name, file, offset, length in _placements(folder):
+        inside = 0
+        if file in starts:
+            lo = bisect.bisect_left(starts[file], offset)
+            hi = bisect.bisect_left(starts[file], offset + length)
+            inside = prefix[file][hi] - prefix[file][lo]
+        if length == 0 or inside < length:
+            out.append((name, file, offset, length))
+    return out
+
+
+def tensor_sums(folder: Path, extents: ExtentMap, progress: Optional[Progress] = None) -> tuple[TensorSum, ...]:
+    """A crc32 of every tensor the expert extents do not cover, reading each once in file order."""
+    todo = _uncovered(folder, extents)
+    fds = {f: os.open(folder / f, os.O_RDONLY) for f in sorted({t[1] for t in todo})}
+    out = []
+    try:
+        for done, (name, file, offset, length) in enumerate(todo):
+            crc = _crc(fds[file], Extent(file, offset, length, "U8", (length,)), folder / file)
+            out.append(TensorSum(name, file, offset, length, crc))
+            if progress is not None:
+                progress(done + 1, len(todo))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return tuple(out)
+
+
+def _fingerprint_of(folder: Path, spec: ModelSpec, extents: ExtentMap, tensors) -> Fingerprint:
+    return fingerprint(folder, spec, referenced_files(extents) + [t.file for t in tensors or ()])
+
+
+def build_manifest(
+    folder: str | Path, spec: ModelSpec, progress: Optional[Progress] = None, tensor_progress: Optional[Progress] = None
+) -> Manifest:
+    """Checksum every routed expert where the checkpoint keeps it, and every other tensor (not written anywhere)."""
     folder = Path(folder)
     require_moe(spec, folder)
     extents = checksum(folder, expert_extents(folder, spec), progress)
-    return Manifest(fingerprint(folder, spec, referenced_files(extents)), extents, built=True)
+    tensors = tensor_sums(folder, extents, tensor_progress)
+    return Manifest(_fingerprint_of(folder, spec, extents, tensors), extents, built=True, tensors=tensors)
+
+
+def build_whole_tensor_manifest(folder: str | Path, spec: ModelSpec, progress: Optional[Progress] = None) -> Manifest:
+    """Whole-tensor checksums only, no expert extents: for a family or format whose experts the
+    store cannot page yet (the resident load still verifies every tensor it reads)."""
+    folder = Path(folder)
+    tensors = tensor_sums(folder, {}, progress)
+    return Manifest(_fingerprint_of(folder, spec, {}, tensors), {}, built=True, tensors=tensors)
+
+
+def with_tensor_sums(folder: str | Path, spec: ModelSpec, manifest: Manifest, progress: Optional[Progress] = None) -> Manifest:
+    """`manifest` (one without `tensors`) with a crc32 of every tensor its experts do not cover."""
+    folder = Path(folder)
+    tensors = tensor_sums(folder, manifest.experts, progress)
+    files = [f for f, _ in manifest.fingerprint.file_sizes] + [t.file for t in tensors]
+    return replace(manifest, fingerprint=fingerprint(folder, spec, files), tensors=tensors, built=True)
+
+
+# --- checks: what a reader verifies ------------------------------------------------------------
+
+CHANGED = f"the file changed since {MANIFEST_NAME} was written; re-download it, or delete {MANIFEST_NAME} if the change is yours"
+
+Placements = dict[str, tuple[str, int, int]]  # tensor name → (file, absolute offset, length)
+
+
+def tensor_checks(folder: Path, manifest: Manifest, placements: Placements) -> dict[str, tuple[RangeCheck, ...]]:
+    """Each tensor's checks, offsets relative to its first byte: its own crc32 (`tensors`) and the
+    expert extents that lie inside it (a per-expert tensor, or one expert's rows of a stacked one).
+    Extents in a file the reader does not read (a packed file, for the resident load) are left out."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for name, (file, offset, length) in placements.items():
+        spans.setdefault(file, []).append((offset, offset + length, name))
+    for file in spans:
+        spans[file].sort()
+    starts = {file: [s[0] for s in row] for file, row in spans.items()}
+    checks: dict[str, list[RangeCheck]] = {}
+    for (layer, e), ex in sorted(manifest.experts.items()):
+        for x in ex.extents:
+            if x.file not in spans or x.crc32 is None:
+                continue
+            i = bisect.bisect_right(starts[x.file], x.offset) - 1  # the last tensor starting at or before it
+            if i >= 0 and x.end <= spans[x.file][i][1]:
+                start, _, name = spans[x.file][i]
+                what = f"layer {layer} expert {e} (tensor {name})"
+                checks.setdefault(name, []).append(RangeCheck(x.offset - start, x.length, x.crc32, what))
+            # else: the extent is in no tensor the reader reads (a packed file, for the resident load)
+    for t in manifest.tensors or ():
+        if t.name not in placements:
+            continue  # the loader refuses a missing tensor itself, in its own words
+        if placements[t.name] != (t.file, t.offset, t.length):
+            raise MoekitError(f"{folder}: tensor {t.name} is not where {MANIFEST_NAME} says it is; {CHANGED}")
+        checks.setdefault(t.name, []).append(RangeCheck(0, t.length, t.crc32, f"tensor {t.name}"))
+    return {name: tuple(sorted(c, key=lambda r: r.offset)) for name, c in checks.items()}
+
+
+def verify_all(folder: str | Path, manifest: Manifest, progress: Optional[Progress] = None) -> int:
+    """Read every range the manifest checksums and check it (`moekit checksum` on a complete
+    manifest); one CheckpointError line on the first mismatch. Returns the bytes checked."""
+    folder = Path(folder)
+    ranges = [(x, f"layer {layer} expert {e}") for (layer, e), ex in sorted(manifest.experts.items()) for x in ex.extents]
+    ranges += [(Extent(t.file, t.offset, t.length, "U8", (t.length,), t.crc32), f"tensor {t.name}")
+               for t in manifest.tensors or ()]
+    ranges.sort(key=lambda r: (r[0].file, r[0].offset))
+    fds = {f: os.open(folder / f, os.O_RDONLY) for f in sorted({x.file for x, _ in ranges})}
+    try:
+        for done, (x, what) in enumerate(ranges):
+            if x.crc32 is not None and _crc(fds[x.file], x, folder / x.file) != x.crc32:
+                raise CheckpointError(f"{folder}: {what}: checksum mismatch in {x.file} (bytes {x.offset}..{x.end}); {CHANGED}")
+            if progress is not None:
+                progress(done + 1, len(ranges))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(x.length for x, _ in ranges)
 
 
 # --- JSON ------------------------------------------------------------------------------------
@@ -146,6 +312,8 @@ def to_json(m: Manifest) -> dict:
         },
         "source": m.source,
         "packed_file": m.packed_file,
+        # tensor: [name, file, offset, length, crc32]; absent in a manifest without them
+        **({} if m.tensors is None else {"tensors": [[t.name, t.file, t.offset, t.length, t.crc32] for t in m.tensors]}),
         # extent: [file, offset, length, dtype, shape, crc32]
         "experts": [
             {
@@ -189,7 +357,7 @@ def from_json(data: dict) -> Manifest:
             raise ValueError(f"unknown layout {item['layout']!r}")
         gate_up = tuple(_extent(r) for r in item["gate_up"])
         down = tuple(_extent(r) for r in item["down"])
-        if not gate_up or len(down) != 1 or (item["layout"] == "interleaved_transposed" and len(gate_up) != 1):
+        if not gate_up or len(down) != 1 or (item["layout"] != "rows" and len(gate_up) != 1):
             raise ValueError(f"layer {item['layer']} expert {item['expert']}: wrong number of extents")
         experts[int(item["layer"]), int(item["expert"])] = ExpertExtents(gate_up, down, item["layout"])
     source = data["source"]
@@ -198,7 +366,17 @@ def from_json(data: dict) -> Manifest:
     packed = data.get("packed_file")
     if source == "packed" and not isinstance(packed, str):
         raise ValueError("a packed manifest without its packed file")
-    return Manifest(fingerprint_, experts, source, packed, on_disk=True)
+    tensors = None if data.get("tensors") is None else tuple(_tensor_sum(r) for r in data["tensors"])
+    return Manifest(fingerprint_, experts, source, packed, on_disk=True, tensors=tensors)
+
+
+def _tensor_sum(row) -> TensorSum:
+    name, file, offset, length, crc = row
+    if not (isinstance(name, str) and isinstance(file, str) and all(isinstance(v, int) for v in (offset, length, crc))):
+        raise ValueError("bad tensor checksum")
+    if offset < 0 or length < 0:
+        raise ValueError("bad tensor checksum")
+    return TensorSum(name, file, offset, length, crc)
 
 
 def read_manifest(folder: str | Path) -> Optional[Manifest]:
@@ -254,8 +432,9 @@ def write_manifest(folder: str | Path, manifest: Manifest) -> bool:
 _FIX = f"re-run `moekit pack` or delete {MANIFEST_NAME}"
 
 
-def check_fingerprint(folder: str | Path, spec: ModelSpec, manifest: Manifest) -> None:
-    """A MoekitError when the manifest is for another model or a file it depends on changed size."""
+def check_fingerprint(folder: str | Path, spec: ModelSpec, manifest: Manifest, require_experts: bool = True) -> None:
+    """A MoekitError when the manifest is for another model or a file it depends on changed size.
+    require_experts False accepts a whole-tensor manifest (no expert extents): the resident load's check."""
     folder = Path(folder)
     want = fingerprint(folder, spec, [])
     got = manifest.fingerprint
@@ -269,7 +448,8 @@ def check_fingerprint(folder: str | Path, spec: ModelSpec, manifest: Manifest) -
         )
     widths = {layer: spec.layers[layer].ffn.num_experts for layer in spec.moe_layers}  # type: ignore[union-attr]
     expected = {(layer, e) for layer, n in widths.items() for e in range(n)}
-    if set(manifest.experts) != expected:
+    whole_tensors = not require_experts and not manifest.experts and manifest.tensors is not None
+    if set(manifest.experts) != expected and not whole_tensors:
         raise MoekitError(
             f"{folder / MANIFEST_NAME} does not list this model's experts; delete it and moekit rebuilds it"
         )
@@ -297,3 +477,54 @@ def load_or_build_manifest(folder: str | Path, spec: ModelSpec, progress: Option
         return found
     built = build_manifest(folder, spec, progress)
     return replace(built, on_disk=write_manifest(folder, built))
+
+
+# --- `moekit checksum` -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChecksumResult:
+    action: Literal["wrote", "added", "verified"]  # a new manifest; tensors added to an old one; checked
+    path: Path
+    experts: int  # routed experts with extents (0: whole-tensor checksums only)
+    tensors: int  # other tensors checksummed whole
+    nbytes: int  # bytes read
+    seconds: float
+    note: Optional[str] = None  # why the experts have no extents, when they have none
+
+
+def checksum_checkpoint(folder: str | Path, spec: ModelSpec, progress: Optional[Progress] = None) -> ChecksumResult:
+    """What `moekit checksum` does: write moekit-experts.json when there is none; add the other
+    tensors' checksums to one without them; else check every byte it checksums. Only the manifest
+    is ever written; a read-only folder is an error (the resident load builds nothing)."""
+    import time
+
+    start = time.perf_counter()
+    folder = Path(folder)
+    path = folder / MANIFEST_NAME
+    found = read_manifest(folder)
+    note = None
+    if found is not None:
+        check_fingerprint(folder, spec, found, require_experts=False)
+        if found.tensors is not None:
+            nbytes = verify_all(folder, found, progress)
+            return ChecksumResult("verified", path, len(found.experts), len(found.tensors), nbytes,
+                                  time.perf_counter() - start)
+        manifest, action = with_tensor_sums(folder, spec, found, progress), "added"
+        nbytes = sum(t.length for t in manifest.tensors or ())
+    else:
+        try:
+            require_moe(spec, folder)
+            extents = expert_extents(folder, spec)
+        except MoekitError as err:  # the store cannot page these experts: whole tensors, still checked
+            note, extents = str(err), None
+        if extents is None:
+            manifest = build_whole_tensor_manifest(folder, spec, progress)
+        else:
+            manifest = build_manifest(folder, spec, progress, tensor_progress=progress)
+        action = "wrote"
+        nbytes = sum(ex.nbytes for ex in manifest.experts.values()) + sum(t.length for t in manifest.tensors or ())
+    if not write_manifest(folder, manifest):
+        raise MoekitError(f"{folder}: cannot write {MANIFEST_NAME} here (read-only or permission denied)")
+    return ChecksumResult(action, path, len(manifest.experts), len(manifest.tensors or ()), nbytes,
+                          time.perf_counter() - start, note)

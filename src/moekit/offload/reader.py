@@ -3,7 +3,9 @@ where none are needed.
 
 `ExpertReader(folder, manifest_or_extents, dtype).read(layer, e)` returns (gate_up [rows, D],
 down [D, F]) exactly as moekit.model.loading would have put them in gate_up[e] / down[e]
-(same bits: the same cast from the stored dtype, the same de-interleaving for gpt_oss).
+(same bits: the same cast from the stored dtype, the same de-interleaving for gpt_oss). An expert
+a packed file holds in a block format (Q8_0, Q4_0) comes back as its bytes, uint8 views of the
+read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read.
 
 Thread-safe by construction: file descriptors are opened once and only ever read with
 positioned reads (no shared file offset), each read fills its own buffer, and os.preadv,
@@ -27,6 +29,7 @@ import torch
 from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
 from moekit.offload.extents import ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
 from moekit.offload.manifest import MANIFEST_NAME, Manifest
+from moekit.offload.precision import is_quantized, stored_kind
 
 __all__ = ["ExpertIntegrityError", "ExpertReader", "TORCH_DTYPES"]
 
@@ -35,6 +38,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,
+    # A packed file's block formats (moekit.offload.precision): read as their bytes, never cast.
+    "Q8_0": torch.uint8,
+    "Q4_0": torch.uint8,
 }
 ALIGN = 64  # each span starts on a cache line of the expert's buffer
 
@@ -142,7 +148,7 @@ class ExpertReader:
         if dtype is None:
             return max(ex.nbytes for ex in self.extents.values())
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return max(ex.numel for ex in self.extents.values()) * itemsize
+        return max(ex.nbytes if stored_kind(ex) else ex.numel * itemsize for ex in self.extents.values())
 
     def expert_disk_bytes(self, layer: int, e: int) -> int:
         """Bytes read from disk for one expert (its stored dtype, whatever the reader casts to)."""
@@ -198,14 +204,17 @@ class ExpertReader:
         at = self._plans[layer, e].at
         n = len(ex.gate_up)
         up_shape, down_shape = our_shapes(ex)
-        if ex.layout == "interleaved_transposed":
+        if ex.layout in ("interleaved_transposed", "transposed"):
             (gx,), (dx,) = ex.gate_up, ex.down
-            gu = _view(buf, at[0], gx.length, gx.dtype, gx.shape)  # [D, 2F], gate/up interleaved
+            gu = _view(buf, at[0], gx.length, gx.dtype, gx.shape)  # [D, 2F]: gate/up interleaved, or halves (llama4)
             dn = _view(buf, at[1], dx.length, dx.dtype, dx.shape)  # [F, D]
             f = up_shape[0] // 2
             gate_up = self._empty(up_shape, gu.dtype)
-            gate_up[:f].copy_(gu[:, 0::2].t())
-            gate_up[f:].copy_(gu[:, 1::2].t())
+            if ex.layout == "transposed":
+                gate_up.copy_(gu.t())
+            else:
+                gate_up[:f].copy_(gu[:, 0::2].t())
+                gate_up[f:].copy_(gu[:, 1::2].t())
             down = self._empty(down_shape, dn.dtype)
             down.copy_(dn.t())
             return gate_up, down
@@ -220,8 +229,8 @@ class ExpertReader:
         total = sum(x.length for x in extents)
         if all(x.dtype == dtype for x in extents) and all(a + x.length == b for a, b, x in zip(at, at[1:], extents)):
             t = _view(buf, at[0], total, dtype, shape)
-            return t if self.dtype in (None, t.dtype) else t.to(self.dtype)
-        out = self._empty(shape, TORCH_DTYPES[dtype])
+            return t if self.dtype in (None, t.dtype) or is_quantized(dtype) else t.to(self.dtype)
+        out = torch.empty(shape, dtype=torch.uint8) if is_quantized(dtype) else self._empty(shape, TORCH_DTYPES[dtype])
         begin = 0
         for a, x in zip(at, extents):
             out[begin : begin + x.shape[0]].copy_(_view(buf, a, x.length, x.dtype, x.shape))

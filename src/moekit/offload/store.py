@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from torch import Tensor
 
@@ -66,15 +66,20 @@ class LayerStats:
 
 @dataclass
 class StoreClock:
-    """Process-wide figures of one store: stall time, resident bytes and their peak."""
+    """Process-wide figures of one store: stall time, resident experts and bytes, and their peaks.
+    Bytes are each expert's own (a packed file may hold experts at several precisions)."""
 
     stall_s: float = 0.0
     resident_experts: int = 0
     peak_resident_experts: int = 0
+    resident_bytes: int = 0
+    peak_resident_bytes: int = 0
 
-    def hold(self, n: int) -> None:
+    def hold(self, n: int, nbytes: int = 0) -> None:
         self.resident_experts += n
         self.peak_resident_experts = max(self.peak_resident_experts, self.resident_experts)
+        self.resident_bytes += nbytes
+        self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
 
 
 class LayerStore:
@@ -83,7 +88,8 @@ class LayerStore:
         layer: int,
         cache: SlotCache,
         load: Callable[[int, int], Weights],  # (layer, expert) → prepared weights; runs on a worker
-        disk_bytes: int,  # bytes one expert's load reads
+        disk_bytes: Sequence[int],  # per expert: bytes its load reads
+        memory_bytes: Sequence[int],  # per expert: bytes it holds once loaded
         pool: ThreadPoolExecutor,
         clock: StoreClock,
         retain: bool = True,  # False: the "no cache" baseline, every use reads the expert again
@@ -93,6 +99,7 @@ class LayerStore:
         self.cache = cache
         self._load = load
         self._disk_bytes = disk_bytes
+        self.memory_bytes = memory_bytes
         self._pool = pool
         self._clock = clock
         self._weights: dict[int, Future] = {}  # resident expert → its (maybe still loading) weights
@@ -107,15 +114,15 @@ class LayerStore:
         """Read expert e: on a worker (a prefetch, pins) or right here (the forward needs it now:
         handing it to a worker would only add a thread wake-up to the wait)."""
         self.stats.loads += 1
-        self.stats.disk_bytes += self._disk_bytes
-        self._clock.hold(1)
+        self.stats.disk_bytes += self._disk_bytes[e]
+        self._clock.hold(1, self.memory_bytes[e])
         self._weights[e] = self._pool.submit(self._load, self.layer, e) if background else self._inline(e)
 
     def _drop(self, e: Optional[int]) -> None:
         if e is None:
             return
         if self._weights.pop(e, None) is not None:
-            self._clock.hold(-1)
+            self._clock.hold(-1, -self.memory_bytes[e])
         self._prefetched.discard(e)
 
     def load_pinned(self) -> None:
@@ -237,12 +244,18 @@ class ExpertStore:
     layers: dict[int, LayerStore]
     pool: ThreadPoolExecutor
     clock: StoreClock
-    expert_bytes: int  # one expert in memory, at the engine dtype
+    expert_bytes: int  # one slot: the largest expert in memory (its precision, or the engine dtype)
     slots: int
     policy: str
     prefetch: bool
     pinned: dict[int, list[int]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # what the user should know (clamps, caps)
+    precision: str = ""  # what the experts are held as, e.g. "int8" or "128 bf16 + 384 int4"
+    budget: Optional[int] = None  # --expert-memory in bytes, when less than every slot full of the largest expert
+
+    def expert_nbytes(self, layer: int, e: int) -> int:
+        """Bytes expert e of `layer` holds once loaded (what a token that uses it reads)."""
+        return self.layers[layer].memory_bytes[e]
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -259,7 +272,8 @@ class ExpertStore:
             "slots_per_layer": self.slots,
             "prefetch": self.prefetch,
             "expert_bytes": self.expert_bytes,
-            "budget_bytes": self.slots * self.expert_bytes * len(self.layers),
+            "expert_precision": self.precision,
+            "budget_bytes": min(self.slots * self.expert_bytes * len(self.layers), self.budget or 1 << 62),
             "pinned": sum(len(v) for v in self.pinned.values()),
             # The names and meanings of cache-sim and `moekit run --json`: hit_rate counts every
             # forward, the prompt pass included; decode_hit_rate leaves each layer's first forward out.
@@ -271,6 +285,6 @@ class ExpertStore:
             "prefetch_precision": overall["prefetch_precision"],
             "prefetch_recall": overall["prefetch_recall"],
             "stall_s": self.clock.stall_s,
-            "peak_resident_expert_bytes": self.clock.peak_resident_experts * self.expert_bytes,
+            "peak_resident_expert_bytes": self.clock.peak_resident_bytes,
             "layers": per_layer,
         }

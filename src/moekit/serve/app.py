@@ -44,6 +44,8 @@ class ServeConfig:
     offload: Optional[object] = None  # moekit.offload.options.OffloadOptions
     threads: Optional[int] = None
     admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
+    verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
+    compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
 
 
 @dataclass
@@ -84,7 +86,10 @@ class ServerState:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload)
+        engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
+                             compile=cfg.compile)
+        if engine.decoder.compiled is not None:
+            engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,

@@ -34,6 +34,11 @@ class RopeSpec:
     # None means plain RoPE. Kept as a tuple of pairs so the spec stays hashable.
     scaling: Optional[tuple[tuple[str, object], ...]] = None
     partial_rotary_factor: float = 1.0
+    # llama4 rotates pairs (x0, x1), (x2, x3) as complex numbers, not halves: the engine loads q/k
+    # rows of each head reordered so the halves form runs them (same dot products).
+    interleaved: bool = False
+    # llama4 rotates in fp32 and casts back; the llama-style families rotate in the model dtype.
+    fp32: bool = False
 
     def scaling_dict(self) -> dict:
         return dict(self.scaling) if self.scaling else {}
@@ -65,6 +70,9 @@ class AttentionSpec:
     softmax_scale: Optional[float] = None
     chunk_size: Optional[int] = None  # llama4 chunked local attention
     use_rope: bool = True  # False: no positional rotation in this layer (llama4 NoPE layers, jamba)
+    # llama4's temperature tuning on NoPE layers, (floor_scale, attn_scale): queries at position p are
+    # scaled by 1 + attn_scale·log1p(floor((p + 1) / floor_scale)). None: no tuning.
+    query_temperature: Optional[tuple[float, float]] = None
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,8 @@ class MoESpec:
     shared: Optional[MLPSpec] = None  # all shared experts fused into one MLP of their total width
     num_shared: int = 0  # how many shared experts `shared` stands for (for reporting)
     shared_gate: bool = False  # qwen2_moe: shared output × sigmoid(Linear(D, 1))
+    # llama4: the routing weight scales each chosen expert's INPUT (expert(w·x), not w·expert(x)).
+    weigh_input: bool = False
 
     @property
     def num_experts(self) -> int:

@@ -128,14 +128,16 @@ def evaluate(
     batch: int = 8,
     device: str = "cpu",
     progress=lambda domain: None,
+    verify: bool = True,
 ) -> EvalResult:
-    """Score every domain's held-out split (its first `max_tokens` tokens, in document order)."""
+    """Score every domain's held-out split (its first `max_tokens` tokens, in document order).
+    verify: check the weights against moekit-experts.json as they load (load_engine's)."""
     from moekit.corpus.reader import read_split
     from moekit.engine.loader import load_engine
     from moekit.model.moe import MoE
     from moekit.train.data import tokenize_domains
 
-    engine = load_engine(checkpoint, dtype="float32", device=device)
+    engine = load_engine(checkpoint, dtype="float32", device=device, verify=verify)
     if engine.tokenizer is None:
         raise MoekitError(f"{checkpoint}: no tokenizer.json; eval needs the model's tokenizer")
     decoder, vocab = engine.decoder, engine.spec.vocab_size

@@ -3,6 +3,14 @@
 A folder holds `config.json` and either `model.safetensors` or shards listed by
 `model.safetensors.index.json`. Tensors are memory-mapped (safetensors' `safe_open`), so opening a
 checkpoint reads headers only. Pickled formats (`*.bin`, `*.pt`) are refused, never loaded.
+
+Integrity: when `moekit-experts.json` lies beside the checkpoint, `get` checks the bytes of every
+tensor it returns against the crc32s there (whole tensors, and the routed experts' extents inside
+stacked ones; moekit.offload.manifest.tensor_checks), on worker threads while the caller copies
+(moekit.weights.integrity.Verifier); `close` waits for them and raises the first mismatch, one
+CheckpointError line naming the tensor or expert and the file. The manifest is read on the first
+`get`, so anything reading through a Checkpoint (the MXFP4 / FP8 views keep theirs as an attribute:
+`base_checkpoint`) is verified without asking. `verify = False` skips it. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from moekit.errors import CheckpointError
 
@@ -81,6 +89,9 @@ def _check_header(path: Path) -> None:
     if header.data_start + data_end > header.file_size:
         missing = header.data_start + data_end - header.file_size
         raise CheckpointError(f"{path}: truncated safetensors file ({missing} bytes missing)")
+    if header.data_start + data_end < header.file_size:  # safetensors refuses these with its own traceback
+        extra = header.file_size - header.data_start - data_end
+        raise CheckpointError(f"{path}: corrupted safetensors file ({extra} bytes after the last tensor)")
 
 
 def _shard_map(folder: Path) -> dict[str, Path]:
@@ -122,6 +133,11 @@ class Checkpoint:
     config: dict
     files: dict[str, Path]  # tensor name → file
     _handles: dict[Path, object] = field(default_factory=dict, repr=False)
+    verify: bool = True  # check what get() reads against moekit-experts.json, when there is one
+    notes: list[str] = field(default_factory=list)  # what verification decided that the user should hear
+    _checks: Optional[dict] = field(default=None, repr=False)  # tensor name → its RangeChecks; None: not read yet
+    _placements: dict = field(default_factory=dict, repr=False)  # tensor name → (file, absolute offset, length)
+    _verifier: Optional[object] = field(default=None, repr=False)
 
     @property
     def tensor_names(self) -> list[str]:
@@ -138,15 +154,63 @@ class Checkpoint:
         return self._handles[path]
 
     def get(self, name: str):
-        """The tensor `name` (a torch.Tensor backed by the mmap until copied)."""
+        """The tensor `name` (a torch.Tensor backed by the mmap until copied), its checks started."""
         if name not in self.files:
             raise CheckpointError(f"{self.folder}: tensor {name} not found in the checkpoint")
         try:
-            return self._handle(self.files[name]).get_tensor(name)
+            tensor = self._handle(self.files[name]).get_tensor(name)
         except CheckpointError:
             raise
         except Exception as err:
             raise CheckpointError(f"{self.files[name]}: cannot read tensor {name} ({err})") from None
+        checks = self._checks_of(name)
+        if checks:
+            import torch
+
+            file, start, _ = self._placements[name]
+            raw = tensor.reshape(-1).view(torch.uint8).numpy()  # the stored bytes, no copy
+            failure = self._verifier.submit(raw, checks, file, start)
+            if failure is not None:
+                raise failure.error(self.folder, _changed())
+        return tensor
+
+    def _checks_of(self, name: str) -> tuple:
+        if not self.verify:
+            return ()
+        if self._checks is None:
+            self._start_verifying()
+        return self._checks.get(name, ())
+
+    def _start_verifying(self) -> None:
+        """Read the manifest beside the checkpoint (if any) and map its checksums onto tensors."""
+        from moekit.offload.manifest import read_manifest
+
+        self._checks = {}
+        manifest = read_manifest(self.folder)
+        if manifest is None:
+            return
+        from moekit.offload.manifest import MANIFEST_NAME, check_fingerprint, tensor_checks
+        from moekit.spec.loading import spec_from_config
+        from moekit.weights.integrity import Verifier
+
+        check_fingerprint(self.folder, spec_from_config(self.config, self.folder.name), manifest, require_experts=False)
+        self._placements = placements(self)
+        self._checks = tensor_checks(self.folder, manifest, self._placements)
+        self._verifier = Verifier()
+        unchecked = len(set(self.files) - set(self._checks))
+        if manifest.tensors is None and unchecked:
+            self.notes.append(
+                f"{MANIFEST_NAME} has no checksums for {unchecked} of the checkpoint's {len(self.files)} tensors "
+                f"(an earlier moekit or moekit pack wrote it): those load unverified; "
+                f"`moekit checksum {self.folder}` adds them"
+            )
+
+    def wait_verified(self) -> None:
+        """Block until every check started by get() is done; the first mismatch as a CheckpointError."""
+        if self._verifier is not None:
+            failure = self._verifier.wait()
+            if failure is not None:
+                raise failure.error(self.folder, _changed())
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(self.files[name]).get_slice(name).get_shape())
@@ -155,13 +219,47 @@ class Checkpoint:
         return iter(self.tensor_names)
 
     def close(self) -> None:
-        """Drop the open file handles (and their memory maps); get() reopens on demand."""
-        self._handles.clear()
+        """Wait for pending checks (they hold the tensors they read), then drop the open file
+        handles and their memory maps; get() reopens on demand. Raises the first mismatch."""
+        try:
+            self.wait_verified()
+        finally:
+            self._handles.clear()
+
+
+def _changed() -> str:
+    from moekit.offload.manifest import CHANGED
+
+    return CHANGED
+
+
+def placements(ckpt: Checkpoint) -> dict[str, tuple[str, int, int]]:
+    """tensor name → (file relative to the folder, absolute byte offset, length), from the headers."""
+    out = {}
+    for path in sorted(set(ckpt.files.values())):
+        header = read_header(path)
+        for name, entry in header.tensors.items():
+            if ckpt.files.get(name) == path:
+                begin, end = entry["data_offsets"]
+                out[name] = (path.relative_to(ckpt.folder).as_posix(), header.data_start + begin, end - begin)
+    return out
+
+
+def base_checkpoint(ckpt) -> Optional[Checkpoint]:
+    """The safetensors Checkpoint a reader reads through: `ckpt` itself, or the one a wrapper keeps
+    as an attribute (QuantizedCheckpoint.inner). None when neither: its reads are its own to check."""
+    if isinstance(ckpt, Checkpoint):
+        return ckpt
+    return next((v for v in getattr(ckpt, "__dict__", {}).values() if isinstance(v, Checkpoint)), None)
 
 
 def open_checkpoint(folder: str | Path) -> Checkpoint:
     """Open a checkpoint folder: validate config, shards and safetensors headers; read no data."""
     folder = Path(folder)
+    if folder.suffix == ".gguf" and not folder.is_dir():  # a GGUF file: Checkpoint's interface over it
+        from moekit.weights.gguf_checkpoint import open_gguf
+
+        return open_gguf(folder)  # type: ignore[return-value]
     config = read_config(folder)
     shards = _shard_map(folder)
     if not shards:
@@ -183,4 +281,7 @@ def open_checkpoint(folder: str | Path) -> Checkpoint:
             for name, shard in shards.items():
                 if shard == path and name not in present:
                     raise CheckpointError(f"{path}: tensor {name} listed in the index but not in the file")
-    return Checkpoint(folder=folder, config=config, files=files)
+    from moekit.weights.quantized import quantized_view
+
+    # MXFP4 / FP8 checkpoints (quantization_config): the same interface, bf16 names and shapes.
+    return quantized_view(Checkpoint(folder=folder, config=config, files=files))

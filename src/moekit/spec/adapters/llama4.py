@@ -2,12 +2,16 @@
 
 MoE layers are `moe_layers` or every `interleave_moe_layer_step`-th layer; dense layers use
 `intermediate_size_mlp`, experts and the always-on shared expert `intermediate_size`. The router
-takes top-K of the logits and a sigmoid of those (no renormalisation), and scales the expert INPUT.
-Every `no_rope_layer_interval`-th layer is NoPE (full attention, temperature-tuned queries); the
-others rotate, L2-normalise q/k and attend within `attention_chunk_size` chunks.
+takes top-K of the logits and a sigmoid of those (no renormalisation), and scales the expert INPUT
+(MoESpec.weigh_input). Every `no_rope_layer_interval`-th layer is NoPE (full attention, queries
+temperature-tuned: AttentionSpec.query_temperature); the others rotate adjacent pairs as complex
+numbers in fp32 (RopeSpec.interleaved, .fp32), L2-normalise q/k after that and attend within
+`attention_chunk_size` chunks.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
@@ -94,9 +98,12 @@ def _layers(t: ConfigFields) -> list[LayerSpec]:
         expert=common.gated_mlp(hidden, t.size("intermediate_size"), act),
         shared=common.gated_mlp(hidden, t.size("intermediate_size"), act),
         num_shared=1,
+        weigh_input=True,
     )
     dense = common.gated_mlp(hidden, t.size("intermediate_size_mlp"), act)
     norm = common.rms_norm(t)
+    tuning = t.bool("attn_temperature_tuning")
+    temperature = (t.float("floor_scale"), t.float("attn_scale"))
     layers = []
     for i in range(num_layers):
         use_rope = bool(rope_on[i])
@@ -109,20 +116,17 @@ def _layers(t: ConfigFields) -> list[LayerSpec]:
             chunk_size=chunk if types[i] == "chunked_attention" else None,
             use_rope=use_rope,
         )
+        if tuning and not use_rope:
+            attention = replace(attention, query_temperature=temperature)
         layers.append(LayerSpec(mixer=attention, ffn=moe if i in moe_at else dense, norm=norm))
     return layers
 
 
 def _text_spec(t: ConfigFields, name: str, model_type: str, vision: int) -> ModelSpec:
-    extras = (
-        ("attn_temperature_tuning", t.bool("attn_temperature_tuning")),
-        ("floor_scale", t.float("floor_scale")),
-        ("attn_scale", t.float("attn_scale")),
-        ("router_scales_input", True),
-    )
-    rope = rope_spec(t, DEFAULT_THETA)
+    # Complex rotation of adjacent pairs, computed in fp32 (transformers' apply_rotary_emb).
+    rope = replace(rope_spec(t, DEFAULT_THETA), interleaved=True, fp32=True)
     return common.model_spec(
-        t, name, model_type, _layers(t), rope, common.rms_norm(t), vision_params=vision, extras=extras
+        t, name, model_type, _layers(t), rope, common.rms_norm(t), vision_params=vision
     )
 
 

@@ -1,0 +1,10 @@
+"""Help texts of the options that several commands share (one wording, one place)."""
+
+# The --no-verify option of every command that loads a checkpoint.
+NO_VERIFY = ("Skip checking the weights against the crc32s of moekit-experts.json (checked as they load "
+             "whenever that file is beside the checkpoint; `moekit checksum` writes it).")
+
+# --compile, on run, serve and bench decode (moekit.model.compiled_step).
+COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "
+           "seconds to a minute, cached on disk for later runs). Models or options it does not cover run eager, "
+           "and the notes say why.")

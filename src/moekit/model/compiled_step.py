@@ -1,0 +1,320 @@
+"""The decode step (T = 1) as one torch.compile graph: the fast path beside the eager Decoder.
+
+Why a second formulation of the same step: the eager step is ~2,000 small ops, and on a CPU their
+fixed cost (dispatch, allocation, one-row GEMMs that MKL and oneDNN run well below memory speed)
+is most of a token's time. Written as plain tensor algebra with no data-dependent Python, the whole
+step compiles into a few C++/OpenMP kernels:
+  - every projection for one row is a reduction `(x[:, None, :] * W).sum(-1)` over the Hub layout
+    [out, in], which Inductor turns into a vectorised loop that streams W at memory speed;
+  - the chosen experts are read by indirect indexing (`W[topk_ids]`), which compiled code reads in
+    place (eager, the same expression would copy the experts: this step is compile-only);
+  - routing is the shared `route()` (so every family's order of operations is the one the eager
+    path and the reference use);
+  - the KV cache is the Decoder's own, written in place with one index_put_ per tensor at each
+    row's slot, and attention runs over slots 0..end-1 only (end is a dynamic size, not a recompile).
+It reads the Decoder's parameters in the Hub layout (the decoder is prepared with
+`kernels=False`), so it costs no second copy of the weights, and the eager forward of the same
+decoder stays the reference: tests/model/test_compiled_step.py holds the two to identical greedy
+tokens and fp32 logits within 1e-4 for every family it runs.
+
+Latent attention (MLA) runs its absorbed form, as the eager decode does. What it does not run (the
+decoder then takes its eager step, and `unsupported()` says why): llama4 attention, the expert store, int8 weights, per-row K (tiers) and routing policies, hooks.
+Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from moekit.model import gemv
+from moekit.model.attention import Attention
+from moekit.model.cache import slot_tensors
+from moekit.model.experts import RoutedExperts
+from moekit.model.linear import PLAIN, Linear
+from moekit.model.mla import MLAttention
+from moekit.model.mlp import MLP
+from moekit.model.moe import MoE
+from moekit.model.norms import LayerNorm, RMSNorm, rms_normalize
+from moekit.model.routing import RoutingDecision, route
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [B, in], weight [out, in] (Hub layout) → [B, out]: moekit::rows_gemv where it is built
+    (moekit.model.gemv); else one row as a reduction, which Inductor vectorises over `in` and
+    parallelises over `out`, and more rows as a GEMM."""
+    if _has_gemv():
+        y = torch.ops.moekit.rows_gemv(x, weight)
+    else:
+        y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
+    return y if bias is None else y + bias
+
+
+def _has_gemv() -> bool:
+    # Read while Dynamo traces (a constant in the graph): whether moekit.model.gemv registered its ops.
+    return hasattr(torch.ops.moekit, "rows_gemv")
+
+
+def _norm(module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)  # RMSNorm / LayerNorm are already a handful of pointwise ops and one reduction
+
+
+def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
+    """A dense MLP (or shared expert) on x [B, D] → [B, D]."""
+    h = linear_rows(x, mlp.gate_up.weight, mlp.gate_up.bias)
+    return linear_rows(mlp.act(h), mlp.down.weight, mlp.down.bias)
+
+
+def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+    """Σ_k w[b, k] · expert_{ids[b, k]}(x[b]) for x [B, D], every (row, choice) read in place."""
+    ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
+    if _has_gemv():
+        h = torch.ops.moekit.experts_gemv(x[:, None, :], ex.gate_up, ids)  # [B, K, 2F]
+    else:
+        h = (x[:, None, None, :] * ex.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
+    if ex.gate_up_bias is not None:
+        h = h + ex.gate_up_bias[ids]
+    a = ex.act(h)  # [B, K, F]
+    if _has_gemv():
+        y = torch.ops.moekit.experts_gemv(a, ex.down, ids)  # [B, K, D]
+    else:
+        y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
+    if ex.down_bias is not None:
+        y = y + ex.down_bias[ids]
+    return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+
+def _moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision]:
+    router = moe.router
+    logits = linear_rows(x.to(router.weight.dtype), router.weight, router.bias).float()  # [B, E]
+    bias = router.selection_bias.float() if router.selection_bias is not None else None
+    decision = route(logits, router.spec, bias)
+    out = _experts(moe.experts, x, decision)
+    if moe.shared is not None:
+        shared = _mlp(moe.shared, x)
+        if moe.shared_gate is not None:
+            shared = torch.sigmoid(linear_rows(x, moe.shared_gate.weight)) * shared
+        out = out + shared
+    return out, decision
+
+
+def _attention(attn: Attention, x, cache_k, cache_v, slot, cos, sin_signed, visible) -> torch.Tensor:
+    """x [B, D] at each row's slot [B] → [B, D]; writes k, v into the caches [B_max, Hkv, S, hd].
+    visible [B, S] bool: the real slots up to each row's own (padding and causality)."""
+    b = x.shape[0]
+    h, hkv, hd = attn.heads, attn.kv_heads, attn.head_dim
+    qkv = linear_rows(x, attn.qkv.weight, attn.qkv.bias)  # [B, (H + 2·Hkv)·hd]
+    if attn.spec.qk_norm == "full":
+        q, k, v = qkv.split(attn.split, dim=-1)
+        qkv = torch.cat((attn.q_norm(q), attn.k_norm(k), v), dim=-1)
+    if attn.clip_qkv is not None:
+        qkv = qkv.clamp(-attn.clip_qkv, attn.clip_qkv)
+    qkv = qkv.view(b, h + 2 * hkv, hd)
+    qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
+    if attn.spec.qk_norm == "head":
+        qk = attn.qk_norm_weight * rms_normalize(qk, attn.q_norm.eps)
+    rot = cos.shape[-1]
+    turned = qk[..., :rot] * cos + qk[..., :rot].roll(rot // 2, dims=-1) * sin_signed
+    qk = turned if rot == hd else torch.cat((turned, qk[..., rot:]), dim=-1)
+    q, k = qk[:, :h], qk[:, h:]
+    rows = torch.arange(b, device=x.device)[:, None]
+    heads = torch.arange(hkv, device=x.device)[None, :]
+    cache_k.index_put_((rows, heads, slot[:, None]), k)
+    cache_v.index_put_((rows, heads, slot[:, None]), v)
+    end = visible.shape[1]
+    allowed = visible
+    if attn.window is not None:
+        back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
+        allowed = visible & (back < attn.window)
+    keys, values = cache_k[:b, :, :end], cache_v[:b, :, :end]  # [B, Hkv, S, hd]
+    grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
+    logits = torch.einsum("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
+    logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    if attn.sinks is not None:
+        sink = attn.sinks.float().view(1, hkv, h // hkv, 1).expand(b, hkv, h // hkv, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1)
+    out = torch.einsum("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
+    return linear_rows(out.reshape(b, h * hd), attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _latent_attention(attn: MLAttention, x, slots, slot, cos, sin_signed, visible) -> torch.Tensor:
+    """MLA's absorbed decode (moekit.model.mla) on x [B, D] → [B, D]; writes each row's latent and
+    rope key into slots [B_max, S, R+Rr] at its slot."""
+    b = x.shape[0]
+    h, nope, rr, r = attn.heads, attn.nope, attn.rope_dim, attn.latent_dim
+    q, kv = linear_rows(x, attn.x_proj.weight, attn.x_proj.bias).split(attn.x_split, dim=-1)
+    if attn.q_lora_rank is not None:
+        q = linear_rows(attn.q_a_layernorm(q), attn.q_b_proj.weight)
+    q = q.view(b, h, nope + rr)
+    latent, k_rope = kv.split([r, rr], dim=-1)
+    turn = torch.cat((q[..., nope:], k_rope[:, None]), dim=1)  # [B, H+1, Rr]: the heads and the shared key
+    if attn.interleaved:
+        turn = turn.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+    turned = turn * cos + turn.roll(rr // 2, dims=-1) * sin_signed
+    new = torch.cat((attn.kv_a_layernorm(latent), turned[:, h]), dim=-1)  # [B, R+Rr]
+    slots.index_put_((torch.arange(b, device=x.device), slot), new)
+    cached = slots[:b, : visible.shape[1]].float()  # [B, S, R+Rr]
+    absorbed = torch.einsum("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
+    query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
+    scores = torch.einsum("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhs,bsr->bhr", probs, cached[..., :r]).to(x.dtype)  # [B, H, R]
+    out = torch.einsum("bhr,hrv->bhv", out, attn.w_uv_t)  # [B, H, Dv]
+    return linear_rows(out.reshape(b, h * attn.v_dim), attn.o_proj.weight, attn.o_proj.bias)
+
+
+def _step(decoder, ids, slot, positions, key_mask, caches, cos_table, sin_table):
+    """ids, slot, positions [B] int64; key_mask [B, S] (False at padding; S = the last slot + 1);
+    caches: (k, v) per layer → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
+    spec = decoder.spec
+    end = key_mask.shape[1]
+    visible = key_mask & (torch.arange(end, device=ids.device)[None, :] <= slot[:, None])  # [B, S]
+    x = decoder.embed.weight[ids]  # [B, D]
+    if spec.multipliers.embedding != 1.0:
+        x = x * spec.multipliers.embedding
+    cos = cos_table[positions][:, None, :].to(x.dtype)  # [B, 1, rot]
+    sin_signed = sin_table[positions][:, None, :].to(x.dtype)
+    residual = spec.multipliers.residual
+    chosen, weights = [], []
+    for block, entry in zip(decoder.layers, caches):
+        mixer = _latent_attention if isinstance(block.attn, MLAttention) else _attention
+        h = mixer(block.attn, _norm(block.input_norm, x), *entry, slot, cos, sin_signed, visible)
+        x = x + (h * residual if residual != 1.0 else h)
+        h = _norm(block.post_norm, x)
+        if isinstance(block.ffn, MoE):
+            h, decision = _moe(block.ffn, h)
+            chosen.append(decision.topk_ids)
+            weights.append(decision.topk_weights)
+        else:
+            h = _mlp(block.ffn, h)
+        x = x + (h * residual if residual != 1.0 else h)
+    x = _norm(decoder.norm, x)
+    head = decoder.embed.weight if decoder.lm_head is None else decoder.lm_head.weight
+    bias = decoder.head_bias if decoder.lm_head is None else decoder.lm_head.bias
+    logits = linear_rows(x, head, bias)
+    if spec.multipliers.logits_scaling != 1.0:
+        logits = logits / spec.multipliers.logits_scaling
+    return logits.float(), torch.stack(chosen), torch.stack(weights)
+
+
+def unsupported(decoder) -> Optional[str]:
+    """Why this decoder's decode step cannot be compiled here, or None when it can."""
+    if decoder.device.type != "cpu":
+        return "the compiled decode step is built and tested for CPU only"
+    if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()):
+        return "projections are not in the Hub layout (int8 weights, or laid out for eager kernels)"
+    for block in decoder.layers:
+        if block.before_attn is not None or block.before_ffn is not None:
+            return "a prefetcher is attached (the expert store)"
+        attn = block.attn
+        if isinstance(attn, MLAttention):
+            if attn.x_proj is None:
+                return "latent attention is not prepared (its fused projection is missing)"
+        elif not isinstance(attn, Attention):
+            return f"{type(attn).__name__} layers are not in the compiled step yet"
+        elif (attn.spec.chunk_size is not None or attn.spec.qk_norm == "l2" or not attn.spec.use_rope
+                or attn.spec.query_temperature is not None):
+            return "llama4-style attention is not in the compiled step yet"
+        for norm in (block.input_norm, block.post_norm):
+            if not isinstance(norm, (RMSNorm, LayerNorm)):
+                return f"{type(norm).__name__} is not in the compiled step"
+        if isinstance(block.ffn, MoE):
+            ex = block.ffn.experts
+            if ex.offloaded or ex.store is not None:
+                return "routed experts are paged by the expert store"
+            if ex.weigh_input:
+                return "experts weighed on their input (llama4) are not in the compiled step yet"
+            if ex.kernels != (PLAIN, PLAIN) or ex.expert_kernels is not None:
+                return "routed experts are not in the Hub layout (int8 weights, or eager kernels)"
+    rope = decoder.rope.spec
+    if rope.interleaved or rope.fp32:
+        return "interleaved or fp32 RoPE is not in the compiled step yet"
+    return None
+
+
+def _mark(ids, slot, positions, key_mask, caches, tables) -> None:
+    """Mark the batch, the visible length and the cache's rows and slots as dynamic sizes."""
+    mark = torch._dynamo.mark_dynamic
+    if ids.shape[0] > 1:  # a size of 1 is always specialised; batch 1 gets its own graph
+        for t in (ids, slot, positions, key_mask):
+            mark(t, 0)
+    if key_mask.shape[1] > 1:
+        mark(key_mask, 1)
+    for t in tables:
+        mark(t, 0)
+    for entry in caches:
+        for t in entry:
+            if t.shape[0] > 1:
+                mark(t, 0)
+            mark(t, 1 if t.dim() == 3 else 2)  # the slots: MLA's [B, S, R+Rr], attention's [B, Hkv, S, hd]
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor  # [B, 1, V] fp32
+    decisions: list  # (layer index, RoutingDecision) per MoE layer
+
+
+class CompiledStep:
+    """The decoder's T = 1 step, compiled once per process (Inductor's cache makes later processes
+    quicker: it keeps the generated code on disk). Call it where Decoder.forward would run T = 1."""
+
+    def __init__(self, decoder, cpp_wrapper: bool = True):
+        """cpp_wrapper: Inductor writes the code that calls the step's ~80 kernels in C++ instead of
+        Python: +25% tokens/s on the ~140M qwen3_moe at 2 threads (measured), for a longer first
+        compile (~35 s instead of ~8 s there). The kernels, and so the results, are the same."""
+        reason = unsupported(decoder)
+        if reason is not None:
+            raise ValueError(f"cannot compile the decode step: {reason}")
+        self.decoder = decoder
+        self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
+        self.gemv = gemv.operators() is not None  # built once per machine; without it, reductions
+        self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
+        # Sizes that change from call to call are marked dynamic (_mark): one graph for batch 1, one
+        # for larger batches, whatever the cache length. Everything else (weights, heads, widths)
+        # stays static, which is what lets Inductor vectorise the products.
+        # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: a copy of _step's
+        # code for each decoder keeps one model's graphs from counting against another's.
+        own = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        # Guards on the decoder's modules are skipped (tensor inputs keep theirs): checking ~100
+        # parameters' modules on every call cost ~0.7 ms a step here, and nothing replaces a module or
+        # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": cpp_wrapper}
+        self._fn = torch.compile(own, fullgraph=True, dynamic=False, options=options)
+
+    def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
+        """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position;
+        key_mask [B, S] bool, False at padding (S = the last slot written + 1)."""
+        rope = self.decoder.rope
+        rope.reserve(int(positions.max()) + 1)
+        caches = [tuple(t for t, _ in slot_tensors(entry)) for entry in cache.layers]
+        # Dynamo guards on whether a tensor was made under inference mode: the small per-step inputs
+        # and the rope tables are made so here, whoever the caller is, so one graph serves them all
+        # (the caches are always normal tensors: Decoder.new_cache makes them outside it).
+        with torch.inference_mode():
+            if self._tables is None or self._tables[0] is not rope.cos_table:
+                self._tables = (rope.cos_table, rope.cos_table.clone(), rope.sin_signed_table.clone())
+            tables = self._tables[1:]
+            ids, slot, positions, key_mask = (t.clone() for t in (ids[:, 0], slot, positions, key_mask))  # ids [B]
+            _mark(ids, slot, positions, key_mask, caches, tables)
+            logits, chosen, weights = self._fn(self.decoder, ids, slot, positions, key_mask, caches, *tables)
+        decisions = [(layer, RoutingDecision(chosen[j], weights[j])) for j, layer in enumerate(self.moe_layers)]
+        return StepResult(logits[:, None, :], decisions)
+
+    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
+        """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
+        that no request waits for a compile and no timing includes one."""
+        with torch.inference_mode():
+            for b in batches:
+                cache = self.decoder.new_cache(b, 4)
+                slot = torch.ones(b, dtype=torch.int64, device=self.decoder.device)
+                self(torch.zeros(b, 1, dtype=torch.int64, device=self.decoder.device), cache, slot, slot,
+                     cache.key_mask[:, :2])
+

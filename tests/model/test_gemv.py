@@ -1,0 +1,51 @@
+"""moekit::rows_gemv and moekit::experts_gemv against F.linear on the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.model.gemv import operators, status
+
+
+@pytest.fixture(scope="module")
+def ops():
+    built = operators()
+    assert built is not None, status()  # the set-up installs a compiler: a missing one is a failure here
+    return built
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5)])
+def test_rows_gemv_is_f_linear(ops, dtype, rows, width, out):
+    gen = torch.Generator().manual_seed(rows * width + out)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    w = torch.randn(out, width, generator=gen).to(dtype)
+    got = ops.rows_gemv(x, w)
+    assert got.dtype == dtype and got.shape == (rows, out)
+    want = F.linear(x.float(), w.float())  # fp32 products of the same (rounded) inputs
+    tol = 1e-5 * width ** 0.5 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_choice", [False, True])
+def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice):
+    gen = torch.Generator().manual_seed(7)
+    b, c, e, n, k = 3, 2, 6, 33, 70
+    w = torch.randn(e, n, k, generator=gen).to(dtype)
+    ids = torch.tensor([[1, 5], [0, 1], [5, 2]])
+    x = torch.randn(b, c if per_choice else 1, k, generator=gen).to(dtype)
+    got = ops.experts_gemv(x, w, ids)
+    assert got.shape == (b, c, n)
+    want = torch.stack([torch.stack([F.linear(x[i, j if per_choice else 0].float(), w[ids[i, j]].float())
+                                     for j in range(c)]) for i in range(b)])
+    tol = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+
+
+def test_an_expert_id_out_of_range_is_an_error_not_a_wild_read(ops):
+    w = torch.randn(4, 8, 16)
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        ops.experts_gemv(torch.randn(1, 1, 16), w, torch.tensor([[4]]))

@@ -1,0 +1,75 @@
+"""The MXFP4 and FP8 kernels (moekit.model.packed) against the obvious: dequantize the stored
+weight by the format's definition, then F.linear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moekit.model import packed
+from moekit.model.linear import MXFP4, fp8_kernel
+from moekit.weights import fp8, mxfp4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_kernel_is_dequantize_then_linear(dtype):
+    w = torch.randn(48, 96)
+    blocks, scales = mxfp4.quantize(w)
+    prepared = packed.mxfp4_rows(blocks, scales)
+    assert prepared.shape == (48, 3 * 17) and torch.equal(prepared, MXFP4.prepare(w))
+    want_w = mxfp4.dequantize(blocks, scales)  # [out, in]
+    assert torch.equal(MXFP4.hub(prepared, 96), want_w)
+    x, bias = torch.randn(5, 96).to(dtype), torch.randn(48).to(dtype)
+    assert torch.equal(MXFP4.apply(x, prepared, bias), F.linear(x, want_w.to(dtype), bias))
+
+
+@pytest.mark.parametrize("shape", [(256, 128), (200, 300), (96, 136), (130, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kernel_is_dequantize_then_linear(shape, dtype):
+    w = torch.randn(shape)
+    q, scale_inv = fp8.quantize(w)
+    prepared = packed.fp8_rows(q, scale_inv, (128, 128))
+    kernel = fp8_kernel(128)
+    assert prepared.shape == (shape[0], shape[1] + 4 * -(-shape[1] // 128))
+    want_w = fp8.dequantize(q, scale_inv)
+    assert torch.equal(kernel.hub(prepared, shape[1]), want_w)
+    x = torch.randn(3, shape[1]).to(dtype)
+    assert torch.equal(kernel.apply(x, prepared, None), F.linear(x, want_w.to(dtype)))
+
+
+def test_stacked_rows_keep_their_own_scales():
+    """gate_up is gate's rows then up's: each row carries its block row's scales, so stacking the
+    packed rows is stacking the dequantized weights."""
+    gate, up = torch.randn(96, 192), torch.randn(96, 192) * 100
+    rows = [packed.fp8_rows(*fp8.quantize(m), (128, 128)) for m in (gate, up)]
+    both = fp8_kernel(128).hub(torch.cat(rows), 192)
+    assert torch.equal(both, torch.cat([fp8.dequantize(*fp8.quantize(m)) for m in (gate, up)]))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_mxfp4_operator_equals_the_reference_within_summation_order(rows, dtype, tol):
+    from moekit.model import packed_gemv
+
+    if packed_gemv.operator() is None:
+        pytest.skip(packed_gemv.status())
+    w = packed.mxfp4_prepare(torch.randn(72, 160) * torch.logspace(-2, 2, 160))  # 5 blocks a row
+    x, bias = torch.randn(rows, 160).to(dtype), torch.randn(72).to(dtype)
+    got, want = packed_gemv.mxfp4_gemv(x, w, bias), packed.mxfp4_apply(x.float(), w, bias.float())
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+@pytest.mark.parametrize("shape", [(72, 160), (130, 300), (40, 72)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fp8_operator_equals_the_reference_within_summation_order(shape, dtype, tol):
+    from moekit.model import packed_gemv
+
+    if packed_gemv.operator() is None:
+        pytest.skip(packed_gemv.status())
+    w = packed.fp8_prepare(torch.randn(shape) * torch.logspace(-2, 2, shape[1]), 128)
+    x, bias = torch.randn(3, shape[1]).to(dtype), torch.randn(shape[0]).to(dtype)
+    got, want = packed_gemv.fp8_gemv(x, w, bias, 128), packed.fp8_apply(x.float(), w, bias.float(), 128)
+    assert got.dtype == dtype
+    assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()

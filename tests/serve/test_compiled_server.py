@@ -1,0 +1,39 @@
+"""`moekit serve --compile`: continuous batching through the compiled decode step gives every
+client the tokens the eager engine gives its prompt alone (fp32 greedy)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server_process import start_server
+from moekit.engine.default_model import bundled_model_path
+from moekit.engine.loader import load_engine
+
+PROMPTS = ["def parse_args(argv):", "import os\n", "NAME\n    ls - list", "for i in range(", "class Stack:"]
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server("--max-batch", "8", "--compile", timeout=600)  # a cold compile of both graphs
+    yield s
+    assert s.stop() == 0
+
+
+def test_concurrent_clients_of_a_compiled_server_get_their_solo_tokens(server):
+    engine = load_engine(bundled_model_path())
+    jobs = [(PROMPTS[i % len(PROMPTS)], 6 + 3 * i) for i in range(8)]  # rows leave at different steps
+
+    def ask(job):
+        prompt, new = job
+        body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        return httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, jobs))
+    for (prompt, new), ids in zip(jobs, got):
+        want = engine.generate([engine.encode(prompt)], max_new_tokens=new, stop_ids=()).token_ids[0]
+        assert ids == want, prompt
+    assert any("compiled graph" in line for line in server.log), server.log[-5:]

@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # hf_tiny
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # cli_runner
+
+from gguf_convert import convert, tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory):
+    """(family, outtype) → (checkpoint folder, GGUF llama.cpp's converter made of it), once a session."""
+    folders: dict[str, Path] = {}
+    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+
+    def get(family: str, outtype: str = "f32") -> tuple[Path, Path]:
+        if family not in folders:
+            folders[family] = tiny_checkpoint(family, tmp_path_factory.mktemp(family))
+        if (family, outtype) not in made:
+            folder = folders[family]
+            made[family, outtype] = folder, convert(folder, outtype, folder.parent / f"{family}-{outtype}.gguf")
+        return made[family, outtype]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def quantized_checkpoints(tmp_path_factory):
+    """kind ("mxfp4", "fp8", "fp8-partial") → a checkpoint in that published layout
+    (quantized_files.py), written once per session on first use."""
+    from quantized_files import FP8_PARTIAL, write_fp8, write_mxfp4
+
+    writers = {
+        "mxfp4": write_mxfp4,
+        "fp8": write_fp8,
+        "fp8-partial": lambda folder: write_fp8(folder, shape=FP8_PARTIAL),
+    }
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = writers[kind](tmp_path_factory.mktemp(kind))
+        return made[kind]
+
+    return get

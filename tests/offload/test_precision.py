@@ -193,6 +193,13 @@ def test_cli_refuses_bad_precision_options_in_one_line(qwen, tmp_path, capsys, a
     refused(capsys, "pack", qwen, *args, "--out", tmp_path / "out")
 
 
+@pytest.mark.parametrize("option", [["--hot", "bf16"], ["--cold", "int4"], ["--hot-share", "50%"]])
+def test_profile_options_without_a_profile_are_refused_not_ignored(qwen, tmp_path, capsys, option):
+    err = refused(capsys, "pack", qwen, *option, "--out", tmp_path / "out")
+    assert "give --precision-by-profile too" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_hot_experts_are_each_layers_most_used_ties_to_the_lower_id_and_unused_ones_stay_cold():
     counts = {0: [5, 0, 9, 5, 1, 0, 0, 0], 3: [0] * 8}
     split = by_frequency(counts, "bf16", "int4", 0.375)  # 3 of 8 per layer

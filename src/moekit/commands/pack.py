@@ -40,9 +40,11 @@ def pack(
     profile: Optional[Path] = typer.Option(
         None, "--precision-by-profile", help="A `moekit profile` JSON of this model: hot experts at --hot, the rest at --cold."
     ),
-    hot: str = typer.Option("bf16", "--hot", help="Precision of each layer's most used experts (with --precision-by-profile)."),
-    cold: str = typer.Option("int8", "--cold", help="Precision of the others (with --precision-by-profile)."),
-    hot_share: str = typer.Option("25%", "--hot-share", help="Share of each layer's experts kept hot, e.g. 25% or 0.25."),
+    hot: Optional[str] = typer.Option(None, "--hot", help="Precision of each layer's most used experts (with "
+                                      "--precision-by-profile; default bf16)."),
+    cold: Optional[str] = typer.Option(None, "--cold", help="Precision of the others (with --precision-by-profile; default int8)."),
+    hot_share: Optional[str] = typer.Option(None, "--hot-share", help="Share of each layer's experts kept hot, e.g. 25% "
+                                            "or 0.25 (with --precision-by-profile; default 25%)."),
 ) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -67,13 +69,16 @@ def pack(
     typer.echo(f"run it: moekit run {result.folder} \"PROMPT\" --expert-memory 25%")
 
 
-def _precisions(checkpoint: Path, precision: Optional[str], profile: Optional[Path], hot: str, cold: str, hot_share: str):
+def _precisions(checkpoint: Path, precision: Optional[str], profile: Optional[Path], hot: Optional[str],
+                cold: Optional[str], hot_share: Optional[str]):
     """(layer, expert) → precision from the options, or None (as stored). Checked before any write."""
     from moekit.errors import MoekitError
     from moekit.offload.precision import by_frequency, parse_precision, parse_share, read_counts, uniform
     from moekit.spec.loading import spec_from_config
     from moekit.weights.checkpoint import read_config
 
+    if profile is None and (hot, cold, hot_share) != (None, None, None):
+        raise MoekitError("--hot, --cold and --hot-share choose precisions by a profile: give --precision-by-profile too")
     if precision is None and profile is None:
         return None
     if precision is not None and profile is not None:
@@ -81,5 +86,6 @@ def _precisions(checkpoint: Path, precision: Optional[str], profile: Optional[Pa
     spec = spec_from_config(read_config(checkpoint), checkpoint.name)
     if precision is not None:
         return uniform(spec, parse_precision(precision, "--precision"))
-    hot_p, cold_p, share = parse_precision(hot, "--hot"), parse_precision(cold, "--cold"), parse_share(hot_share)
+    hot_p, cold_p = parse_precision(hot or "bf16", "--hot"), parse_precision(cold or "int8", "--cold")
+    share = parse_share(hot_share or "25%")
     return by_frequency(read_counts(profile, checkpoint, spec), hot_p, cold_p, share)

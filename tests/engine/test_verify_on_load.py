@@ -14,6 +14,7 @@ import pytest
 import moekit
 from hf_tiny import write_checkpoint
 from moekit.errors import CheckpointError
+from tests.offload.offload_files import flip_byte
 from moekit.offload.manifest import checksum_checkpoint, read_manifest, write_manifest
 from moekit.spec import load_spec
 
@@ -48,13 +49,6 @@ def _checksummed(pristine, family, tmp_path):
     return folder, read_manifest(folder)
 
 
-def _flip(path, offset):
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x5A]))
-
 
 def _digest(folder):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
@@ -76,7 +70,7 @@ def test_an_untouched_checkpoint_loads_verified_and_generates_the_same_tokens(pr
 def test_a_flipped_byte_in_a_routed_expert_is_refused_naming_expert_tensor_and_file(pristine, family, tmp_path):
     folder, manifest = _checksummed(pristine, family, tmp_path)
     x = manifest.experts[1, 3].down[0]
-    _flip(folder / x.file, x.offset + x.length // 2)
+    flip_byte(folder / x.file, x.offset + x.length // 2)
     before = _digest(folder)
     with pytest.raises(CheckpointError) as err:
         moekit.load(folder)
@@ -93,7 +87,7 @@ def test_a_flipped_byte_in_a_dense_tensor_is_refused_on_both_load_paths(pristine
     folder, manifest = _checksummed(pristine, "qwen3_moe", tmp_path)
     name = "model.layers.0.self_attn.q_proj.weight"
     (t,) = [t for t in manifest.tensors if t.name == name]
-    _flip(folder / t.file, t.offset + 3)
+    flip_byte(folder / t.file, t.offset + 3)
     before = _digest(folder)
     with pytest.raises(CheckpointError) as err:
         moekit.load(folder, expert_memory=expert_memory)
@@ -115,7 +109,7 @@ def test_an_older_manifest_without_dense_checksums_verifies_the_experts_and_says
     assert note.startswith(f"moekit-experts.json has no checksums for {len(manifest.tensors)} of the checkpoint's ")
     assert note.endswith(f"`moekit checksum {folder}` adds them")
     x = manifest.experts[0, 5].gate_up[0]
-    _flip(folder / x.file, x.offset)
+    flip_byte(folder / x.file, x.offset)
     with pytest.raises(CheckpointError, match="layer 0 expert 5 .tensor model.layers.0.mlp.experts.5.gate_proj.weight.: checksum mismatch"):
         moekit.load(folder)
     # and `moekit checksum` adds the dense checksums to it, keeping the experts' (so the flip stays caught)

@@ -127,3 +127,12 @@ def dequantized_copy(src: Path, dst: Path) -> Path:
         if (src / extra).is_file():
             (dst / extra).write_text((src / extra).read_text())
     return dst
+
+
+def reference_model(folder):
+    """transformers' model of `folder` in fp32 with eager attention, never stopping early: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    model.generation_config.eos_token_id = None
+    return model

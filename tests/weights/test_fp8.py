@@ -18,20 +18,12 @@ import torch
 from moekit.engine.loader import load_engine
 from moekit.model.linear import Linear, fp8_kernel
 from moekit.weights import fp8
-from quantized_files import dequantized_copy, obvious_fp8_dequantize
+from quantized_files import dequantized_copy, obvious_fp8_dequantize, reference_model
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120]
 NEW = 20
-
-
-def _reference(folder):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def _assert_same(engine, model) -> None:
@@ -64,12 +56,12 @@ def test_dequantize_is_the_format_definition_on_partial_blocks(shape):
 
 def test_engine_equals_transformers_loading_the_fp8_file(quantized_checkpoints):
     folder = quantized_checkpoints("fp8")
-    _assert_same(load_engine(folder), _reference(folder))
+    _assert_same(load_engine(folder), reference_model(folder))
 
 
 def test_engine_with_partial_blocks_equals_transformers_on_the_dequantized_file(quantized_checkpoints, tmp_path):
     folder = quantized_checkpoints("fp8-partial")
-    _assert_same(load_engine(folder), _reference(dequantized_copy(folder, tmp_path / "plain")))
+    _assert_same(load_engine(folder), reference_model(dequantized_copy(folder, tmp_path / "plain")))
 
 
 def test_routed_experts_stay_fp8_and_dense_weights_are_dequantized(quantized_checkpoints):

@@ -14,19 +14,12 @@ import torch
 from moekit.engine.loader import load_engine
 from moekit.model.linear import MXFP4, MXFP4_GEMV
 from moekit.weights import mxfp4
+from quantized_files import reference_model
 
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120]
 NEW = 20
-
-
-def _reference(folder):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    model.generation_config.eos_token_id = None
-    return model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -50,7 +43,7 @@ def test_quantize_keeps_values_that_are_fp4_times_a_power_of_two():
 
 def test_engine_equals_transformers_on_the_published_layout(quantized_checkpoints):
     folder = quantized_checkpoints("mxfp4")
-    engine, model = load_engine(folder), _reference(folder)
+    engine, model = load_engine(folder), reference_model(folder)
     ids = torch.tensor([PROMPT])
     with torch.inference_mode():
         want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,

@@ -9,6 +9,7 @@ import pytest
 
 from moekit.engine.loader import load_engine
 from moekit.errors import CheckpointError
+from tests.offload.offload_files import flip_byte
 from moekit.offload.manifest import checksum_checkpoint, read_manifest
 from moekit.spec import load_spec
 from quantized_files import write_fp8, write_mxfp4
@@ -16,13 +17,6 @@ from quantized_files import write_fp8, write_mxfp4
 WRITERS = {"mxfp4": (write_mxfp4, "model.layers.1.mlp.experts.down_proj_blocks"),
            "fp8": (write_fp8, "model.layers.1.self_attn.o_proj.weight_scale_inv")}
 
-
-def _flip(path, offset):
-    with path.open("r+b") as fh:
-        fh.seek(offset)
-        byte = fh.read(1)
-        fh.seek(offset)
-        fh.write(bytes([byte[0] ^ 0x5A]))
 
 
 @pytest.mark.parametrize("method", sorted(WRITERS))
@@ -33,7 +27,7 @@ def test_a_flipped_byte_in_a_quantized_tensor_is_refused_naming_it(method, tmp_p
     checksum_checkpoint(folder, load_spec(str(folder)))
     assert load_engine(folder).generate([1, 17, 42], max_new_tokens=6, stop_ids=()).token_ids == want
     (t,) = [t for t in read_manifest(folder).tensors if t.name == name]
-    _flip(folder / t.file, t.offset + t.length - 1)
+    flip_byte(folder / t.file, t.offset + t.length - 1)
     with pytest.raises(CheckpointError) as err:
         load_engine(folder)
     assert str(err.value).startswith(f"{folder}: tensor {name}: checksum mismatch in {t.file} (bytes {t.offset}..")

@@ -8,7 +8,7 @@ convert bf16 with a shift, and accumulate in fp32 with FMA over four independent
   moekit::rows_gemv(x [M, K], w [N, K]) -> [M, N]                     a projection, Hub layout
   moekit::experts_gemv(x [B, X, K], w [E, N, K], ids [B, C]) -> [B, C, N]
       row b's C chosen experts, each on x[b, 0] (X = 1, gate_up) or on x[b, c] (X = C, down),
-      read in place from the stacked weights (no gather copy)
+      read in place from the stacked weights (no gather copy), each chosen expert once per call
 x and w are fp32 or bf16 (w's dtype decides the load; x is read as fp32); the output has x's dtype.
 They are registered as dispatcher operators with shape functions, so torch.compile calls them as
 extern kernels inside the compiled graph. Built once per machine with torch.utils.cpp_extension;
@@ -26,6 +26,7 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <vector>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define MK_AVX2 1
@@ -90,19 +91,29 @@ torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w) {
 template <typename W>
 static void experts_kernel(const float* x, const W* w, const int64_t* ids, float* y,
                            int64_t B, int64_t X, int64_t C, int64_t E, int64_t N, int64_t K) {
-    // Work items are (row, choice, block of 16 outputs): a lone row still spreads over the threads.
+    // The (row, choice) pairs grouped by expert: each chosen expert's weight rows are read once for
+    // all the pairs that chose it (a batch reads the union of its experts, not one copy per row).
+    std::vector<std::vector<int64_t>> pairs(E);
+    for (int64_t bc = 0; bc < B * C; ++bc) {
+        TORCH_CHECK(ids[bc] >= 0 && ids[bc] < E, "experts_gemv: expert id out of range");
+        pairs[ids[bc]].push_back(bc);
+    }
+    // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
     const int64_t blocks = (N + 15) / 16;
-    at::parallel_for(0, B * C * blocks, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t item = begin; item < end; ++item) {
-            const int64_t bc = item / blocks, blk = item % blocks;
-            const int64_t b = bc / C, c = bc % C;
-            const int64_t e = ids[b * C + c];
-            TORCH_CHECK(e >= 0 && e < E, "experts_gemv: expert id out of range");
-            const float* xr = x + (b * X + (X == 1 ? 0 : c)) * K;
+    std::vector<int64_t> items;
+    for (int64_t e = 0; e < E; ++e)
+        if (!pairs[e].empty())
+            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
+    at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t e = items[i] / blocks, blk = items[i] % blocks;
             const W* we = w + e * N * K;
-            float* yr = y + (b * C + c) * N;
             const int64_t n_end = std::min(N, (blk + 1) * 16);
-            for (int64_t n = blk * 16; n < n_end; ++n) yr[n] = dot(we + n * K, xr, K);
+            for (int64_t n = blk * 16; n < n_end; ++n)
+                for (const int64_t bc : pairs[e]) {
+                    const int64_t b = bc / C, c = bc % C;
+                    y[bc * N + n] = dot(we + n * K, x + (b * X + (X == 1 ? 0 : c)) * K, K);
+                }
         }
     });
 }
@@ -144,7 +155,7 @@ def operators():
 
         # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
         # already loaded, so there is one thread pool, not two.
-        load_inline(name="moekit_gemv_v1", cpp_sources=_SOURCE, is_python_module=False,
+        load_inline(name="moekit_gemv_v2", cpp_sources=_SOURCE, is_python_module=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as err:  # a missing compiler or headers: the compiled step keeps its reductions
         _STATUS["gemv"] = f"the gemv operators could not be built ({type(err).__name__}: {str(err)[:120]})"

@@ -29,10 +29,10 @@ def engines(tmp_path_factory):
         if family not in made:
             folder = write_checkpoint(family, tmp_path_factory.mktemp(family))
             compiled = load_engine(folder, compile=True)
-            if family != "qwen3_moe":
-                # The same graph with Python calling its kernels: a quarter of the compile time, and
-                # the same kernels (the C++ caller, load_engine's default, is tested on qwen3_moe).
-                compiled.decoder.compile_decode(cpp_wrapper=False)
+            # The same graph with Python calling its kernels: a quarter of the compile time, and the
+            # same kernels (the C++ caller, load_engine's default, is what tests/serve/
+            # test_compiled_server.py runs).
+            compiled.decoder.compile_decode(cpp_wrapper=False)
             made[family] = (load_engine(folder), compiled)
         return made[family]
 

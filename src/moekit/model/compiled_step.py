@@ -3,11 +3,13 @@
 Why a second formulation of the same step: the eager step is ~2,000 small ops, and on a CPU their
 fixed cost (dispatch, allocation, one-row GEMMs that MKL and oneDNN run well below memory speed)
 is most of a token's time. Written as plain tensor algebra with no data-dependent Python, the whole
-step compiles into a few C++/OpenMP kernels:
-  - every projection for one row is a reduction `(x[:, None, :] * W).sum(-1)` over the Hub layout
-    [out, in], which Inductor turns into a vectorised loop that streams W at memory speed;
-  - the chosen experts are read by indirect indexing (`W[topk_ids]`), which compiled code reads in
-    place (eager, the same expression would copy the experts: this step is compile-only);
+step compiles into one graph of a few dozen kernels:
+  - every projection is moekit::rows_gemv and the chosen experts moekit::experts_gemv (two small
+    C++ operators, moekit.model.gemv, that stream fp32/bf16 weight rows at memory speed and read the
+    experts in place from the stacks); where they cannot be built, a projection of one row is the
+    reduction `(x[:, None, :] * W).sum(-1)`, which Inductor vectorises, and the experts are read by
+    indirect indexing `W[topk_ids]`, which compiled code reads in place (eager, the same expression
+    would copy the experts: this step is compile-only);
   - routing is the shared `route()` (so every family's order of operations is the one the eager
     path and the reference use);
   - the KV cache is the Decoder's own, written in place with one index_put_ per tensor at each
@@ -18,7 +20,8 @@ decoder stays the reference: tests/model/test_compiled_step.py holds the two to 
 tokens and fp32 logits within 1e-4 for every family it runs.
 
 Latent attention (MLA) runs its absorbed form, as the eager decode does. What it does not run (the
-decoder then takes its eager step, and `unsupported()` says why): llama4 attention, the expert store, int8 weights, per-row K (tiers) and routing policies, hooks.
+decoder then takes its eager step, and `unsupported()` says why): llama4 attention, the expert
+store, int8 / MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks.
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 
@@ -29,7 +32,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from moekit.model import gemv
 from moekit.model.attention import Attention
@@ -57,10 +59,6 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 def _has_gemv() -> bool:
     # Read while Dynamo traces (a constant in the graph): whether moekit.model.gemv registered its ops.
     return hasattr(torch.ops.moekit, "rows_gemv")
-
-
-def _norm(module, x: torch.Tensor) -> torch.Tensor:
-    return module(x)  # RMSNorm / LayerNorm are already a handful of pointwise ops and one reduction
 
 
 def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
@@ -185,9 +183,9 @@ def _step(decoder, ids, slot, positions, key_mask, caches, cos_table, sin_table)
     chosen, weights = [], []
     for block, entry in zip(decoder.layers, caches):
         mixer = _latent_attention if isinstance(block.attn, MLAttention) else _attention
-        h = mixer(block.attn, _norm(block.input_norm, x), *entry, slot, cos, sin_signed, visible)
+        h = mixer(block.attn, block.input_norm(x), *entry, slot, cos, sin_signed, visible)
         x = x + (h * residual if residual != 1.0 else h)
-        h = _norm(block.post_norm, x)
+        h = block.post_norm(x)
         if isinstance(block.ffn, MoE):
             h, decision = _moe(block.ffn, h)
             chosen.append(decision.topk_ids)
@@ -195,7 +193,7 @@ def _step(decoder, ids, slot, positions, key_mask, caches, cos_table, sin_table)
         else:
             h = _mlp(block.ffn, h)
         x = x + (h * residual if residual != 1.0 else h)
-    x = _norm(decoder.norm, x)
+    x = decoder.norm(x)
     head = decoder.embed.weight if decoder.lm_head is None else decoder.lm_head.weight
     bias = decoder.head_bias if decoder.lm_head is None else decoder.lm_head.bias
     logits = linear_rows(x, head, bias)

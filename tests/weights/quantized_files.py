@@ -136,3 +136,17 @@ def reference_model(folder):
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def assert_engine_equals(engine, model, prompt: list[int], new: int) -> None:
+    """moekit's engine against transformers' model: the same greedy tokens, logits within 1e-5."""
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=new, pad_token_id=0)[0, len(prompt):].tolist()
+        want_logits = model(ids).logits[0]  # [T, V]
+        got_logits = engine.decoder(ids, engine.decoder.new_cache(1, len(prompt)), torch.arange(len(prompt))[None])[0]
+    assert len(set(want)) >= 3  # a continuation that says something, not one token repeated
+    assert engine.generate(prompt, max_new_tokens=new, stop_ids=()).token_ids[0] == want
+    assert (got_logits - want_logits).abs().max().item() < 1e-5
+

@@ -18,7 +18,7 @@ import torch
 from moekit.engine.loader import load_engine
 from moekit.model.linear import Linear, fp8_kernel
 from moekit.weights import fp8
-from quantized_files import dequantized_copy, obvious_fp8_dequantize, reference_model
+from quantized_files import assert_engine_equals, dequantized_copy, obvious_fp8_dequantize, reference_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,15 +27,7 @@ NEW = 20
 
 
 def _assert_same(engine, model) -> None:
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=NEW, pad_token_id=0)[0, len(PROMPT):].tolist()
-        want_logits = model(ids).logits[0]  # [T, V]
-        got_logits = engine.decoder(ids, engine.decoder.new_cache(1, len(PROMPT)), torch.arange(len(PROMPT))[None])[0]
-    assert len(set(want)) >= 3
-    assert engine.generate(PROMPT, max_new_tokens=NEW, stop_ids=()).token_ids[0] == want
-    assert (got_logits - want_logits).abs().max().item() < 1e-5
+    assert_engine_equals(engine, model, PROMPT, NEW)
 
 
 def test_dequantize_is_transformers_on_whole_blocks():

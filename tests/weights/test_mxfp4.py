@@ -14,7 +14,7 @@ import torch
 from moekit.engine.loader import load_engine
 from moekit.model.linear import MXFP4, MXFP4_GEMV
 from moekit.weights import mxfp4
-from quantized_files import reference_model
+from quantized_files import assert_engine_equals, reference_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -43,16 +43,7 @@ def test_quantize_keeps_values_that_are_fp4_times_a_power_of_two():
 
 def test_engine_equals_transformers_on_the_published_layout(quantized_checkpoints):
     folder = quantized_checkpoints("mxfp4")
-    engine, model = load_engine(folder), reference_model(folder)
-    ids = torch.tensor([PROMPT])
-    with torch.inference_mode():
-        want = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=NEW, pad_token_id=0)[0, len(PROMPT):].tolist()
-        want_logits = model(ids).logits[0]  # [T, V]
-        got_logits = engine.decoder(ids, engine.decoder.new_cache(1, len(PROMPT)), torch.arange(len(PROMPT))[None])[0]
-    assert len(set(want)) >= 3
-    assert engine.generate(PROMPT, max_new_tokens=NEW, stop_ids=()).token_ids[0] == want
-    assert (got_logits - want_logits).abs().max().item() < 1e-5
+    assert_engine_equals(load_engine(folder), reference_model(folder), PROMPT, NEW)
 
 
 def test_experts_stay_packed_at_four_and_a_quarter_bits(quantized_checkpoints):

@@ -273,7 +273,7 @@ class CompiledStep:
             raise ValueError(f"cannot compile the decode step: {reason}")
         self.decoder = decoder
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
-        self.gemv = gemv.operators() is not None  # built once per machine; without it, reductions
+        gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         # Sizes that change from call to call are marked dynamic (_mark): one graph for batch 1, one
         # for larger batches, whatever the cache length. Everything else (weights, heads, widths)

@@ -81,11 +81,15 @@ class RoutedExperts(nn.Module):
     def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
         """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.model.packed), each expert's
         prepared bytes given, in place of the full-precision stacks, which are dropped unfilled."""
+        self._hold(kernels, gate_up, down)
+        self.kept_packed = True
+
+    def _hold(self, kernels: tuple, gate_up, down) -> None:
+        """Every expert's prepared (gate_up, down) for `kernels`, in place of the stacks."""
         del self.gate_up, self.down
         self.gate_up, self.down = (nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in ws]) for ws in (gate_up, down))
         self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = kernels
-        self.kept_packed = True
+        self.kernels = (kernels[0], kernels[1])
 
     def quantize_int8(self) -> None:
         """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),
@@ -102,10 +106,7 @@ class RoutedExperts(nn.Module):
             del hub
             stacks.append(tuple(packed.unbind(0)))  # expert e's blocks: a contiguous view
             kernels.append(int8)
-        del self.gate_up, self.down
-        self.gate_up, self.down = (nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in ws]) for ws in stacks)
-        self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = (kernels[0], kernels[1])
+        self._hold(kernels, *stacks)
 
     def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) as this module holds them."""

@@ -1,14 +1,17 @@
-"""The decode benchmark: both sides generate the same tokens, and its bytes come from the meter."""
+"""The decode benchmark: both sides generate the same tokens, and its bytes come from the meter
+(each routed expert at the bytes it holds: int8 / packed experts are not counted at the dtype's)."""
 
 from __future__ import annotations
+
+import statistics
 
 import pytest
 import torch
 
-from moekit.bench.decode import BenchSettings, bench_decode, decode_baseline
+from moekit.bench.decode import BenchSettings, bench_decode, bench_prompts, decode_baseline
 from moekit.engine.generate import Generation, LayerRouting, StepRouting, Timing
 from moekit.engine.loader import load_engine
-from moekit.engine.meter import decode_step_params, params_per_token
+from moekit.engine.meter import decode_step_bytes, decode_step_params, params_per_token
 from moekit.spec import load_spec
 
 transformers = pytest.importorskip("transformers")
@@ -19,6 +22,22 @@ def test_batch_one_step_bytes_are_the_meters_bytes_per_token(tiny_checkpoints):
     gen = engine.generate([1, 17, 42, 99], max_new_tokens=8, stop_ids=())
     per_token = [a.params_touched for a in engine.meter(gen)[1:]]  # tokens made by decode steps
     assert decode_step_params(engine.spec, gen) == per_token
+
+
+def test_int8_experts_make_the_step_bytes_the_meters_int8_bytes(tiny_checkpoints):
+    folder = tiny_checkpoints("qwen3_moe")
+    int8, fp32 = load_engine(folder, weights="int8-experts"), load_engine(folder)
+    settings = BenchSettings(batches=(1,), tokens=6, prompt_len=5, repeats=1, warmup=0)
+    (ours,), (plain,) = (bench_decode(e, settings, baseline=None, bandwidth_bytes_s=20e9) for e in (int8, fp32))
+    prompt = bench_prompts(int8.spec.vocab_size, 1, settings.prompt_len, settings.seed + 1).tolist()
+    gen = int8.generate(prompt, max_new_tokens=settings.tokens, stop_ids=())
+    assert ours.bytes_per_step == pytest.approx(statistics.fmean(a.bytes_touched for a in int8.meter(gen)[1:]))
+    # Batch 1 reads K distinct experts a layer every step: each one int8 instead of fp32.
+    counts = params_per_token(int8.spec)
+    layer = min(counts.top_k)
+    saved = sum(counts.top_k.values()) * (counts.expert_each[layer] * 4 - int8.expert_bytes(layer, 0))
+    assert plain.bytes_per_step - ours.bytes_per_step == pytest.approx(saved)
+    assert ours.roofline_tok_s == pytest.approx(20e9 / ours.bytes_per_step) and ours.roofline_tok_s > plain.roofline_tok_s
 
 
 def _routing(step: int, layers, rows: list[list[int]]) -> StepRouting:
@@ -47,6 +66,12 @@ def test_a_batch_reads_each_chosen_expert_once(tiny_checkpoints):
     assert decode_step_params(spec, gen) == [
         shared + (k + 1) * experts + 3 * c.embedding_row,
         shared + k * experts + 2 * c.embedding_row,
+    ]
+    # Each expert holding 1000 bytes: the batch's distinct experts at 1000 each, the rest at fp32.
+    held = 1000 * len(layers)  # one expert in every MoE layer
+    assert decode_step_bytes(spec, gen, 4, lambda layer, e: 1000) == [
+        (shared + 3 * c.embedding_row) * 4 + (k + 1) * held,
+        (shared + 2 * c.embedding_row) * 4 + k * held,
     ]
 
 

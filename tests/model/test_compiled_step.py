@@ -96,8 +96,61 @@ def test_families_not_compiled_say_so_and_run_eager(tmp_path, family):
     assert engine.generate([[5, 9, 33]], max_new_tokens=6, stop_ids=()).token_ids == want
 
 
-def test_int8_and_paged_engines_stay_eager(tmp_path):
+def _step_logits(engine, prompt: list[int], steps: int = 3) -> torch.Tensor:
+    """Logits of `steps` decode steps after a prefill of `prompt`, batch 1."""
+    dec = engine.decoder
+    cache = dec.new_cache(1, len(prompt) + steps)
+    with torch.inference_mode():
+        dec(torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
+        out = [dec(torch.tensor([[17 + s]]), cache, torch.tensor([[len(prompt) + s]])) for s in range(steps)]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("weights", ("int8", "int8-experts"))
+@pytest.mark.parametrize("family", ("qwen3_moe", "deepseek_v3", "gpt_oss"))
+def test_int8_compiled_matches_eager_int8(tmp_path, family, weights):
+    """q8_0 weights in the compiled step (moekit::rows_q8 / experts_q8) against the eager int8 engine."""
+    folder = write_checkpoint(family, tmp_path / family)
+    eager = load_engine(folder, weights=weights)
+    compiled = load_engine(folder, weights=weights, compile=True)
+    assert compiled.decoder.compiled is not None, compiled.notes
+    compiled.decoder.compile_decode(cpp_wrapper=False)  # the same kernels, a quicker compile
+    ex = next(b.ffn.experts for b in compiled.decoder.layers if hasattr(b.ffn, "experts"))
+    assert ex.int8_stacks is not None and ex.int8_stacks[0].dtype == torch.uint8
+    heads = [e.decoder.lm_head for e in (eager, compiled)]
+    if weights == "int8" and heads[0] is not None:
+        assert all(h.weight.dtype == torch.uint8 for h in heads)  # the head is int8 on both sides
+    prompts = [[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41]]
+    for batch in ([prompts[0]], prompts):
+        want = eager.generate(batch, max_new_tokens=10, stop_ids=()).token_ids
+        assert compiled.generate(batch, max_new_tokens=10, stop_ids=()).token_ids == want, f"batch of {len(batch)}"
+    torch.testing.assert_close(_step_logits(compiled, prompts[0]), _step_logits(eager, prompts[0]), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
+    """replace_expert writes into the q8_0 stacks the compiled step reads."""
     folder = write_checkpoint("qwen3_moe", tmp_path / "q")
-    engine = load_engine(folder, compile=True, weights="int8-experts")
-    assert engine.decoder.compiled is None
-    assert "--compile: running eager (int8 weights are not in the compiled step)" in engine.notes
+    engines = [load_engine(folder, weights="int8-experts", compile=c) for c in (False, True)]
+    engines[1].decoder.compile_decode(cpp_wrapper=False)
+    prompt = [5, 9, 33, 7]
+    before = _step_logits(engines[1], prompt)
+    for engine in engines:
+        ex = next(b.ffn.experts for b in engine.decoder.layers if hasattr(b.ffn, "experts"))
+        gate_up, down = ex.resident_weights(0)
+        for e in range(ex.num_experts):  # every expert of the layer becomes expert 0
+            ex.replace_expert(e, (gate_up.clone(), down.clone()))
+    after = [_step_logits(engine, prompt) for engine in engines]
+    assert not torch.allclose(after[1], before)
+    torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
+
+
+def test_paged_engines_stay_eager(tmp_path):
+    from moekit.offload.options import OffloadOptions
+
+    folder = write_checkpoint("qwen3_moe", tmp_path / "q")
+    engine = load_engine(folder, compile=True, offload=OffloadOptions("50%"))
+    try:
+        assert engine.decoder.compiled is None
+        assert "--compile: running eager (routed experts are paged by the expert store)" in engine.notes
+    finally:
+        engine.close()

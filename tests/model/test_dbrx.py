@@ -13,8 +13,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
 from hf_tiny import FAMILIES, assert_engine_matches_reference, build_reference  # noqa: E402
 from moekit.engine.loader import load_engine  # noqa: E402
-from moekit.errors import MoekitError  # noqa: E402
-from moekit.offload.options import OffloadOptions  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120]
 FFN = FAMILIES["dbrx"]["ffn_config"]
@@ -43,9 +41,3 @@ def test_clip_qkv_matters_here(tmp_path):
         dec = load_engine(tmp_path / name).decoder
         logits.append(dec(ids, dec.new_cache(1, len(PROMPT)), torch.arange(len(PROMPT))[None]))
     assert not torch.allclose(logits[0], logits[1], atol=1e-3)
-
-
-def test_paging_dbrx_experts_is_refused_clearly(tmp_path):
-    build_reference("dbrx", seed=2).save_pretrained(tmp_path)
-    with pytest.raises(MoekitError, match="stacked expert rows of this family cannot be paged"):
-        load_engine(tmp_path, offload=OffloadOptions("50%"))

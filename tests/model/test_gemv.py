@@ -1,4 +1,5 @@
-"""moekit::rows_gemv and moekit::experts_gemv against F.linear on the same weights."""
+"""moekit::rows_gemv / experts_gemv against F.linear, and rows_q8 / experts_q8 against the int8
+reference (the q8_0 weight dequantized, F.linear in fp32), on the same weights."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moekit.model.gemv import operators, status
+from moekit.model.int8 import int8_reference, quantize_q8_0
 
 
 @pytest.fixture(scope="module")
@@ -49,3 +51,33 @@ def test_an_expert_id_out_of_range_is_an_error_not_a_wild_read(ops):
     w = torch.randn(4, 8, 16)
     with pytest.raises(RuntimeError, match="expert id out of range"):
         ops.experts_gemv(torch.randn(1, 1, 16), w, torch.tensor([[4]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (2, 40, 17)])
+def test_rows_q8_is_the_int8_reference(ops, dtype, rows, width, out):
+    """Widths that are not whole blocks of 32 are padded inside the operator, as the reference pads."""
+    gen = torch.Generator().manual_seed(rows + width + out)
+    x = torch.randn(rows, width, generator=gen).to(dtype)
+    packed = quantize_q8_0(torch.randn(out, width, generator=gen))
+    got = ops.rows_q8(x, packed)
+    assert got.dtype == dtype and got.shape == (rows, out)
+    want = int8_reference(x.float(), packed)
+    tol = 1e-5 * width ** 0.5 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("per_choice", [False, True])
+def test_experts_q8_reads_each_rows_chosen_experts(ops, per_choice):
+    gen = torch.Generator().manual_seed(11)
+    b, c, e, n, k = 3, 2, 6, 33, 70
+    stack = torch.stack([quantize_q8_0(torch.randn(n, k, generator=gen)) for _ in range(e)])  # [E, N, nb·34]
+    ids = torch.tensor([[1, 5], [0, 1], [5, 2]])
+    x = torch.randn(b, c if per_choice else 1, k, generator=gen)
+    got = ops.experts_q8(x, stack, ids)
+    assert got.shape == (b, c, n)
+    want = torch.stack([torch.stack([int8_reference(x[i, j if per_choice else 0], stack[ids[i, j]])
+                                     for j in range(c)]) for i in range(b)])
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        ops.experts_q8(x, stack, torch.tensor([[6, 0]] * b))

@@ -73,3 +73,20 @@ def test_fp8_operator_equals_the_reference_within_summation_order(shape, dtype, 
     got, want = packed_gemv.fp8_gemv(x, w, bias, 128), packed.fp8_apply(x.float(), w, bias.float(), 128)
     assert got.dtype == dtype
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
+
+
+def test_one_gpt_oss_expert_becomes_our_gate_then_up_rows():
+    """packed_loading.mxfp4_expert (the resident load's and the expert store's) against the
+    format's definition: gpt_oss's bf16 gate_up [D, 2F] has gate at even and up at odd columns, so
+    ours [2F, D] is its even columns then its odd ones, transposed."""
+    from moekit.model.packed_loading import mxfp4_expert
+
+    d, f = 64, 32
+    hub_gate_up, hub_down = torch.randn(d, 2 * f), torch.randn(f, d)  # x @ W, as gpt_oss stores them
+    up_blocks, up_scales = mxfp4.quantize(hub_gate_up.t())  # [2F, D/32, 16]: the published rows
+    down_blocks, down_scales = mxfp4.quantize(hub_down.t())
+    gate_up, down = mxfp4_expert(up_blocks, up_scales, down_blocks, down_scales)
+    stored = mxfp4.dequantize(up_blocks, up_scales).t()  # back to the Hub's [D, 2F]
+    want = torch.cat((stored[:, 0::2].t(), stored[:, 1::2].t()))  # gate rows, then up rows
+    assert gate_up.shape == (2 * f, d // 32 * 17) and torch.equal(MXFP4.hub(gate_up, d), want)
+    assert torch.equal(MXFP4.hub(down, f), mxfp4.dequantize(down_blocks, down_scales))

@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 import pytest
 
 from hf_tiny import build_reference
+from moekit.engine.loader import load_engine
 
 MOEKIT = Path(sys.executable).parent / "moekit"
 # The capabilities that let root write into a folder whose mode forbids it.
@@ -64,3 +65,47 @@ def run_unprivileged(args: list[str]) -> subprocess.CompletedProcess:
             pytest.skip("running as root without setpriv: permission bits cannot be enforced")
         args = [setpriv, f"--inh-caps={_OVERRIDES}", f"--bounding-set={_OVERRIDES}", *args]
     return subprocess.run(args, capture_output=True, text=True, timeout=300)
+
+
+def write_llama4_mxfp4(folder: Path, seed: int = 0) -> Path:
+    """llama4_text with its experts stored as MXFP4 the way gpt-oss publishes them (`*_blocks`,
+    `*_scales`, tests/weights/quantized_files.py): a published format in a layout the expert store
+    does not page (only gpt_oss's is), so its manifest has whole-tensor checksums only."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from moekit.weights import mxfp4
+
+    build_reference("llama4_text", seed, hidden_size=64, intermediate_size=64, head_dim=16).save_pretrained(folder)
+    path = folder / "model.safetensors"
+    with safe_open(str(path), framework="pt") as fh:
+        tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            out[f"{name}_blocks"], out[f"{name}_scales"] = mxfp4.quantize(t.transpose(1, 2))  # [E, out, in/32, ...]
+        else:
+            out[name] = t
+    save_file(out, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+PROMPTS = [[5, 17, 42, 9, 77, 3, 101], [8, 64, 12]]  # two lengths: a left-padded batch
+
+
+def greedy_runs(folder, offload=None, dtype: str = "float32", prompts=PROMPTS, new: int = 20):
+    """(each prompt alone, the prompts as one batch, the store's stats or None): greedy token ids of
+    one engine, resident (offload None) or paged, closed afterwards."""
+    engine = load_engine(folder, dtype=dtype, offload=offload)
+    try:
+        single = [engine.generate(p, max_new_tokens=new, stop_ids=()).token_ids[0] for p in prompts]
+        batch = engine.generate(prompts, max_new_tokens=new, stop_ids=()).token_ids
+        stats = engine.store.stats() if engine.store is not None else None
+    finally:
+        engine.close()
+    return single, batch, stats

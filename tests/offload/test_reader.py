@@ -20,7 +20,7 @@ from moekit.offload.reader import ExpertReader
 from moekit.spec import load_spec
 from moekit.weights.checkpoint import open_checkpoint
 
-FAMILIES = ["qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "deepseek_v3"]
+FAMILIES = ["qwen3_moe", "mixtral", "granitemoe", "gpt_oss", "deepseek_v3", "dbrx"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 

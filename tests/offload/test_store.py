@@ -12,8 +12,8 @@ from hf_tiny import write_checkpoint
 from moekit.engine.loader import load_engine
 from moekit.errors import ExpertIntegrityError, MoekitError
 from moekit.offload.options import OffloadOptions
+from offload_files import PROMPTS, greedy_runs
 
-PROMPTS = [[5, 17, 42, 9, 77, 3, 101], [8, 64, 12]]  # two lengths: a left-padded batch
 NEW = 20
 
 
@@ -23,14 +23,7 @@ def qwen(tmp_path_factory):
 
 
 def _ids(folder, offload=None, dtype="float32", prompts=PROMPTS, new=NEW):
-    engine = load_engine(folder, dtype=dtype, offload=offload)
-    try:
-        single = [engine.generate(p, max_new_tokens=new, stop_ids=()).token_ids[0] for p in prompts]
-        batch = engine.generate(prompts, max_new_tokens=new, stop_ids=()).token_ids
-        stats = engine.store.stats() if engine.store is not None else None
-    finally:
-        engine.close()
-    return single, batch, stats
+    return greedy_runs(folder, offload, dtype, prompts, new)
 
 
 @pytest.mark.parametrize("prefetch", [False, True])

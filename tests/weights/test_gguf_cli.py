@@ -90,8 +90,3 @@ def test_not_a_gguf(capsys, tmp_path, content):
     fake.write_bytes(content)
     line = refused(capsys, "run", fake, "--prompt-ids", "1")
     assert "not a GGUF file" in line
-
-
-def test_paging_a_gguf_is_refused(capsys, f32):
-    line = refused(capsys, "run", f32, "--prompt-ids", "1", "--expert-memory", "50%")
-    assert "--expert-memory does not page a GGUF's experts yet" in line

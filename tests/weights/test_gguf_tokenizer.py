@@ -1,16 +1,33 @@
 """The tokenizer rebuilt from a GGUF's tokenizer.ggml.* encodes and decodes exactly as the
-checkpoint's own tokenizer.json, for each pre-tokenizer moekit rebuilds."""
+checkpoint's own tokenizer.json, for each pre-tokenizer moekit rebuilds (byte-level BPE); and a
+SentencePiece GGUF's (tokenizer.ggml.model "llama", as Mixtral and Llama 2 ship) as llama.cpp does.
+
+The SentencePiece GGUF is llama.cpp's converter's, from a tiny Mixtral whose tokenizer.model is a
+real SentencePiece BPE trained here with Llama's trainer settings (byte fallback, digits split,
+identity normalisation, whitespace kept) and whose tokenizer_config.json marks <unk>, <s>, </s>
+special, as Mixtral's does, and one token user-defined. Two oracles on the same texts: llama.cpp
+itself (llama-cpp-python: in this venv, else the build benchmarks/build_llama_cpp.sh makes, in a
+child process), and the sentencepiece library on the tokenizer.model the GGUF was made from.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import sentencepiece as spm  # a test dependency: llama.cpp's converter reads tokenizer.model with it
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gguf_convert import convert, tiny_checkpoint
-from hf_tiny import CORPUS
+from hf_tiny import CORPUS, write_checkpoint
 from moekit.engine.loader import load_engine
+from moekit.errors import CheckpointError
 from moekit.weights.gguf_file import read_gguf
-from moekit.weights.gguf_tokenizer import QWEN2, gguf_tokenizer
+from moekit.weights.gguf_tokenizer import QWEN2, gguf_tokenizer, score_merges
 
 TEXTS = [
     *CORPUS[:3],
@@ -77,3 +94,238 @@ def test_engine_from_gguf_encodes_like_the_checkpoint(converted):
     assert from_gguf.encode(text) == from_folder.encode(text)
     out = from_gguf.generate(text, max_new_tokens=8, stop_ids=())
     assert from_gguf.decode(out.token_ids[0]) == from_folder.decode(out.token_ids[0])
+
+
+# ---- SentencePiece ("llama") vocabularies, against llama.cpp ----
+
+
+REPO = Path(__file__).resolve().parents[2]
+SPM_VOCAB = 640  # the model's; the tokenizer has fewer, the converter pads with [PAD{i}] (UNUSED)
+USER_DEFINED = "<tool>"
+SPM_TEXTS = [
+    "Hello world",
+    "hello  world, two spaces",
+    " leading space",
+    "   three leading spaces",
+    "trailing spaces  ",
+    " ",
+    "",
+    "a",
+    "line one\nline two\n\nline four\n",
+    "\n starts with a newline",
+    "\ttab\tseparated\tvalues",
+    "digits 1234567890 and 3.14159, 2026-12-01",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
+    "don't WE'LL they're I'M",
+    "naïve café, déjà vu, Grüße",
+    "日本語のテキスト and 混合专家模型 (MoE)",
+    "emoji 🤖✓ and π ≈ 3.14159",
+    "bytes no token covers: ℵ ǅ ẞ \u0001\u007f",
+    f"call {USER_DEFINED} now,{USER_DEFINED}twice{USER_DEFINED}",
+    "<s> control tokens </s> inside<unk>text",
+]
+# Without an added token's text: llama.cpp puts a space prefix after each added token, which
+# neither sentencepiece does nor a round trip gives back.
+SPM_PLAIN = [t for t in SPM_TEXTS if "<s>" not in t and USER_DEFINED not in t]
+
+
+def train_sentencepiece(folder: Path) -> Path:
+    """tokenizer.model: a SentencePiece BPE as Llama's was trained (ids 0, 1, 2: <unk>, <s>, </s>)."""
+    text = (REPO / "README.md").read_text(encoding="utf-8").splitlines() + CORPUS
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for line in text if line.strip()]), model_prefix=str(folder / "tokenizer"),
+        model_type="bpe", vocab_size=600, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        allow_whitespace_only_pieces=True, character_coverage=0.9995, user_defined_symbols=[USER_DEFINED],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
+    )
+    return folder / "tokenizer.model"
+
+
+def mixtral_with_sentencepiece(folder: Path) -> Path:
+    write_checkpoint("mixtral", folder, vocab_size=SPM_VOCAB)
+    sp = spm.SentencePieceProcessor(model_file=str(train_sentencepiece(folder)))
+    special = {i: sp.id_to_piece(i) for i in (0, 1, 2)}
+    decoder = {str(i): {"content": t, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
+                        "single_word": False} for i, t in special.items()}
+    decoder[str(sp.piece_to_id(USER_DEFINED))] = dict(decoder["0"], content=USER_DEFINED, special=False)
+    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": True,
+              "clean_up_tokenization_spaces": False, "added_tokens_decoder": decoder}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(tmp_path_factory) -> tuple[Path, Path]:
+    """(checkpoint folder with tokenizer.model, the f32 GGUF llama.cpp's converter made of it)."""
+    root = tmp_path_factory.mktemp("spm")
+    folder = mixtral_with_sentencepiece(root / "ckpt")
+    return folder, convert(folder, "f32", root / "mixtral-spm.gguf")
+
+
+@pytest.fixture(scope="module")
+def spm_meta(spm_gguf) -> dict:
+    return read_gguf(spm_gguf[1]).metadata
+
+
+@pytest.fixture(scope="module")
+def rebuilt(spm_gguf, spm_meta):
+    tok, why_not = gguf_tokenizer(spm_meta, str(spm_gguf[1]))
+    assert why_not is None
+    return tok
+
+
+def llama_cpp_spm(meta: dict, text: str) -> list[int]:
+    """llama.cpp's SPM tokenize (llama-vocab.cpp, parse_special, add_bos), ported line for line and
+    slow: split out added tokens, longest first; a space before each stretch of text after one (or
+    at the start); then merge the best-scoring adjacent pair, leftmost on a tie, until none is."""
+    tokens, types, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"], meta["tokenizer.ggml.scores"]
+    ids = {t: i for i, t in enumerate(tokens)}
+    pieces: list = [text] if text else []
+    for special in sorted((i for i, kind in enumerate(types) if kind in (2, 3, 4)), key=lambda i: -len(tokens[i])):
+        split = []
+        for piece in pieces:
+            if isinstance(piece, int):
+                split.append(piece)
+                continue
+            for j, part in enumerate(piece.split(tokens[special])):
+                split += ([special] if j else []) + ([part] if part else [])
+        pieces = split
+    out, after_special = [meta["tokenizer.ggml.bos_token_id"]], True
+    for piece in pieces:
+        if isinstance(piece, int):
+            out.append(piece)
+        else:
+            out += _spm_merge(((" " if after_special else "") + piece).replace(" ", "▁"), ids, scores)
+        after_special = isinstance(piece, int)
+    return out
+
+
+def _spm_merge(text: str, ids: dict, scores: list) -> list[int]:
+    symbols = list(text)
+    while True:
+        pairs = [(scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:])) if a + b in ids]
+        if not pairs:
+            break
+        i = -max(pairs)[1]
+        symbols[i : i + 2] = [symbols[i] + symbols[i + 1]]
+    return [t for s in symbols for t in ([ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()])]
+
+
+# llama.cpp's side, run under a python that has llama_cpp: tokenize as its server does (special
+# tokens parsed) and as plain text, detokenize as llama-cpp-python's Llama does, and as llama.cpp's
+# own llama_detokenize does a continuation (the ids after BOS).
+ORACLE = r"""
+import ctypes, json, sys
+import llama_cpp
+
+job = json.load(sys.stdin)
+llm = llama_cpp.Llama(job["gguf"], vocab_only=True, verbose=False)
+vocab = llama_cpp.llama_model_get_vocab(llm.model)
+
+def c_detokenize(ids):
+    array = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
+    buf = ctypes.create_string_buffer(64 * len(ids) + 64)
+    n = llama_cpp.llama_detokenize(vocab, array, len(ids), buf, len(buf), False, False)
+    return buf.raw[:n].decode("utf-8", errors="replace")
+
+out = []
+for text in job["texts"]:
+    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+    out.append({"ids": ids, "plain": llm.tokenize(text.encode("utf-8"), add_bos=True, special=False),
+                "detokenize": llm.detokenize(ids).decode("utf-8", errors="replace"),
+                "continuation": c_detokenize(ids[1:])})
+json.dump(out, sys.stdout)
+"""
+
+
+def llama_cpp_python() -> str:
+    """A python that imports llama_cpp: this one, else benchmarks/build_llama_cpp.sh's build."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return sys.executable
+    from moekit.bench.llama_cpp import LlamaCppBuild, DEFAULT_ROOT
+
+    python = LlamaCppBuild(DEFAULT_ROOT).python
+    if not python.is_file():
+        pytest.skip("llama.cpp's tokenizer needs llama-cpp-python: not in this venv, and benchmarks/"
+                    "build_llama_cpp.sh python has not built it")
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_says(spm_gguf) -> list[dict]:
+    _, gguf = spm_gguf
+    done = subprocess.run([llama_cpp_python(), "-c", ORACLE], input=json.dumps({"gguf": str(gguf), "texts": SPM_TEXTS}),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+def test_the_gguf_is_a_sentencepiece_vocabulary_with_every_token_type(spm_meta):
+    meta = spm_meta
+    assert meta["tokenizer.ggml.model"] == "llama"
+    assert set(meta["tokenizer.ggml.token_type"]) == {1, 3, 4, 5, 6}  # NORMAL, CONTROL, USER_DEFINED, UNUSED, BYTE
+    assert len(meta["tokenizer.ggml.tokens"]) == SPM_VOCAB
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_ids_are_those_of_llama_cpps_algorithm_ported(spm_meta, rebuilt, text):
+    assert rebuilt.encode(text).ids == llama_cpp_spm(spm_meta, text)
+
+
+@pytest.mark.parametrize("index", range(len(SPM_TEXTS)))
+def test_ids_are_llama_cpps(rebuilt, llama_cpp_says, index):
+    text, want = SPM_TEXTS[index], llama_cpp_says[index]
+    assert rebuilt.encode(text).ids == want["ids"], text
+
+
+def test_without_special_tokens_ids_are_llama_cpps_plain_tokenize(spm_gguf, spm_meta, llama_cpp_says):
+    """tokenizers' encode_special_tokens is llama.cpp's special=False: control tokens' text is text."""
+    plain, _ = gguf_tokenizer(spm_meta, str(spm_gguf[1]))
+    plain.encode_special_tokens = True
+    for text, want in zip(SPM_TEXTS, llama_cpp_says):
+        assert plain.encode(text).ids == want["plain"], text
+
+
+@pytest.mark.parametrize("index", range(len(SPM_TEXTS)))
+def test_decode_is_llama_cpps_detokenize(rebuilt, llama_cpp_says, index):
+    text, want = SPM_TEXTS[index], llama_cpp_says[index]
+    ids = want["ids"]
+    assert rebuilt.decode(ids) == want["detokenize"], text
+    # Generated ids have no BOS before them. llama_detokenize takes the leading space off the first
+    # token's text, and the text of a control token is empty: that one case is not reproduced.
+    if ids[1:2] != [rebuilt.token_to_id("<s>")]:
+        assert rebuilt.decode(ids[1:]) == want["continuation"], text
+    if text in SPM_PLAIN:
+        assert rebuilt.decode(ids) == text  # round trip (decode skips the special tokens)
+
+
+@pytest.mark.parametrize("text", SPM_PLAIN)
+def test_ids_and_text_are_sentencepieces_own(spm_gguf, rebuilt, text):
+    """The library llama.cpp's SPM tokenizer was ported from, on the tokenizer.model itself."""
+    folder, _ = spm_gguf
+    sp = spm.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
+    ids = [sp.bos_id(), *sp.encode(text)]
+    assert rebuilt.encode(text).ids == ids
+    assert rebuilt.decode(ids) == sp.decode(ids) == text
+
+
+def test_the_engine_from_the_gguf_encodes_text(spm_gguf, rebuilt):
+    engine = load_engine(spm_gguf[1])
+    assert not any("not rebuilt" in note for note in engine.notes)
+    assert engine.encode(SPM_TEXTS[0]) == rebuilt.encode(SPM_TEXTS[0]).ids
+    out = engine.generate(SPM_TEXTS[0], max_new_tokens=4, stop_ids=())
+    assert isinstance(engine.decode(out.token_ids[0]), str)
+
+
+def test_merges_are_ranked_by_the_merged_tokens_score():
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}
+    scores = [0.0, 0.0, 0.0, -2.0, -1.0, -3.0]  # "bc" before "ab"; "abc" from either, last
+    assert score_merges(vocab, scores) == [("b", "c"), ("a", "b"), ("a", "bc"), ("ab", "c")]
+
+
+def test_a_vocabulary_without_scores_is_one_error():
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["<unk>", "a"], "tokenizer.ggml.token_type": [2, 1]}
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.scores: 0 for 2 tokens"):
+        gguf_tokenizer(meta, "x.gguf")

@@ -1,7 +1,7 @@
 """Checkpoints published quantized are verified like any other: the MXFP4 / FP8 views read through
-the safetensors Checkpoint, so `moekit checksum`'s whole-tensor crc32s catch a flipped byte in the
-packed blocks or the scales (the expert store cannot page these experts yet, so they have no
-extents)."""
+the safetensors Checkpoint, so `moekit checksum`'s crc32s catch a flipped byte in a dense tensor
+(here a bias, an FP8 scale) on the resident load. Their routed experts have per-expert extents,
+checked by the store and the resident load alike (tests/offload/test_store_packed.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from moekit.offload.manifest import checksum_checkpoint, read_manifest
 from moekit.spec import load_spec
 from quantized_files import write_fp8, write_mxfp4
 
-WRITERS = {"mxfp4": (write_mxfp4, "model.layers.1.mlp.experts.down_proj_blocks"),
+WRITERS = {"mxfp4": (write_mxfp4, "model.layers.1.mlp.experts.down_proj_bias"),
            "fp8": (write_fp8, "model.layers.1.self_attn.o_proj.weight_scale_inv")}
 
 

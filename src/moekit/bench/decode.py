@@ -8,7 +8,8 @@ tokens (no early stop). Decode tokens/s counts B x (N - 1) tokens over the decod
 - llama.cpp (llama-cpp-python, in a child process, batch 1 only) times its own decode loop.
 Each side gets warm-up calls, then the median of `repeats` timed calls, the two sides taking turns. The roofline divides the
 machine's memory bandwidth by the bytes one decode step reads (from the meter: shared weights
-once, one embedding row per row, the union of the experts the batch chose), KV cache excluded.
+once, one embedding row per row, the union of the experts the batch chose, each expert at the bytes
+it holds: int8, MXFP4, FP8 or paged mixed precisions), KV cache excluded.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from moekit.engine.loader import Engine
-from moekit.engine.meter import decode_step_params
+from moekit.engine.meter import decode_step_bytes
 from moekit.errors import MoekitError
 
 
@@ -54,7 +55,8 @@ BASELINES = ("transformers", "llama.cpp")
 def decode_baseline(vs: Optional[str], engine: Engine, weights: str = "dtype",
                     llama_cpp_root=None) -> Optional[Baseline]:
     """The named baseline at the engine's precision, or None; a mismatch is refused before the
-    baseline loads. (With --weights int8 the roofline still counts the dtype's bytes per weight.)"""
+    baseline loads. (With --weights int8 the roofline counts the routed experts' int8 bytes and every
+    other weight at the dtype's bytes, as the meter does.)"""
     if vs is None:
         return None
     if vs not in BASELINES:
@@ -80,7 +82,7 @@ class BatchResult:
     moekit_tok_s: float
     baseline: Optional[str]  # its name; None without one, or where it does not run this batch
     baseline_tok_s: Optional[float]
-    bytes_per_step: float  # mean over decode steps, at the engine dtype
+    bytes_per_step: float  # mean over decode steps; experts at their own bytes (meter.pass_bytes)
     roofline_tok_s: Optional[float]  # B x bandwidth / bytes_per_step
     same_tokens: Optional[bool]  # greedy outputs identical on both sides
 
@@ -130,9 +132,10 @@ def moekit_timer(engine: Engine, prompts: torch.Tensor, settings: BenchSettings)
 
 
 def moekit_metered(engine: Engine, prompts: torch.Tensor, settings: BenchSettings) -> tuple[float, list[list[int]]]:
-    """(mean params one decode step reads, greedy tokens) from one metered run."""
+    """(mean bytes one decode step reads, greedy tokens) from one metered run."""
     gen = engine.generate(prompts.tolist(), max_new_tokens=settings.tokens, stop_ids=())
-    return statistics.fmean(decode_step_params(engine.spec, gen)), gen.token_ids
+    steps = decode_step_bytes(engine.spec, gen, engine.bytes_per_param, engine.expert_bytes, engine.dense_saving)
+    return statistics.fmean(steps), gen.token_ids
 
 
 def bench_decode(
@@ -157,9 +160,8 @@ def bench_decode(
         if theirs is not None:
             sides.append(theirs.timer(prompts, settings.tokens))
         medians = _interleaved_medians(sides, settings.repeats, settings.warmup)
-        params_step, our_tokens = moekit_metered(engine, prompts, settings)
+        step_bytes, our_tokens = moekit_metered(engine, prompts, settings)
         same = theirs.tokens(prompts, settings.tokens) == our_tokens if theirs is not None else None
-        step_bytes = params_step * engine.bytes_per_param
         roof = batch * bandwidth_bytes_s / step_bytes if bandwidth_bytes_s else None
         results.append(BatchResult(batch, medians[0], theirs.name if theirs else None,
                                    medians[1] if theirs else None, step_bytes, roof, same))

@@ -23,11 +23,16 @@ Examples:
   moekit run path/to/checkpoint "Hello"               # verified as it loads
 
   moekit run path/to/checkpoint "Hello" --no-verify   # skip the check
+
+A GGUF file is checksummed the same way into x.gguf.moekit-experts.json beside it (the .gguf is never written):
+
+  moekit checksum model.gguf
 """
 
 
 def checksum(
-    checkpoint: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors); only moekit-experts.json is written."),
+    checkpoint: Path = typer.Argument(..., help="Checkpoint folder (config.json + *.safetensors) or a .gguf file; "
+                                      "only the manifest (moekit-experts.json, or x.gguf.moekit-experts.json) is written."),
 ) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -37,13 +42,21 @@ def checksum(
     from moekit.spec.loading import spec_from_config
     from moekit.weights.checkpoint import read_config
 
-    spec = spec_from_config(read_config(checkpoint), checkpoint.name)
+    if checkpoint.suffix == ".gguf" and checkpoint.is_file():  # its manifest beside it (moekit.offload.gguf_extents)
+        from moekit.offload.gguf_extents import checksum_gguf
+        from moekit.spec.loading import spec_from_gguf
+
+        spec = spec_from_gguf(checkpoint)
+        run = lambda progress: checksum_gguf(checkpoint, spec, progress)  # noqa: E731
+    else:
+        spec = spec_from_config(read_config(checkpoint), checkpoint.name)
+        run = lambda progress: checksum_checkpoint(checkpoint, spec, progress)  # noqa: E731
     columns = (TextColumn("checksumming"), BarColumn(), MofNCompleteColumn())
     console = Console(stderr=True)
     # Off when stderr is no terminal: a finished transient bar still leaves a newline behind.
     with Progress(*columns, console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("checksum", total=None)
-        result = checksum_checkpoint(checkpoint, spec, progress=lambda n, of: bar.update(task, completed=n, total=of))
+        result = run(lambda n, of: bar.update(task, completed=n, total=of))
     what = f"{result.experts} routed experts and {result.tensors} other tensors" if result.experts else f"{result.tensors} tensors"
     took = f"{nbytes(result.nbytes)} in {result.seconds:.2f} s"
     if result.note:

@@ -4,6 +4,10 @@
 NO_VERIFY = ("Skip checking the weights against the crc32s of moekit-experts.json (checked as they load "
              "whenever that file is beside the checkpoint; `moekit checksum` writes it).")
 
+# --weights, on run and serve (moekit.model.int8).
+WEIGHTS = ("dtype (the checkpoint's, at --dtype), int8 (every projection weight-only int8, one scale per 32 "
+           "inputs) or int8-experts (routed experts only).")
+
 # --compile, on run, serve and bench decode (moekit.model.compiled_step).
 COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "
            "seconds to a minute, cached on disk for later runs). Models or options it does not cover run eager, "

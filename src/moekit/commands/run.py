@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.options import COMPILE, NO_VERIFY
+from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
@@ -156,8 +156,7 @@ def run(
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
-    weights: str = typer.Option("dtype", "--weights", help="dtype (the checkpoint's, at --dtype), int8 (every "
-                                "projection weight-only int8, one scale per 32 inputs) or int8-experts (routed experts only)."),
+    weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.options import COMPILE, NO_VERIFY
+from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
@@ -70,6 +70,7 @@ def serve(
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
@@ -88,7 +89,7 @@ def serve(
     import uvicorn
 
     from moekit.engine.default_model import default_checkpoint
-    from moekit.engine.loader import DTYPES
+    from moekit.engine.loader import DTYPES, WEIGHTS as WEIGHT_CHOICES
     from moekit.serve.app import ServeConfig, create_app
     from moekit.spec import load_spec
 
@@ -98,6 +99,8 @@ def serve(
     spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
     if dtype not in DTYPES:
         raise MoekitError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if weights not in WEIGHT_CHOICES:
+        raise MoekitError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     if not 0 <= port <= 65535:
         raise MoekitError(f"--port must be in 0..65535, got {port}")
     for name, value in (("--max-batch", max_batch), ("--queue-limit", queue_limit), ("--max-body-bytes", max_body)):
@@ -117,6 +120,7 @@ def serve(
         model_name=served_model_name or folder.resolve().name,
         dtype=dtype,
         device=device,
+        weights=weights,
         max_batch=max_batch,
         max_context=max_context,
         queue_limit=queue_limit,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
 from moekit.engine.generate import Generation, TokenCallback, generate
-from moekit.engine.meter import TokenActivation, meter, packed_expert_bytes
+from moekit.engine.meter import TokenActivation, dense_saving_bytes, meter, packed_expert_bytes
 from moekit.engine.sampling import SamplingParams
 from moekit.errors import CheckpointError, MoekitError
 from moekit.spec.model_spec import ModelSpec
@@ -39,6 +39,7 @@ class Engine:
     notes: tuple[str, ...] = ()  # what loading decided that the user should hear
     weights: str = "dtype"  # one of WEIGHTS
     expert_bytes: Optional[Callable[[int, int], int]] = None  # (layer, expert) → its bytes; None: the dtype's
+    dense_saving: int = 0  # bytes the int8 projections outside the experts hold less (meter.dense_saving_bytes)
 
     def close(self) -> None:
         """Stop the expert store's reader threads (a no-op for a resident model)."""
@@ -87,7 +88,8 @@ class Engine:
         )
 
     def meter(self, gen: Generation) -> list[TokenActivation]:
-        return meter(self.spec, gen, self.bytes_per_param, expert_bytes=self.expert_bytes)
+        return meter(self.spec, gen, self.bytes_per_param, expert_bytes=self.expert_bytes,
+                     dense_saving=self.dense_saving)
 
 
 def _as_batch(prompts) -> list[Prompt]:
@@ -177,15 +179,12 @@ def load_engine(
     dev = resolve_device(device)
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
-    if offload is not None and getattr(ckpt, "method", None) in ("mxfp4", "fp8"):  # before budgeting at the dtype
-        raise CheckpointError(f"{folder}: {ckpt.method.upper()} experts are not paged by the expert store yet "
-                              "(run without --expert-memory)")
     plan, notes = None, []
-    gguf_tokenizer = None
-    if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized
-        from moekit.weights.gguf_checkpoint import engine_parts
+    gguf_tokenizer = gguf_manifest = None
+    if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized,
+        from moekit.weights.gguf_checkpoint import engine_parts  # where the store finds its experts
 
-        gguf_tokenizer, gguf_notes = engine_parts(ckpt, offload)
+        gguf_tokenizer, gguf_manifest, gguf_notes = engine_parts(ckpt, offload, verify)
         notes.extend(gguf_notes)
     checked = base_checkpoint(ckpt)  # the safetensors reads verification happens in
     if checked is not None:
@@ -200,12 +199,12 @@ def load_engine(
     if offload is not None:
         from moekit.offload.attach import plan_offload
 
-        plan = plan_offload(spec, tdtype, offload, folder=folder, quantize=weights != "dtype")
+        plan = plan_offload(spec, tdtype, offload, folder=folder, quantize=weights != "dtype", manifest=gguf_manifest)
         if plan.fully_resident:
             notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
             plan = None
     decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
-    compiled = compile and weights == "dtype" and plan is None
+    compiled = compile and plan is None
     decoder.load_checkpoint(ckpt, kernels=not compiled)
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
@@ -216,13 +215,13 @@ def load_engine(
 
         notes.append(quantize_decoder(decoder, experts_only=weights == "int8-experts"))
     if compile:
-        notes.append(_compile_decode(decoder, weights, plan is not None))
+        notes.append(_compile_decode(decoder, plan is not None))
     store = None
     if plan is not None:
         from moekit.offload.attach import attach_store
 
         store = attach_store(decoder, folder, plan, offload, progress=progress, quantize=weights != "dtype",
-                             verify=verify)
+                             verify=verify, manifest=gguf_manifest)
         notes.extend(store.notes)
     return Engine(
         spec=spec,
@@ -237,15 +236,15 @@ def load_engine(
         weights=weights,
         expert_bytes=store.expert_nbytes if store is not None
         else _resident_expert_bytes(spec, weights) or packed_expert_bytes(decoder),  # MXFP4 / FP8 kept packed
+        dense_saving=dense_saving_bytes(decoder, tdtype.itemsize),
     )
 
 
-def _compile_decode(decoder, weights: str, paged: bool) -> str:
+def _compile_decode(decoder, paged: bool) -> str:
     """Install the compiled decode step, or say why the engine stays eager."""
     from moekit.model.compiled_step import unsupported
 
-    reason = ("int8 weights are not in the compiled step" if weights != "dtype"
-              else "routed experts are paged by the expert store" if paged else unsupported(decoder))
+    reason = "routed experts are paged by the expert store" if paged else unsupported(decoder)
     if reason is not None:
         return f"--compile: running eager ({reason})"
     decoder.compile_decode()

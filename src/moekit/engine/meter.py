@@ -9,8 +9,10 @@ Two per-token numbers, because vendors and physics disagree:
   dense model.
 - `params_touched`: what the pass physically reads: ONE embedding row, not the table (a tied
   head already holds that row). `bytes_touched` = params_touched x bytes per element at the engine
-  dtype, except routed experts when `expert_bytes` says what each one holds (int8 / int4 / mixed
-  precisions: its real bytes). KV-cache reads are not included.
+  dtype, except routed experts when `expert_bytes` says what each one holds (int8 / int4 / MXFP4 /
+  FP8 / paged mixed precisions: its real bytes). KV-cache reads are not included. `pass_bytes` is
+  that rule, and the only place it is written: the meter, the serve scheduler's per-request usage
+  and `moekit bench decode` all count through it, so they cannot disagree.
 
 A token's routing is that of the forward pass that PRODUCED it: generated token 0 comes from the
 last prompt position of the prefill, token i from the decode step that fed token i-1. Distinct
@@ -21,7 +23,7 @@ all of those had to be resident.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from moekit.engine.generate import Generation, TokenRouting, token_routing
 from moekit.spec.model_spec import ModelSpec
@@ -55,6 +57,39 @@ class ParamsPerToken:
     def typical(self) -> dict[int, int]:
         """Every MoE layer using its K experts."""
         return dict(self.top_k)
+
+
+ExpertBytes = Callable[[int, int], int]  # (layer, expert) → the bytes that expert holds
+
+
+def pass_bytes(counts: ParamsPerToken, chosen: Mapping[int, Iterable[int]], bytes_per_param: int,
+               expert_bytes: Optional[ExpertBytes] = None, rows: int = 1, dense_saving: int = 0) -> int:
+    """Bytes one pass over `rows` tokens read, MoE layer l having used the experts chosen[l]
+    (repeats count once): params_touched at bytes_per_param, except that with expert_bytes each
+    distinct chosen routed expert counts at its own bytes instead of its params at the dtype's, and
+    dense_saving is what the other projections hold less than their params at the dtype (`--weights
+    int8`: every pass reads them all, so it is one figure per engine, dense_saving_bytes)."""
+    distinct = {layer: set(ids) for layer, ids in chosen.items()}
+    params = counts.touched({layer: len(ids) for layer, ids in distinct.items()}, rows=rows)
+    if expert_bytes is None:
+        return params * bytes_per_param - dense_saving
+    routed = sum(counts.expert_each[layer] * len(ids) for layer, ids in distinct.items())
+    held = sum(expert_bytes(layer, e) for layer, ids in distinct.items() for e in ids)
+    return (params - routed) * bytes_per_param + held - dense_saving
+
+
+def dense_saving_bytes(decoder, bytes_per_param: int) -> int:
+    """Bytes the decoder's quantized projections outside the routed experts (the uint8 q8_0 weights of
+    `--weights int8`) hold less than their params at bytes_per_param; 0 when none is quantized."""
+    import torch
+
+    from moekit.model.linear import Linear
+
+    saving = 0
+    for sub in decoder.modules():
+        if isinstance(sub, Linear) and sub.weight.dtype == torch.uint8:
+            saving += sub.in_features * sub.out_features * bytes_per_param - sub.weight.numel()
+    return saving
 
 
 def params_per_token(spec: ModelSpec) -> ParamsPerToken:
@@ -126,7 +161,7 @@ def _group_by_token(events: Iterable[TokenRouting]) -> Iterable[list[TokenRoutin
 
 
 def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int,
-          expert_bytes: Optional[Callable[[int, int], int]] = None) -> list[TokenActivation]:
+          expert_bytes: Optional[ExpertBytes] = None, dense_saving: int = 0) -> list[TokenActivation]:
     """Per generated token, row by row. A dense model (no MoE layer) still gets one entry per token.
     expert_bytes: (layer, expert) → the bytes that expert holds, when not params × bytes_per_param."""
     counts = params_per_token(spec)
@@ -137,11 +172,8 @@ def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int,
         used = {ev.layer: len(set(ev.expert_ids)) for ev in layers}
         active = counts.active(used)
         touched = counts.touched(used)
-        nbytes = touched * bytes_per_param
-        if expert_bytes is not None:
-            chosen = {ev.layer: set(ev.expert_ids) for ev in layers}
-            nbytes -= sum(counts.expert_each[l] * len(ids) for l, ids in chosen.items()) * bytes_per_param
-            nbytes += sum(expert_bytes(l, e) for l, ids in chosen.items() for e in ids)
+        nbytes = pass_bytes(counts, {ev.layer: ev.expert_ids for ev in layers}, bytes_per_param, expert_bytes,
+                            dense_saving=dense_saving)
         found[(row, index)] = TokenActivation(
             row=row,
             index=index,
@@ -173,22 +205,37 @@ def meter(spec: ModelSpec, gen: Generation, bytes_per_param: int,
     return [found[key] for key in sorted(found)]
 
 
-def decode_step_params(spec: ModelSpec, gen: Generation) -> list[int]:
-    """Params one decode step reads for the whole batch: shared weights once, one embedding row per
-    running row, and per MoE layer the union of the experts the rows chose (what a batch shares)."""
-    counts = params_per_token(spec)
+def _decode_steps(counts: ParamsPerToken, gen: Generation) -> list[tuple[dict[int, set[int]], int]]:
+    """Per decode step: (per MoE layer the union of the experts its running rows chose, rows)."""
     out = []
     for step in gen.routing[1:]:
         running = [r for r in range(len(gen.prompts)) if step.step < len(gen.token_ids[r])]
         if running:
-            union = {lr.layer: len({e for r in running for e in lr.topk_ids[r].tolist()}) for lr in step.layers}
-            out.append(counts.touched(union, rows=len(running)))
+            out.append(({lr.layer: {e for r in running for e in lr.topk_ids[r].tolist()} for lr in step.layers},
+                        len(running)))
     if not out and not counts.top_k:  # dense, routing not recorded: every step reads the same
-        out = [counts.touched({}, rows=len(gen.prompts))] * gen.timing.decode_steps
+        out = [({}, len(gen.prompts))] * gen.timing.decode_steps
     return out
 
 
-def packed_expert_bytes(decoder) -> Optional[Callable[[int, int], int]]:
+def decode_step_params(spec: ModelSpec, gen: Generation) -> list[int]:
+    """Params one decode step reads for the whole batch: shared weights once, one embedding row per
+    running row, and per MoE layer the union of the experts the rows chose (what a batch shares)."""
+    counts = params_per_token(spec)
+    return [counts.touched({l: len(ids) for l, ids in union.items()}, rows=rows)
+            for union, rows in _decode_steps(counts, gen)]
+
+
+def decode_step_bytes(spec: ModelSpec, gen: Generation, bytes_per_param: int,
+                      expert_bytes: Optional[ExpertBytes] = None, dense_saving: int = 0) -> list[int]:
+    """Bytes each decode step reads for the whole batch: decode_step_params, each expert at the
+    bytes it holds (pass_bytes)."""
+    counts = params_per_token(spec)
+    return [pass_bytes(counts, union, bytes_per_param, expert_bytes, rows=rows, dense_saving=dense_saving)
+            for union, rows in _decode_steps(counts, gen)]
+
+
+def packed_expert_bytes(decoder) -> Optional[ExpertBytes]:
     """(layer, expert) → the bytes that resident expert holds, when the checkpoint's experts were
     kept packed (MXFP4 4.25 bits a weight, FP8 8.25: moekit.model.packed); None otherwise."""
     from moekit.model.experts import RoutedExperts

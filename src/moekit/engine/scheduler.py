@@ -25,7 +25,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from moekit.engine.generate import check_request, left_pad
-from moekit.engine.meter import ParamsPerToken, params_per_token
+from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
@@ -140,12 +140,18 @@ class Scheduler:
         max_batch: int = 16,
         max_len: Optional[int] = None,
         bytes_per_param: int = 4,
+        expert_bytes: Optional[ExpertBytes] = None,
+        dense_saving: int = 0,
         queue_limit: int = 256,
         store=None,
         on_step: Optional[Callable[[StepStats], None]] = None,
         prefill_tokens: int = 2048,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
+        bytes_per_param, expert_bytes, dense_saving: what the usage meter counts a weight and each
+        routed expert at, and what int8 projections save (the engine's: Engine.bytes_per_param,
+        .expert_bytes and .dense_saving, so that a request's bytes per token are what `moekit run`
+        meters for it).
         queue_limit: waiting requests per tier before submit refuses (QueueFull).
         prefill_tokens: padded prompt tokens one step may prefill together (one request always):
         a burst of arrivals is prefilled in one forward instead of one after another."""
@@ -157,6 +163,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_len = min(max_len or spec.max_position_embeddings, spec.max_position_embeddings)
         self.bytes_per_param = bytes_per_param
+        self.expert_bytes = expert_bytes
+        self.dense_saving = dense_saving
         self.queue_limit = queue_limit
         self.prefill_tokens = prefill_tokens
         self.store = store
@@ -462,7 +470,7 @@ class Scheduler:
 
     def _meter_prompt(self, row: _Row, layers: list) -> None:
         """layers: (layer, topk_ids [P, K]) of this row's prompt tokens."""
-        last: dict[int, int] = {}
+        last: dict[int, set] = {}  # the last prompt token's experts: its pass made generated token 0
         for layer, topk_ids in layers:
             ids = topk_ids[:, : row.top_k].tolist()  # [P, k]
             counts = self.expert_tokens[layer]
@@ -470,12 +478,12 @@ class Scheduler:
                 self._record(row, layer, token_ids)
                 for e in token_ids:
                     counts[e] += 1
-            last[layer] = len(set(ids[-1]))
+            last[layer] = set(ids[-1])
             self._meter_cache(row, layer, {e for t in ids for e in t})
         self._meter_token(row, last)
 
     def _meter_step(self, rows: list[_Row], decisions: list) -> None:
-        used: list[dict[int, int]] = [{} for _ in rows]
+        used: list[dict[int, set]] = [{} for _ in rows]
         for layer, decision in decisions:
             ids = decision.topk_ids.tolist()  # [B, K]
             counts = self.expert_tokens[layer]
@@ -484,7 +492,7 @@ class Scheduler:
                 self._record(row, layer, chosen)
                 for e in chosen:
                     counts[e] += 1
-                used[i][layer] = len(set(chosen))
+                used[i][layer] = set(chosen)
                 self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
             self._meter_token(row, per_layer)
@@ -497,9 +505,11 @@ class Scheduler:
         row.misses += missed
         row.hits += len(chosen) - missed
 
-    def _meter_token(self, row: _Row, used: dict[int, int]) -> None:
-        row.active.append(self.counts.active(used))
-        row.bytes_sum += self.counts.touched(used) * self.bytes_per_param
+    def _meter_token(self, row: _Row, chosen: dict[int, set]) -> None:
+        """One generated token's pass: chosen[l] is the experts its row used in MoE layer l."""
+        row.active.append(self.counts.active({layer: len(ids) for layer, ids in chosen.items()}))
+        row.bytes_sum += pass_bytes(self.counts, chosen, self.bytes_per_param, self.expert_bytes,
+                                    dense_saving=self.dense_saving)
 
     def _usage(self, row: _Row) -> MoeUsage:
         n = len(row.tokens)

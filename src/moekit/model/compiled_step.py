@@ -21,7 +21,9 @@ tokens and fp32 logits within 1e-4 for every family it runs.
 
 Latent attention (MLA) runs its absorbed form, as the eager decode does. What it does not run (the
 decoder then takes its eager step, and `unsupported()` says why): llama4 attention, the expert
-store, int8 / MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks.
+store, MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks. int8 weights (q8_0 blocks,
+`--weights int8` / `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager
+int8 kernel calls, reading the q8_0 stacks in place.
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 
@@ -37,7 +39,7 @@ from moekit.model import gemv
 from moekit.model.attention import Attention
 from moekit.model.cache import slot_tensors
 from moekit.model.experts import RoutedExperts
-from moekit.model.linear import PLAIN, Linear
+from moekit.model.linear import INT8, INT8_GEMV, PLAIN, Linear
 from moekit.model.mla import MLAttention
 from moekit.model.mlp import MLP
 from moekit.model.moe import MoE
@@ -48,8 +50,11 @@ from moekit.model.routing import RoutingDecision, route
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """x [B, in], weight [out, in] (Hub layout) → [B, out]: moekit::rows_gemv where it is built
     (moekit.model.gemv); else one row as a reduction, which Inductor vectorises over `in` and
-    parallelises over `out`, and more rows as a GEMM."""
-    if _has_gemv():
+    parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
+    int8`): moekit::rows_q8, the eager int8 kernel's own operator."""
+    if weight.dtype == torch.uint8:
+        y = torch.ops.moekit.rows_q8(x, weight)
+    elif _has_gemv():
         y = torch.ops.moekit.rows_gemv(x, weight)
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
@@ -70,6 +75,8 @@ def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
 def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
     """Σ_k w[b, k] · expert_{ids[b, k]}(x[b]) for x [B, D], every (row, choice) read in place."""
     ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
+    if ex.int8_stacks is not None:
+        return _int8_experts(ex, x, ids, w)
     if _has_gemv():
         h = torch.ops.moekit.experts_gemv(x[:, None, :], ex.gate_up, ids)  # [B, K, 2F]
     else:
@@ -81,6 +88,18 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
         y = torch.ops.moekit.experts_gemv(a, ex.down, ids)  # [B, K, D]
     else:
         y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
+    if ex.down_bias is not None:
+        y = y + ex.down_bias[ids]
+    return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+
+def _int8_experts(ex: RoutedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """_experts with q8_0 expert stacks (moekit::experts_q8); biases are at the engine dtype."""
+    gate_up, down = ex.int8_stacks
+    h = torch.ops.moekit.experts_q8(x[:, None, :], gate_up, ids)  # [B, K, 2F]
+    if ex.gate_up_bias is not None:
+        h = h + ex.gate_up_bias[ids]
+    y = torch.ops.moekit.experts_q8(ex.act(h), down, ids)  # [B, K, D]
     if ex.down_bias is not None:
         y = y + ex.down_bias[ids]
     return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
@@ -206,8 +225,10 @@ def unsupported(decoder) -> Optional[str]:
     """Why this decoder's decode step cannot be compiled here, or None when it can."""
     if decoder.device.type != "cpu":
         return "the compiled decode step is built and tested for CPU only"
-    if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()):
-        return "projections are not in the Hub layout (int8 weights, or laid out for eager kernels)"
+    if any(isinstance(m, Linear) and m.kernel not in (PLAIN, INT8, INT8_GEMV) for m in decoder.modules()):
+        return "projections are laid out for eager kernels (load the decoder with kernels=False)"
+    if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()) and not _has_gemv():
+        return "int8 weights need the gemv operators, which could not be built here"
     for block in decoder.layers:
         if block.before_attn is not None or block.before_ffn is not None:
             return "a prefetcher is attached (the expert store)"
@@ -229,8 +250,10 @@ def unsupported(decoder) -> Optional[str]:
                 return "routed experts are paged by the expert store"
             if ex.weigh_input:
                 return "experts weighed on their input (llama4) are not in the compiled step yet"
-            if ex.kernels != (PLAIN, PLAIN) or ex.expert_kernels is not None:
-                return "routed experts are not in the Hub layout (int8 weights, or eager kernels)"
+            if ex.expert_kernels is not None or (ex.kernels != (PLAIN, PLAIN) and ex.int8_stacks is None):
+                return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
+            if ex.int8_stacks is not None and not _has_gemv():
+                return "int8 experts need the gemv operators, which could not be built here"
     rope = decoder.rope.spec
     if rope.interleaved or rope.fp32:
         return "interleaved or fp32 RoPE is not in the compiled step yet"

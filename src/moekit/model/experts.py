@@ -30,6 +30,8 @@ class RoutedExperts(nn.Module):
         rows = (2 if spec.gated else 1) * spec.width
         self.num_experts = num_experts
         self.in_features = (spec.hidden_size, spec.width)  # gate_up's and down's input widths: D, F
+        # (gate_up's, down's) [out, in] in our layout: known even once offload() drops the stacks.
+        self.weight_shapes = ((rows, spec.hidden_size), (spec.hidden_size, spec.width))
         self.gate_up = nn.Parameter(torch.empty(num_experts, rows, spec.hidden_size))
         self.down = nn.Parameter(torch.empty(num_experts, spec.hidden_size, spec.width))
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, rows)) if spec.bias else None
@@ -41,6 +43,12 @@ class RoutedExperts(nn.Module):
         self.expert_kernels: tuple | None = None
         self._weights: tuple[tuple, tuple] | None = None  # per-expert (gate_up, down), set by prepare()
         self.store = None  # a moekit.offload.store.LayerStore once the weights live there instead
+        # Offloaded experts a checkpoint publishes packed (MXFP4, FP8): how the store keeps them
+        # packed (moekit.model.packed_loading.PackedFormat), recorded by the loader; None otherwise.
+        self.packed_format = None
+        # After quantize_int8(): (gate_up [E, 2F, nb·34], down [E, D, nb·34]) uint8, the q8_0 stacks
+        # the per-expert weights are views of; the compiled decode step reads them in place.
+        self.int8_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def offload(self) -> None:
         """Drop the (still meta) weight stacks: the routed weights will come from an expert store.
@@ -104,9 +112,10 @@ class RoutedExperts(nn.Module):
             int8 = int8_kernel_for(hub[0], hub.dtype)
             packed = int8.prepare(hub.flatten(0, 1)).view(len(weights), hub.shape[1], -1)  # one pass for all E
             del hub
-            stacks.append(tuple(packed.unbind(0)))  # expert e's blocks: a contiguous view
+            stacks.append(packed)
             kernels.append(int8)
-        self._hold(kernels, *stacks)
+        self._hold(kernels, *(tuple(packed.unbind(0)) for packed in stacks))  # expert e's blocks: a view
+        self.int8_stacks = (stacks[0], stacks[1])
 
     def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) as this module holds them."""
@@ -126,6 +135,12 @@ class RoutedExperts(nn.Module):
             old = (self.gate_up[e].clone(), self.down[e].clone())
             self.gate_up[e].copy_(weights[0])
             self.down[e].copy_(weights[1])
+            return old
+        if self.int8_stacks is not None:
+            # Each expert's weights are views of the q8_0 stacks the compiled step reads: written in place.
+            old = (self.int8_stacks[0][e].clone(), self.int8_stacks[1][e].clone())
+            self.int8_stacks[0][e].copy_(weights[0])
+            self.int8_stacks[1][e].copy_(weights[1])
             return old
         old = self.resident_weights(e)
         gate_up, down = self._weights

@@ -4,12 +4,18 @@ Why: at batch 1 a decode step is ~40 matrix-vector products. Inductor's reductio
 `(x[:, None, :] * W).sum(-1)` reaches memory speed in fp32 on one core but not in bf16 (measured
 here: ~2.2 G weights/s either way, so bf16 moves half the bytes per second), and MKL's / oneDNN's
 one-row GEMMs stay below it. These two operators read each weight row once for all M rows of x,
-convert bf16 with a shift, and accumulate in fp32 with FMA over four independent chains:
+convert bf16 with a shift, and accumulate in fp32 with FMA over four independent chains (one row
+of x), or multiply each chunk of a weight row, loaded and converted once, with up to four rows of
+x at a time (a batch, where those loads and not the bytes bound the products):
   moekit::rows_gemv(x [M, K], w [N, K]) -> [M, N]                     a projection, Hub layout
   moekit::experts_gemv(x [B, X, K], w [E, N, K], ids [B, C]) -> [B, C, N]
       row b's C chosen experts, each on x[b, 0] (X = 1, gate_up) or on x[b, c] (X = C, down),
       read in place from the stacked weights (no gather copy), each chosen expert once per call
+  moekit::rows_q8 / moekit::experts_q8: the same two with q8_0 weights (uint8 [.., N, nb · 34]:
+      per 32 inputs a float16 scale and 32 int8, moekit.model.int8), x zero padded to nb · 32
 x and w are fp32 or bf16 (w's dtype decides the load; x is read as fp32); the output has x's dtype.
+The eager int8 kernel (moekit.model.int8.int8_gemv) is rows_q8 too, so the compiled step's int8
+products are the eager ones, bit for bit.
 They are registered as dispatcher operators with shape functions, so torch.compile calls them as
 extern kernels inside the compiled graph. Built once per machine with torch.utils.cpp_extension;
 where no compiler is available `operators()` is None and the compiled step keeps its reductions.
@@ -26,8 +32,10 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstring>
 #include <vector>
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MK_AVX2 1
 #endif
@@ -66,13 +74,171 @@ static inline float dot(const W* w, const float* x, int64_t K) {
     return acc;
 }
 
+#ifdef MK_AVX2
+// One weight row against R x rows (R <= 4) at once: each chunk of w is loaded (and, for bf16,
+// converted) once for all R rows. A batch's products are bound by these loads, not by the bytes.
+template <int R, typename W>
+static inline void dot_rows(const W* w, const float* const* xs, int64_t K, float* out) {
+    __m256 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
+        for (int r = 0; r < R; ++r) {
+            a[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xs[r] + k), a[r][0]);
+            a[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xs[r] + k + 8), a[r][1]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        float acc = hsum(_mm256_add_ps(a[r][0], a[r][1]));
+        for (int64_t j = k; j < K; ++j) acc += float(w[j]) * xs[r][j];
+        out[r] = acc;
+    }
+}
+#endif
+
+// out[r] = w · xs[r] for R x rows; a lone row keeps dot()'s four chains (batch 1 is unchanged).
 template <typename W>
-static void rows_kernel(const float* x, const W* w, float* y, int64_t M, int64_t N, int64_t K) {
+static inline void dots(const W* w, const float* const* xs, int64_t R, int64_t K, float* out) {
+    if (R == 1) {
+        out[0] = dot(w, xs[0], K);
+        return;
+    }
+#ifdef MK_AVX2
+    int64_t r = 0;
+    for (; r + 4 <= R; r += 4) dot_rows<4>(w, xs + r, K, out + r);
+    if (R - r == 3) dot_rows<3>(w, xs + r, K, out + r);
+    else if (R - r == 2) dot_rows<2>(w, xs + r, K, out + r);
+    else if (R - r == 1) dot_rows<1>(w, xs + r, K, out + r);
+#else
+    for (int64_t r = 0; r < R; ++r) out[r] = dot(w, xs[r], K);
+#endif
+}
+
+static inline float half_to_float(const uint8_t* p) {
+    uint16_t h; std::memcpy(&h, p, 2);
+#ifdef MK_AVX2
+    return _cvtsh_ss(h);
+#else
+    return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+#ifdef MK_AVX2
+// One q8_0 block: 32 int8 codes · 32 floats of x, in two independent chains.
+static inline __m256 q8_block(const uint8_t* w, const float* x) {
+    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
+    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18));
+    __m256 p0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), _mm256_loadu_ps(x));
+    __m256 p1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), _mm256_loadu_ps(x + 8));
+    p0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), _mm256_loadu_ps(x + 16), p0);
+    p1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), _mm256_loadu_ps(x + 24), p1);
+    return _mm256_add_ps(p0, p1);
+}
+#endif
+
+// One q8_0 weight row (nb blocks of 34 bytes: a float16 scale, 32 int8) against nb * 32 floats of x
+// (zero padded): Σ_blocks d · Σ q·x, as llama.cpp's q8_0 layout and moekit.model.int8 define it.
+static inline float q8_dot(const uint8_t* w, const float* x, int64_t nb) {
+#ifdef MK_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2, w += 68, x += 64) {
+        acc0 = _mm256_fmadd_ps(q8_block(w, x), _mm256_set1_ps(half_to_float(w)), acc0);
+        acc1 = _mm256_fmadd_ps(q8_block(w + 34, x + 32), _mm256_set1_ps(half_to_float(w + 34)), acc1);
+    }
+    if (b < nb) acc0 = _mm256_fmadd_ps(q8_block(w, x), _mm256_set1_ps(half_to_float(w)), acc0);
+    return hsum(_mm256_add_ps(acc0, acc1));
+#else
+    float acc = 0.f;
+    for (int64_t b = 0; b < nb; ++b, w += 34, x += 32) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
+        float s = 0.f;
+        for (int j = 0; j < 32; ++j) s += float(q[j]) * x[j];
+        acc += s * half_to_float(w);
+    }
+    return acc;
+#endif
+}
+
+// y[m, n] = weight row n · x row m for M x rows (xrow(m) → its floats) and N weight rows, threads
+// over N; row_dots(n, xs, R, out) multiplies weight row n with R x rows at once.
+template <typename XRow, typename RowDots>
+static void rows_loop(float* y, int64_t M, int64_t N, XRow xrow, RowDots row_dots) {
+    if (M == 1) {  // batch 1: straight into y, nothing to allocate
+        const float* x0 = xrow(0);
+        at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+            for (int64_t n = begin; n < end; ++n) row_dots(n, &x0, 1, y + n);
+        });
+        return;
+    }
+    std::vector<const float*> xs(M);
+    for (int64_t m = 0; m < M; ++m) xs[m] = xrow(m);
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n)
-            for (int64_t m = 0; m < M; ++m)
-                y[m * N + n] = dot(w + n * K, x + m * K, K);
+        std::vector<float> out(M);
+        for (int64_t n = begin; n < end; ++n) {
+            row_dots(n, xs.data(), M, out.data());
+            for (int64_t m = 0; m < M; ++m) y[m * N + n] = out[m];
+        }
     });
+}
+
+// y[b, c, n] = row n of expert ids[b, c] · x row, for every (row, choice), where the x row is
+// x[b, 0] (X = 1) or x[b, c] (X = C). The pairs are grouped by expert: each chosen expert's weight
+// rows are read once for all the pairs that chose it (a batch reads the union of its experts), and
+// expert_dots(e, n, xs, R, out) multiplies one of them with all those pairs' x rows at once.
+template <typename XRow, typename ExpertDots>
+static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int64_t C, int64_t E, int64_t N,
+                         XRow xrow, ExpertDots expert_dots) {
+    const int64_t P = B * C;
+    // The pairs in expert order (a counting sort): expert e's are order[first[e] .. first[e + 1]).
+    std::vector<int64_t> first(E + 1, 0), order(P);
+    for (int64_t bc = 0; bc < P; ++bc) {
+        TORCH_CHECK(ids[bc] >= 0 && ids[bc] < E, "experts_gemv: expert id out of range");
+        ++first[ids[bc] + 1];
+    }
+    for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+    std::vector<int64_t> fill(first.begin(), first.end() - 1);
+    for (int64_t bc = 0; bc < P; ++bc) order[fill[ids[bc]]++] = bc;
+    std::vector<const float*> xs(P);
+    for (int64_t j = 0; j < P; ++j) xs[j] = xrow(order[j] / C * X + (X == 1 ? 0 : order[j] % C));
+    // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
+    const int64_t blocks = (N + 15) / 16;
+    std::vector<int64_t> items;
+    for (int64_t e = 0; e < E; ++e)
+        if (first[e + 1] > first[e])
+            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
+    at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
+        float out[64];
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t e = items[i] / blocks, blk = items[i] % blocks;
+            const int64_t n_end = std::min(N, (blk + 1) * 16);
+            if (first[e + 1] - first[e] == 1) {  // one row chose this expert (all of them at batch 1)
+                const int64_t j = first[e];
+                for (int64_t n = blk * 16; n < n_end; ++n) expert_dots(e, n, xs.data() + j, 1, y + order[j] * N + n);
+                continue;
+            }
+            for (int64_t n = blk * 16; n < n_end; ++n)
+                for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += 64) {  // at most 64 rows at a time
+                    const int64_t R = std::min<int64_t>(64, first[e + 1] - j0);
+                    expert_dots(e, n, xs.data() + j0, R, out);
+                    for (int64_t j = 0; j < R; ++j) y[order[j0 + j] * N + n] = out[j];
+                }
+        }
+    });
+}
+
+// x as fp32 rows of `width` floats (zero padded when width > its last size), contiguous.
+static torch::Tensor float_rows(const torch::Tensor& x, int64_t width) {
+    auto xf = x.to(torch::kFloat).contiguous();
+    const int64_t k = xf.size(-1);
+    TORCH_CHECK(k <= width, "gemv: x is wider than the weight");
+    if (k == width) return xf;
+    std::vector<int64_t> shape = xf.sizes().vec();
+    shape.back() = width;
+    auto out = torch::zeros(shape, xf.options());
+    out.narrow(-1, 0, k).copy_(xf);
+    return out;
 }
 
 torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w) {
@@ -81,41 +247,18 @@ torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w) {
     auto xf = x.to(torch::kFloat).contiguous();
     auto wc = w.contiguous();
     auto y = torch::empty({M, N}, xf.options());
-    if (wc.scalar_type() == torch::kBFloat16)
-        rows_kernel(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), y.data_ptr<float>(), M, N, K);
-    else
-        rows_kernel(xf.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
-    return y.to(x.scalar_type());
-}
-
-template <typename W>
-static void experts_kernel(const float* x, const W* w, const int64_t* ids, float* y,
-                           int64_t B, int64_t X, int64_t C, int64_t E, int64_t N, int64_t K) {
-    // The (row, choice) pairs grouped by expert: each chosen expert's weight rows are read once for
-    // all the pairs that chose it (a batch reads the union of its experts, not one copy per row).
-    std::vector<std::vector<int64_t>> pairs(E);
-    for (int64_t bc = 0; bc < B * C; ++bc) {
-        TORCH_CHECK(ids[bc] >= 0 && ids[bc] < E, "experts_gemv: expert id out of range");
-        pairs[ids[bc]].push_back(bc);
+    const float* xp = xf.data_ptr<float>();
+    auto xrow = [&](int64_t m) { return xp + m * K; };
+    if (wc.scalar_type() == torch::kBFloat16) {
+        const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
+        rows_loop(y.data_ptr<float>(), M, N, xrow,
+                  [&](int64_t n, const float* const* xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); });
+    } else {
+        const float* wp = wc.data_ptr<float>();
+        rows_loop(y.data_ptr<float>(), M, N, xrow,
+                  [&](int64_t n, const float* const* xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); });
     }
-    // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
-    const int64_t blocks = (N + 15) / 16;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (!pairs[e].empty())
-            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
-    at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-            const int64_t e = items[i] / blocks, blk = items[i] % blocks;
-            const W* we = w + e * N * K;
-            const int64_t n_end = std::min(N, (blk + 1) * 16);
-            for (int64_t n = blk * 16; n < n_end; ++n)
-                for (const int64_t bc : pairs[e]) {
-                    const int64_t b = bc / C, c = bc % C;
-                    y[bc * N + n] = dot(we + n * K, x + (b * X + (X == 1 ? 0 : c)) * K, K);
-                }
-        }
-    });
+    return y.to(x.scalar_type());
 }
 
 torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
@@ -127,20 +270,66 @@ torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids) 
     auto wc = w.contiguous();
     auto ic = ids.to(torch::kLong).contiguous();
     auto y = torch::empty({B, C, N}, xf.options());
-    if (wc.scalar_type() == torch::kBFloat16)
-        experts_kernel(xf.data_ptr<float>(), wc.data_ptr<c10::BFloat16>(), ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, K);
-    else
-        experts_kernel(xf.data_ptr<float>(), wc.data_ptr<float>(), ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, K);
+    const float* xp = xf.data_ptr<float>();
+    auto xrow = [&](int64_t r) { return xp + r * K; };
+    if (wc.scalar_type() == torch::kBFloat16) {
+        const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
+        experts_loop(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, xrow,
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         dots(wp + (e * N + n) * K, xs, R, K, out); });
+    } else {
+        const float* wp = wc.data_ptr<float>();
+        experts_loop(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, xrow,
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         dots(wp + (e * N + n) * K, xs, R, K, out); });
+    }
+    return y.to(x.scalar_type());
+}
+
+// q8_0 weights: w [N, nb * 34] (one projection) or [E, N, nb * 34] (stacked experts), uint8.
+torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % 34 == 0,
+                "rows_q8: x [M, K], w uint8 [N, nb * 34]");
+    const int64_t M = x.size(0), N = w.size(0), nb = w.size(1) / 34;
+    auto xf = float_rows(x, nb * 32);
+    auto wc = w.contiguous();
+    auto y = torch::empty({M, N}, xf.options());
+    const float* xp = xf.data_ptr<float>();
+    const uint8_t* wp = wc.data_ptr<uint8_t>();
+    rows_loop(y.data_ptr<float>(), M, N, [&](int64_t m) { return xp + m * nb * 32; },
+              [&](int64_t n, const float* const* xs, int64_t R, float* out) {
+                  for (int64_t r = 0; r < R; ++r) out[r] = q8_dot(wp + n * nb * 34, xs[r], nb); });
+    return y.to(x.scalar_type());
+}
+
+torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && w.scalar_type() == torch::kByte && w.size(2) % 34 == 0,
+                "experts_q8: x [B, X, K], w uint8 [E, N, nb * 34], ids [B, C]");
+    const int64_t B = x.size(0), X = x.size(1), E = w.size(0), N = w.size(1), nb = w.size(2) / 34, C = ids.size(1);
+    TORCH_CHECK(X == 1 || X == C, "experts_q8: x holds one row per token or one per choice");
+    auto xf = float_rows(x, nb * 32);
+    auto wc = w.contiguous();
+    auto ic = ids.to(torch::kLong).contiguous();
+    auto y = torch::empty({B, C, N}, xf.options());
+    const float* xp = xf.data_ptr<float>();
+    const uint8_t* wp = wc.data_ptr<uint8_t>();
+    experts_loop(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [&](int64_t r) { return xp + r * nb * 32; },
+                 [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                     for (int64_t r = 0; r < R; ++r) out[r] = q8_dot(wp + (e * N + n) * nb * 34, xs[r], nb); });
     return y.to(x.scalar_type());
 }
 
 TORCH_LIBRARY(moekit, m) {
     m.def("rows_gemv(Tensor x, Tensor w) -> Tensor");
     m.def("experts_gemv(Tensor x, Tensor w, Tensor ids) -> Tensor");
+    m.def("rows_q8(Tensor x, Tensor w) -> Tensor");
+    m.def("experts_q8(Tensor x, Tensor w, Tensor ids) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(moekit, CPU, m) {
     m.impl("rows_gemv", &rows_gemv);
     m.impl("experts_gemv", &experts_gemv);
+    m.impl("rows_q8", &rows_q8);
+    m.impl("experts_q8", &experts_q8);
 }
 """
 
@@ -155,7 +344,7 @@ def operators():
 
         # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
         # already loaded, so there is one thread pool, not two.
-        load_inline(name="moekit_gemv_v2", cpp_sources=_SOURCE, is_python_module=False,
+        load_inline(name="moekit_gemv_v6", cpp_sources=_SOURCE, is_python_module=False,
                     extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
     except Exception as err:  # a missing compiler or headers: the compiled step keeps its reductions
         _STATUS["gemv"] = f"the gemv operators could not be built ({type(err).__name__}: {str(err)[:120]})"
@@ -167,13 +356,14 @@ def operators():
 def _register_shapes() -> None:
     """Shape functions, so that torch.compile can trace through the operators."""
 
-    @torch.library.register_fake("moekit::rows_gemv")
-    def _rows(x, w):
+    def rows(x, w):  # [M, K] · [N, K (or nb · 34 bytes)] → [M, N]
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    @torch.library.register_fake("moekit::experts_gemv")
-    def _experts(x, w, ids):
+    def experts(x, w, ids):  # [B, X, K] · [E, N, ...] at ids [B, C] → [B, C, N]
         return x.new_empty((x.shape[0], ids.shape[1], w.shape[1]))
+
+    for name, shape in (("rows_gemv", rows), ("experts_gemv", experts), ("rows_q8", rows), ("experts_q8", experts)):
+        torch.library.register_fake(f"moekit::{name}")(shape)
 
 
 def status() -> str:

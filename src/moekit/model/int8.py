@@ -7,9 +7,10 @@ half away from zero: bit for bit what gguf-py's Q8_0 writes. Activations stay in
 dtype; products are accumulated in fp32 and cast back.
 
   int8_reference   dequantize the whole weight to fp32 and F.linear: what the kernels must equal.
-  q8 gemv          a small C++ operator (torch.utils.cpp_extension, built once per machine with
-                   -march=native, cached by torch): reads the 34-byte blocks and multiplies in fp32
-                   without materialising the weight; up to GEMV_ROWS rows of x, threads over `out`.
+  q8 gemv          moekit::rows_q8, a small C++ operator (moekit.model.gemv, built once per machine
+                   with -march=native, cached by torch): reads the 34-byte blocks and multiplies in
+                   fp32 without materialising the weight; up to GEMV_ROWS rows of x, threads over
+                   `out`. The compiled decode step calls the same operator (and experts_q8).
   dequantize+mm    the reference's arithmetic; used for more rows (prefill), and everywhere when
                    the operator cannot be built here (no compiler) or measures slower.
 
@@ -66,114 +67,20 @@ def int8_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> 
     return y.to(x.dtype)
 
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cstring>
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define Q8_AVX2 1
-#endif
-
-static inline float half_to_float(uint16_t h) {
-#ifdef Q8_AVX2
-    return _cvtsh_ss(h);
-#else
-    return c10::detail::fp16_ieee_to_fp32_value(h);
-#endif
-}
-
-#ifdef Q8_AVX2
-// One block: 32 int8 codes · 32 floats of x, in two independent chains (FMA latency, not
-// throughput, bounds a single chain).
-static inline __m256 block_dot(const uint8_t* w, const float* x) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 18));
-    const __m256 q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
-    const __m256 q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
-    const __m256 q2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
-    const __m256 q3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
-    __m256 p0 = _mm256_mul_ps(q0, _mm256_loadu_ps(x));
-    __m256 p1 = _mm256_mul_ps(q1, _mm256_loadu_ps(x + 8));
-    p0 = _mm256_fmadd_ps(q2, _mm256_loadu_ps(x + 16), p0);
-    p1 = _mm256_fmadd_ps(q3, _mm256_loadu_ps(x + 24), p1);
-    return _mm256_add_ps(p0, p1);
-}
-
-static inline __m256 block_scale(const uint8_t* w) {
-    uint16_t dh; std::memcpy(&dh, w, 2);
-    return _mm256_set1_ps(half_to_float(dh));
-}
-#endif
-
-// One weight row (nb blocks of 34 bytes) against one x row (nb * 32 floats, zero padded).
-static inline float row_dot(const uint8_t* w, const float* x, int64_t nb) {
-#ifdef Q8_AVX2
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2, w += 68, x += 64) {
-        acc0 = _mm256_fmadd_ps(block_dot(w, x), block_scale(w), acc0);
-        acc1 = _mm256_fmadd_ps(block_dot(w + 34, x + 32), block_scale(w + 34), acc1);
-    }
-    if (b < nb) acc0 = _mm256_fmadd_ps(block_dot(w, x), block_scale(w), acc0);
-    const __m256 acc = _mm256_add_ps(acc0, acc1);
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-#else
-    float acc = 0.f;
-    for (int64_t b = 0; b < nb; ++b, w += 34, x += 32) {
-        uint16_t dh; std::memcpy(&dh, w, 2);
-        const int8_t* q = reinterpret_cast<const int8_t*>(w + 2);
-        float s = 0.f;
-        for (int j = 0; j < 32; ++j) s += float(q[j]) * x[j];
-        acc += s * half_to_float(dh);
-    }
-    return acc;
-#endif
-}
-
-// x [M, nb*32] fp32 contiguous, w [N, nb*34] uint8 → [M, N] fp32.
-torch::Tensor q8_gemv(torch::Tensor x, torch::Tensor w) {
-    const int64_t M = x.size(0), N = w.size(0), nb = w.size(1) / 34;
-    auto y = torch::empty({M, N}, x.options());
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* wp = w.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-        for (int64_t n = begin; n < end; ++n)
-            for (int64_t m = 0; m < M; ++m)
-                yp[m * N + n] = row_dot(wp + n * nb * 34, xp + m * nb * 32, nb);
-    });
-    return y;
-}
-"""
-
-
 @lru_cache(maxsize=1)
 def gemv_operator():
-    """The compiled operator, or None where it cannot be built (the reason is in `gemv_status`)."""
-    try:
-        from torch.utils.cpp_extension import load_inline
+    """moekit::rows_q8 (moekit.model.gemv, the operator the compiled decode step calls too), or None
+    where it cannot be built (the reason is in `gemv_status`)."""
+    from moekit.model import gemv
 
-        # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
-        # already loaded, so there is one thread pool, not two.
-        module = load_inline(name="moekit_q8_gemv_v2", cpp_sources=_SOURCE, functions=["q8_gemv"],
-                             extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-    except Exception as err:  # a missing compiler or headers: fall back, and say why
-        _STATUS["gemv"] = f"the q8 operator could not be built ({type(err).__name__}: {str(err)[:120]})"
+    ops = gemv.operators()
+    if ops is None:
+        _STATUS["gemv"] = gemv.status().replace("gemv operators", "q8 operator")
         return None
-    return module.q8_gemv
+    return ops.rows_q8
 
 
 _STATUS: dict[str, str] = {}
-
-
-def _pad_input(x2: Tensor, packed: Tensor) -> Tensor:
-    width = packed.shape[1] // BLOCK_BYTES * BLOCK
-    x2 = x2.float().contiguous()
-    return x2 if x2.shape[1] == width else F.pad(x2, (0, width - x2.shape[1]))
 
 
 def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -182,7 +89,7 @@ def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tenso
     x2 = x.reshape(-1, x.shape[-1])
     if op is None or x2.shape[0] > GEMV_ROWS:
         return int8_reference(x, packed, bias)
-    y = op(_pad_input(x2, packed), packed)
+    y = op(x2.float(), packed)  # [M, out] fp32; the operator pads x to whole blocks
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])

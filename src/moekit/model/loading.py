@@ -220,9 +220,10 @@ class _Planner:
 
     def offloaded_experts(self, ours: str, block: str, moe: MoE, names: HubNames) -> None:
         """Only the biases are ours; the weight tensors are the store's and are not read here."""
-        if names.experts == "stacked_rows":
-            raise CheckpointError(f"{ours}: the stacked expert rows of this family cannot be paged by the expert store yet")
         ex = moe.experts
+        if names.experts == "stacked_rows":  # dbrx: [E·F, D] gate, up and down rows, no expert biases
+            self.external.update(f"{block}.{k}" for k in (names.expert_gate, names.expert_up, names.expert_down))
+            return
         if names.experts == "per_expert":
             kinds = [names.expert_gate, names.expert_up, names.expert_down]
             self.external.update(f"{block}.experts.{j}.{k}.weight" for j in range(ex.num_experts) for k in kinds)

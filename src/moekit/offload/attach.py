@@ -10,6 +10,9 @@ kernel_for, or quantized to q8_0 on load with `quantize` (`--weights int8`: chea
 still moves float bytes); a packed Q8_0 / Q4_0 expert is used as read, with the int8 / int4
 kernels. A packed file with block-format experts always runs through the store, even when the
 budget holds every expert: a plain resident load would read the checkpoint's float experts instead.
+MXFP4 / FP8 experts (a checkpoint published so) stay packed: a slot holds an expert's prepared rows
+(4.25 / 8.25 bits a weight), run with the kernels the resident load chose for them (the decoder's
+RoutedExperts.packed_format); a budget that holds every expert is the resident kept-packed load.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def moe_layers(spec: ModelSpec) -> list[int]:
 
 
 _FLOAT_NAMES = {torch.float32: ("F32", "fp32"), torch.bfloat16: ("BF16", "bf16"), torch.float16: ("F16", "fp16")}
-_KIND_NAMES = {"Q8_0": "int8", "Q4_0": "int4"}
+_KIND_NAMES = {"Q8_0": "int8", "Q4_0": "int4", "MXFP4": "mxfp4", "FP8": "fp8"}
 
 
 def packed_experts(folder: Optional[Path]):
@@ -66,9 +69,24 @@ def packed_experts(folder: Optional[Path]):
     return found.experts if found is not None and found.source == "packed" else None
 
 
+def published_extents(folder: Optional[Path], spec: ModelSpec):
+    """The checkpoint's own extents when it publishes its experts packed (config.json's
+    quantization_config: MXFP4, FP8), which decide each expert's bytes; else None. Headers only."""
+    from moekit.offload.extents import expert_extents
+
+    config = folder / "config.json" if folder is not None else None
+    if config is None or not config.is_file():
+        return None  # a GGUF file, or no checkpoint folder: not a published packed layout
+    from moekit.weights.checkpoint import read_config
+
+    if read_config(folder).get("quantization_config") is None:
+        return None
+    return expert_extents(folder, spec, published=True)
+
+
 def held_bytes(spec: ModelSpec, dtype: torch.dtype, extents, quantize: bool) -> dict[tuple[int, int], int]:
-    """(layer, expert) → bytes it holds once loaded. extents: a packed manifest's, or None (the
-    checkpoint's float experts, all alike)."""
+    """(layer, expert) → bytes it holds once loaded. extents: a packed manifest's or a published
+    packed checkpoint's, or None (the checkpoint's float experts, all alike)."""
     if extents is None:
         rows, d, f = expert_shape(spec)
         each = int8_nbytes(rows, d, f) if quantize else expert_nbytes(spec, dtype)
@@ -84,17 +102,18 @@ def int8_nbytes(rows: int, d: int, f: int) -> int:
 
 
 def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions, folder: Optional[Path] = None,
-                 quantize: bool = False) -> SlotPlan:
+                 quantize: bool = False, manifest=None) -> SlotPlan:
     """folder: the checkpoint, whose packed experts (if any) decide each expert's bytes; quantize:
-    float experts are held as q8_0 (`--weights int8`)."""
+    float experts are held as q8_0 (`--weights int8`). manifest: the experts' extents when they are
+    not where folder's manifest says (a GGUF's, moekit.offload.gguf_extents): they decide instead."""
     layers = moe_layers(spec)
     if not layers:
         raise MoekitError(f"{spec.name}: a dense model has no routed experts to offload; drop --expert-memory")
     if options.policy not in (*LIVE_POLICIES, NO_CACHE):
         raise MoekitError(f"unknown cache policy {options.policy!r}; choose one of {', '.join((*LIVE_POLICIES, NO_CACHE))}")
     first = spec.layers[layers[0]].ffn
-    packed = packed_experts(folder)
-    sizes = held_bytes(spec, dtype, packed, quantize)
+    packed = manifest.experts if manifest is not None else packed_experts(folder)
+    sizes = held_bytes(spec, dtype, packed if packed is not None else published_extents(folder, spec), quantize)
     total = sum(sizes.values())
     budget = parse_budget(options.expert_memory, total)
     plan = plan_slots(budget, max(sizes.values()), len(layers), first.num_experts, first.router.top_k,
@@ -112,6 +131,24 @@ def expert_kernels(kind: Optional[str], probe_up: torch.Tensor, probe_down: torc
     if kind == "Q8_0" or quantize:
         return int8_kernel_for(probe_up, probe_up.dtype), int8_kernel_for(probe_down, probe_down.dtype)
     return kernel_for(probe_up), kernel_for(probe_down)
+
+
+def packed_formats(decoder, kinds: dict) -> dict:
+    """"MXFP4" / "FP8" → the moekit.model.packed_loading.PackedFormat the loader recorded for the
+    experts the manifest lists so (every MoE layer of a checkpoint shares one: same shapes, block
+    and kernels); one line when the checkpoint did not load them as packed experts."""
+    from moekit.offload.manifest import MANIFEST_NAME
+
+    found: dict = {}
+    for (layer, e), kind in sorted(kinds.items()):
+        if kind not in ("MXFP4", "FP8") or kind in found:
+            continue
+        fmt = decoder.layers[layer].ffn.experts.packed_format
+        if fmt is None or fmt.method.upper() != kind:
+            raise MoekitError(f"{MANIFEST_NAME} lists {kind} experts (layer {layer}), which the checkpoint does not "
+                              "declare in config.json's quantization_config; delete it and moekit rebuilds it")
+        found[kind] = fmt
+    return found
 
 
 @dataclass
@@ -141,9 +178,10 @@ class _ExpertLoader:
 
 
 def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None,
-                 quantize: bool = False, verify: bool = True) -> ExpertStore:
+                 quantize: bool = False, verify: bool = True, manifest=None) -> ExpertStore:
     """Wire an ExpertStore into every offloaded RoutedExperts of `decoder` (built with offload_experts=True).
-    quantize: float experts are quantized to q8_0 as they load (`--weights int8`)."""
+    quantize: float experts are quantized to q8_0 as they load (`--weights int8`). manifest: where
+    the experts are when not in folder's moekit-experts.json (a GGUF's; its files are absolute)."""
     from moekit.offload.manifest import load_or_build_manifest
     from moekit.offload.reader import ExpertReader
 
@@ -151,20 +189,26 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     if decoder.device.type != "cpu":
         raise MoekitError("--expert-memory runs on CPU only in this version (the CUDA tier is not built yet)")
     pin_mmap_threshold()
-    manifest = load_or_build_manifest(folder, spec, progress=progress)
-    reader = ExpertReader(folder, manifest, decoder.dtype)
+    given = manifest is not None  # its extents decide each expert's bytes, as a packed manifest's
+    manifest = manifest if given else load_or_build_manifest(folder, spec, progress=progress)
     rows, d, f = expert_shape(spec)
     probe_up = torch.empty(rows, d, dtype=decoder.dtype, device=decoder.device)
     probe_down = torch.empty(d, f, dtype=decoder.dtype, device=decoder.device)
     kinds = {key: stored_kind(ex) for key, ex in manifest.experts.items()}
-    kernels = {kind: expert_kernels(kind, probe_up, probe_down, quantize) for kind in sorted(set(kinds.values()), key=str)}
+    formats = packed_formats(decoder, kinds)  # MXFP4 / FP8 experts: as the resident load keeps them
+    reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
+    kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
+               for kind in sorted(set(kinds.values()), key=str)}
     load = _ExpertLoader(reader, kinds, kernels, verify=verify)
-    sizes = held_bytes(spec, decoder.dtype, manifest.experts if manifest.source == "packed" else None, quantize)
+    own = manifest.source == "packed" or given or bool(formats)  # the extents decide each expert's bytes
+    sizes = held_bytes(spec, decoder.dtype, manifest.experts if own else None, quantize)
     float_name = "int8" if quantize else _FLOAT_NAMES.get(decoder.dtype, ("", str(decoder.dtype)))[1]
     precision = describe({key: _KIND_NAMES.get(kind, float_name) for key, kind in kinds.items()})
 
     notes: list[str] = []
-    if quantize or any(kinds.values()):
+    # A conversion is news (--weights int8, a packed file's blocks); experts paged as the checkpoint
+    # publishes them (MXFP4, FP8) are not, as a bf16 checkpoint's paged at bf16 are not.
+    if quantize or any(kind is not None and kind not in formats for kind in kinds.values()):
         notes.append(f"routed experts paged as {precision}")
     if plan.clamped:
         notes.append("the budget is larger than all routed experts: capped at their total")

@@ -16,6 +16,18 @@ Our layout of one expert (moekit.model.experts): gate_up [rows, D] with gate row
   "interleaved_transposed"  gpt_oss: gate_up is slice e of [E, D, 2F] with gate at even and up at
                             odd columns, down is slice e of [E, F, D] (x @ W): both transposed
   "transposed"              llama4: as gpt_oss, but gate_up's gate is its first half, up its second
+  "rows_transposed_down"    dbrx: gate_up is rows e·F..(e+1)·F of w1 then of v1 [E·F, D] (rows, as
+                            ours); down is those rows of w2 [E·F, D], applied x @ W: transposed
+  "mxfp4"                   gpt_oss as published: each part is (blocks, scales), slice e of
+                            `*_blocks` [E, R, G, 16] and `*_scales` [E, R, G] (U8); gate_up's R rows
+                            are gate, up, gate, up, ... (the bf16 tensor's interleaved columns)
+  "fp8"                     per-expert block-scaled FP8 (DeepSeek-V3): each weight is (its
+                            F8_E4M3 [out, in], its weight_scale_inv [nbr, nbc]); gate_up is gate's
+                            pair then up's
+
+The last two stay packed in memory too: the reader turns them into moekit.model.packed's prepared
+rows (mxfp4 [out, G·17], fp8 [out, in + 4·nbc]), the bytes the packed kernels read, so a slot
+holds 4.25 / 8.25 bits a weight and a miss moves the published bytes, nothing more.
 
 Only routed-expert weights live here: biases, routers and shared experts stay resident.
 No torch: the manifest (and `moekit pack`'s planning) use this on machines without it.
@@ -31,11 +43,12 @@ from typing import Literal, Optional
 
 from moekit.errors import CheckpointError
 from moekit.weights.checkpoint import Header, read_header
-from moekit.model.hub_names import hub_names
+from moekit.model.hub_names import HubNames, hub_names
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
-Layout = Literal["rows", "interleaved_transposed", "transposed"]
-LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed", "transposed")
+Layout = Literal["rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8"]
+LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8")
+PUBLISHED = ("mxfp4", "fp8")  # layouts of experts kept as the checkpoint publishes them
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -47,6 +60,9 @@ FLOATS: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 # ... and in a packed file, the block formats of moekit.offload.precision: their extents' shapes
 # count bytes ([out, nb * block bytes]), so one "element" is a byte.
 ITEMSIZE: dict[str, int] = {**FLOATS, "Q8_0": 1, "Q4_0": 1}
+# ... and the published formats' pieces: MXFP4 blocks and scales (bytes), FP8 codes.
+ITEMSIZE.update({"U8": 1, "F8_E4M3": 1})
+MXFP4_BLOCK = 32  # inputs per E8M0 scale (moekit.weights.mxfp4, which needs torch)
 
 
 
@@ -116,11 +132,9 @@ class _Files:
         self.where = weight_files(folder)
         self.headers: dict[str, Header] = {}
 
-    def entry(self, name: str, shape: tuple[int, ...]) -> tuple[str, int, str]:
-        """(file, absolute offset, dtype) of tensor `name`, which must have `shape`."""
+    def meta(self, name: str) -> tuple[str, Header, dict]:
+        """(file, its header, the tensor's header entry) of tensor `name`."""
         if name not in self.where:
-            if f"{name}_blocks" in self.where:  # gpt-oss as published (moekit.weights.quantized)
-                raise CheckpointError(f"{self.folder}: MXFP4 experts ({name}_blocks) are not paged by the expert store yet")
             raise CheckpointError(f"{self.folder}: tensor {name} is missing (a routed expert's weight)")
         file = self.where[name]
         if file not in self.headers:
@@ -131,14 +145,24 @@ class _Files:
         header = self.headers[file]
         if name not in header.tensors:
             raise CheckpointError(f"{self.folder / file}: tensor {name} listed in the index but not in the file")
-        meta = header.tensors[name]
+        return file, header, header.tensors[name]
+
+    def dtype(self, name: str) -> str:
+        return self.meta(name)[2]["dtype"]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.meta(name)[2]["shape"])
+
+    def entry(self, name: str, shape: tuple[int, ...], dtypes=FLOATS) -> tuple[str, int, str]:
+        """(file, absolute offset, dtype) of tensor `name`, which must have `shape` and one of `dtypes`."""
+        file, header, meta = self.meta(name)
         if tuple(meta["shape"]) != shape:
             raise CheckpointError(f"{self.folder}: tensor {name} has shape {meta['shape']}, expected {list(shape)}")
         dtype = meta["dtype"]
-        if dtype not in FLOATS:
+        if dtype not in dtypes:
             raise CheckpointError(
                 f"{self.folder}: tensor {name} is stored as {dtype}; the expert store reads "
-                f"{', '.join(FLOATS)} weights only"
+                f"{', '.join(dtypes)} weights only"
             )
         begin, end = meta["data_offsets"]
         if end - begin != math.prod(shape) * ITEMSIZE[dtype]:
@@ -147,19 +171,63 @@ class _Files:
             raise CheckpointError(f"{self.folder / file}: truncated safetensors file (tensor {name} runs past its end)")
         return file, header.data_start + begin, dtype
 
-    def whole(self, name: str, shape: tuple[int, ...]) -> Extent:
-        file, offset, dtype = self.entry(name, shape)
+    def whole(self, name: str, shape: tuple[int, ...], dtypes=FLOATS) -> Extent:
+        file, offset, dtype = self.entry(name, shape, dtypes)
         return Extent(file, offset, math.prod(shape) * ITEMSIZE[dtype], dtype, shape)
 
-    def row(self, name: str, shape: tuple[int, ...], e: int) -> Extent:
+    def row(self, name: str, shape: tuple[int, ...], e: int, dtypes=FLOATS) -> Extent:
         """Slice e of a stacked [E, ...] tensor: contiguous, so one extent."""
-        file, offset, dtype = self.entry(name, shape)
+        file, offset, dtype = self.entry(name, shape, dtypes)
         length = math.prod(shape[1:]) * ITEMSIZE[dtype]
         return Extent(file, offset + e * length, length, dtype, tuple(shape[1:]))
 
+    def rows(self, name: str, shape: tuple[int, int], begin: int, n: int) -> Extent:
+        """Rows begin..begin+n of a 2-D tensor [R, C] (dbrx's [E·F, D]): contiguous, so one extent."""
+        file, offset, dtype = self.entry(name, shape)
+        row = shape[1] * ITEMSIZE[dtype]
+        return Extent(file, offset + begin * row, n * row, dtype, (n, shape[1]))
 
-def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
-    """Every routed expert of every MoE layer, (layer, expert) → where its gate_up and down are."""
+
+def _published(folder: Path, method: str, name: str, dtype: str) -> CheckpointError:
+    """`moekit pack` rewrites experts in our layout at a float or block precision; experts published
+    packed are paged as they are instead, so there is nothing for it to write."""
+    return CheckpointError(
+        f"{folder}: {method} experts (stored as {dtype}, e.g. {name}) are paged as published; "
+        "moekit pack does not rewrite them (run the checkpoint with --expert-memory directly)"
+    )
+
+
+def _mxfp4_expert(files: _Files, block: str, names: HubNames, e: int, n: int, rows: int, d: int, f: int) -> ExpertExtents:
+    """gpt_oss's expert e as published: (blocks, scales) of gate_up [rows, D/32, 16] and of down [D, F/32, 16]."""
+    def pair(name: str, out: int, inp: int) -> tuple[Extent, Extent]:
+        groups = inp // MXFP4_BLOCK
+        blocks = files.row(f"{name}_blocks", (n, out, groups, MXFP4_BLOCK // 2), e, ("U8",))
+        return blocks, files.row(f"{name}_scales", (n, out, groups), e, ("U8",))
+
+    gate_up = pair(f"{block}.{names.stacked_gate_up}", rows, d)
+    down = pair(f"{block}.{names.stacked_down}", d, f)
+    return ExpertExtents(gate_up, down, "mxfp4")
+
+
+def _fp8_expert(files: _Files, prefix: str, kinds: list[str], down: str, d: int, f: int) -> ExpertExtents:
+    """A per-expert FP8 expert: each weight's F8_E4M3 codes [out, in] and its weight_scale_inv
+    [nbr, nbc] (a float; the block it implies is config.json's, checked when the checkpoint opens)."""
+    def pair(kind: str, shape: tuple[int, int]) -> tuple[Extent, Extent]:
+        weight = files.whole(f"{prefix}.{kind}.weight", shape, ("F8_E4M3",))
+        scale = f"{prefix}.{kind}.weight_scale_inv"
+        grid = files.shape(scale)
+        if len(grid) != 2:
+            raise CheckpointError(f"{files.folder}: FP8 scales {scale} have shape {list(grid)}, expected [out blocks, in blocks]")
+        return weight, files.whole(scale, grid)
+
+    gate_up = tuple(x for kind in kinds for x in pair(kind, (f, d)))
+    return ExpertExtents(gate_up, pair(down, (d, f)), "fp8")
+
+
+def expert_extents(folder: str | Path, spec: ModelSpec, published: bool = False) -> ExtentMap:
+    """Every routed expert of every MoE layer, (layer, expert) → where its gate_up and down are.
+    published: the caller pages MXFP4 / FP8 experts as published (the store, the manifest);
+    False refuses them in one line (`moekit pack`, which rewrites experts in our layout)."""
     folder = Path(folder)
     names = hub_names(spec.model_type)
     files = _Files(folder)
@@ -170,20 +238,37 @@ def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
         d, f, n = moe.expert.hidden_size, moe.expert.width, moe.num_experts
         rows = (2 if moe.expert.gated else 1) * f
         block = f"{names.prefix}.{names.layers}.{layer}.{names.moe}"
-        if names.experts == "stacked_rows":
-            raise CheckpointError(f"{spec.model_type}: the stacked expert rows of this family cannot be paged by the expert store yet")
+        kinds = [names.expert_gate, names.expert_up] if moe.expert.gated else [names.expert_up]
+        mxfp4 = f"{block}.{names.stacked_gate_up}_blocks" in files.where
+        if mxfp4 and names.experts != "stacked_interleaved":
+            raise CheckpointError(f"{folder}: MXFP4 experts of {spec.model_type} ({names.stacked_gate_up}_blocks) "
+                                  "are not paged by the expert store (only gpt_oss's layout is)")
+        if mxfp4 and not published:
+            raise _published(folder, "MXFP4", f"{block}.{names.stacked_gate_up}_blocks", "U8")
+        first = f"{block}.experts.0.{kinds[0]}.weight"
+        fp8 = names.experts == "per_expert" and first in files.where and files.dtype(first) == "F8_E4M3"
+        if fp8 and not published:
+            raise _published(folder, "FP8", first, "F8_E4M3")
         for e in range(n):
-            if names.experts == "stacked":
+            if mxfp4:
+                out[layer, e] = _mxfp4_expert(files, block, names, e, n, rows, d, f)
+            elif fp8:
+                out[layer, e] = _fp8_expert(files, f"{block}.experts.{e}", kinds, names.expert_down, d, f)
+            elif names.experts == "stacked":
                 gate_up = (files.row(f"{block}.{names.stacked_gate_up}", (n, rows, d), e),)
                 down = (files.row(f"{block}.{names.stacked_down}", (n, d, f), e),)
                 out[layer, e] = ExpertExtents(gate_up, down)
+            elif names.experts == "stacked_rows":
+                # dbrx: expert e is rows e·F..(e+1)·F of each [E·F, D] tensor.
+                gate_up = tuple(files.rows(f"{block}.{k}", (n * f, d), e * f, f) for k in kinds)
+                down = (files.rows(f"{block}.{names.expert_down}", (n * f, d), e * f, f),)
+                out[layer, e] = ExpertExtents(gate_up, down, "rows_transposed_down")
             elif names.experts in ("stacked_interleaved", "stacked_transposed"):
                 gate_up = (files.row(f"{block}.{names.stacked_gate_up}", (n, d, rows), e),)
                 down = (files.row(f"{block}.{names.stacked_down}", (n, f, d), e),)
                 layout = "interleaved_transposed" if names.experts == "stacked_interleaved" else "transposed"
                 out[layer, e] = ExpertExtents(gate_up, down, layout)
             else:
-                kinds = [names.expert_gate, names.expert_up] if moe.expert.gated else [names.expert_up]
                 prefix = f"{block}.experts.{e}"
                 gate_up = tuple(files.whole(f"{prefix}.{k}.weight", (f, d)) for k in kinds)
                 down = (files.whole(f"{prefix}.{names.expert_down}.weight", (d, f)),)
@@ -191,11 +276,35 @@ def expert_extents(folder: str | Path, spec: ModelSpec) -> ExtentMap:
     return out
 
 
+def pairs(part: tuple[Extent, ...]) -> list[tuple[Extent, Extent]]:
+    """A published layout's part as (data, scales) pairs: one per weight (FP8's gate_up has two)."""
+    return list(zip(part[0::2], part[1::2]))
+
+
+def extent_counts_fit(layout: str, gate_up: int, down: int) -> bool:
+    """Whether a manifest entry with these numbers of gate_up and down extents can be of `layout`."""
+    if layout in PUBLISHED:
+        return down == 2 and (gate_up == 2 or (layout == "fp8" and gate_up == 4))
+    if layout in ("interleaved_transposed", "transposed"):
+        return gate_up == 1 and down == 1
+    return gate_up >= 1 and down == 1
+
+
 def our_shapes(experts: ExpertExtents) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(gate_up [rows, D], down [D, F]) of one expert in our layout."""
+    """(gate_up [rows, D], down [D, F]) of one expert in our layout (a published one's dequantized)."""
     if experts.layout in ("interleaved_transposed", "transposed"):
         (gu,), (dn,) = experts.gate_up, experts.down
         return (gu.shape[1], gu.shape[0]), (dn.shape[1], dn.shape[0])
+    if experts.layout == "mxfp4":
+        (up, _), (down, _) = pairs(experts.gate_up) + pairs(experts.down)
+        return (up.shape[0], up.shape[1] * MXFP4_BLOCK), (down.shape[0], down.shape[1] * MXFP4_BLOCK)
+    if experts.layout == "fp8":
+        weights = [w for w, _ in pairs(experts.gate_up)]
+        (down, _), = pairs(experts.down)
+        return (sum(w.shape[0] for w in weights), weights[0].shape[1]), (down.shape[0], down.shape[1])
+    if experts.layout == "rows_transposed_down":
+        (down,) = experts.down
+        return (sum(x.shape[0] for x in experts.gate_up), experts.gate_up[0].shape[1]), (down.shape[1], down.shape[0])
     rows = sum(x.shape[0] for x in experts.gate_up)
     (down,) = experts.down
     return (rows, experts.gate_up[0].shape[1]), (down.shape[0], down.shape[1])

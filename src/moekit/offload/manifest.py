@@ -45,6 +45,7 @@ from moekit.offload.extents import (
     ExpertExtents,
     ExtentMap,
     expert_extents,
+    extent_counts_fit,
     referenced_files,
     weight_files,
 )
@@ -212,7 +213,7 @@ def build_manifest(
     """Checksum every routed expert where the checkpoint keeps it, and every other tensor (not written anywhere)."""
     folder = Path(folder)
     require_moe(spec, folder)
-    extents = checksum(folder, expert_extents(folder, spec), progress)
+    extents = checksum(folder, expert_extents(folder, spec, published=True), progress)
     tensors = tensor_sums(folder, extents, tensor_progress)
     return Manifest(_fingerprint_of(folder, spec, extents, tensors), extents, built=True, tensors=tensors)
 
@@ -357,7 +358,7 @@ def from_json(data: dict) -> Manifest:
             raise ValueError(f"unknown layout {item['layout']!r}")
         gate_up = tuple(_extent(r) for r in item["gate_up"])
         down = tuple(_extent(r) for r in item["down"])
-        if not gate_up or len(down) != 1 or (item["layout"] != "rows" and len(gate_up) != 1):
+        if not extent_counts_fit(item["layout"], len(gate_up), len(down)):
             raise ValueError(f"layer {item['layer']} expert {item['expert']}: wrong number of extents")
         experts[int(item["layer"]), int(item["expert"])] = ExpertExtents(gate_up, down, item["layout"])
     source = data["source"]
@@ -515,7 +516,7 @@ def checksum_checkpoint(folder: str | Path, spec: ModelSpec, progress: Optional[
     else:
         try:
             require_moe(spec, folder)
-            extents = expert_extents(folder, spec)
+            extents = expert_extents(folder, spec, published=True)
         except MoekitError as err:  # the store cannot page these experts: whole tensors, still checked
             note, extents = str(err), None
         if extents is None:

@@ -12,6 +12,8 @@ model) at P and the others at Q. The precisions:
 
 In a packed file and its manifest a quantized weight is an extent of dtype "Q8_0" or "Q4_0" (GGUF's
 names) whose shape is its bytes, [out, nb * block bytes], nb = ceil(in / 32): the kernel's layout.
+Experts a checkpoint publishes packed (layouts "mxfp4", "fp8": moekit.offload.extents) are their
+own kinds, "MXFP4" and "FP8", held as moekit.model.packed's prepared rows.
 No torch here.
 """
 
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from moekit.errors import MoekitError
-from moekit.offload.extents import ExpertExtents, our_shapes
+from moekit.offload.extents import ExpertExtents, our_shapes, pairs
 from moekit.spec.model_spec import ModelSpec
 
 BLOCK = 32  # inputs per scale, both formats
@@ -60,8 +62,14 @@ def weight_bytes(dtype: str, shape: tuple[int, int]) -> int:
     return math.prod(shape) * FLOAT_BYTES[dtype]
 
 
+PUBLISHED_KINDS = {"mxfp4": "MXFP4", "fp8": "FP8"}  # layout → kind of experts paged as published
+
+
 def stored_kind(ex: ExpertExtents) -> Optional[str]:
-    """"Q8_0" / "Q4_0" when the expert is stored in that block format, None for a float one."""
+    """"Q8_0" / "Q4_0" when the expert is stored in that block format, "MXFP4" / "FP8" when it is
+    paged as its checkpoint publishes it, None for a float one."""
+    if ex.layout in PUBLISHED_KINDS:
+        return PUBLISHED_KINDS[ex.layout]
     kinds = {x.dtype for x in ex.extents if is_quantized(x.dtype)}
     if not kinds:
         return None
@@ -74,11 +82,19 @@ def memory_bytes(ex: ExpertExtents, float_dtype: str, quantize: bool = False) ->
     """Bytes one expert holds once loaded: a block format as stored; a float one at the engine's
     `float_dtype` ("F32", "BF16"), or as q8_0 when the store quantizes floats on load (`quantize`)."""
     kind = stored_kind(ex)
+    if kind == "FP8":
+        return fp8_rows_bytes(ex)
     if kind is not None:
-        return ex.nbytes
+        return ex.nbytes  # block formats and MXFP4's prepared rows [out, G·17] are the stored bytes
     up, down = our_shapes(ex)
     held = "Q8_0" if quantize else float_dtype
     return weight_bytes(held, up) + weight_bytes(held, down)
+
+
+def fp8_rows_bytes(ex: ExpertExtents) -> int:
+    """An FP8 expert as prepared rows (moekit.model.packed): each weight [out, in + 4·nbc], one fp32
+    scale per column block and row, so that rows stay independent (the file has one per block)."""
+    return sum(w.shape[0] * (w.shape[1] + 4 * scales.shape[1]) for w, scales in pairs(ex.gate_up) + pairs(ex.down))
 
 
 def parse_share(text: str, option: str = "--hot-share") -> float:
@@ -132,8 +148,8 @@ def by_frequency(counts: Mapping[int, list[int]], hot: str, cold: str, share: fl
 
 
 def describe(precisions: Mapping[tuple[int, int], str]) -> str:
-    """'32 bf16 + 96 int4' (in PRECISIONS order)."""
+    """'32 bf16 + 96 int4' (in PRECISIONS order, then others such as mxfp4 as met)."""
     tally = {p: 0 for p in PRECISIONS}
     for p in precisions.values():
-        tally[p] += 1
+        tally[p] = tally.get(p, 0) + 1
     return " + ".join(f"{n} {p}" for p, n in tally.items() if n)

@@ -5,7 +5,10 @@ where none are needed.
 down [D, F]) exactly as moekit.model.loading would have put them in gate_up[e] / down[e]
 (same bits: the same cast from the stored dtype, the same de-interleaving for gpt_oss). An expert
 a packed file holds in a block format (Q8_0, Q4_0) comes back as its bytes, uint8 views of the
-read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read.
+read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read. An
+expert its checkpoint publishes packed (MXFP4, FP8) comes back as moekit.model.packed's prepared
+rows, built from the bytes read by the same functions the resident load uses (model.packed_loading),
+so a paged expert is byte for byte the resident kept-packed one.
 
 Thread-safe by construction: file descriptors are opened once and only ever read with
 positioned reads (no shared file offset), each read fills its own buffer, and os.preadv,
@@ -29,7 +32,7 @@ import torch
 from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
 from moekit.offload.extents import ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
 from moekit.offload.manifest import MANIFEST_NAME, Manifest
-from moekit.offload.precision import is_quantized, stored_kind
+from moekit.offload.precision import is_quantized, memory_bytes, stored_kind
 
 __all__ = ["ExpertIntegrityError", "ExpertReader", "TORCH_DTYPES"]
 
@@ -41,6 +44,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     # A packed file's block formats (moekit.offload.precision): read as their bytes, never cast.
     "Q8_0": torch.uint8,
     "Q4_0": torch.uint8,
+    # Published packed experts' pieces: MXFP4 blocks and scales, FP8 codes (moekit.offload.extents).
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
 }
 ALIGN = 64  # each span starts on a cache line of the expert's buffer
 
@@ -95,11 +101,15 @@ def _view(buf: torch.Tensor, at: int, length: int, dtype: str, shape) -> torch.T
 class ExpertReader:
     """Routed experts read from disk (the checkpoint's safetensors or a packed file)."""
 
-    def __init__(self, folder: Union[str, Path], source: Union[Manifest, ExtentMap], dtype: Optional[torch.dtype]):
-        """dtype: what read() returns; None keeps each extent's stored dtype (for packing)."""
+    def __init__(self, folder: Union[str, Path], source: Union[Manifest, ExtentMap], dtype: Optional[torch.dtype],
+                 fp8_block: Optional[tuple[int, int]] = None):
+        """dtype: what read() returns; None keeps each extent's stored dtype (for packing).
+        fp8_block: config.json's weight_block_size, which FP8 experts' rows need (a scale grid
+        alone does not say which rows share a scale)."""
         self._fds: dict[str, int] = {}
         self.folder = Path(folder)
         self.dtype = dtype
+        self.fp8_block = fp8_block
         self.manifest = source if isinstance(source, Manifest) else None
         self.extents: ExtentMap = source.experts if isinstance(source, Manifest) else dict(source)
         self._plans = {key: _plan(ex) for key, ex in self.extents.items()}
@@ -148,7 +158,8 @@ class ExpertReader:
         if dtype is None:
             return max(ex.nbytes for ex in self.extents.values())
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return max(ex.nbytes if stored_kind(ex) else ex.numel * itemsize for ex in self.extents.values())
+        # A stored kind's bytes do not depend on the float dtype: "F32" is only a placeholder.
+        return max(memory_bytes(ex, "F32") if stored_kind(ex) else ex.numel * itemsize for ex in self.extents.values())
 
     def expert_disk_bytes(self, layer: int, e: int) -> int:
         """Bytes read from disk for one expert (its stored dtype, whatever the reader casts to)."""
@@ -202,8 +213,18 @@ class ExpertReader:
         ex = self._experts(layer, e)
         buf = self.read_bytes(layer, e, verify)
         at = self._plans[layer, e].at
+        if ex.layout == "mxfp4":
+            return self._mxfp4(buf, at, ex)
+        if ex.layout == "fp8":
+            return self._fp8(buf, at, ex, layer, e)
         n = len(ex.gate_up)
         up_shape, down_shape = our_shapes(ex)
+        if ex.layout == "rows_transposed_down":
+            (dx,) = ex.down
+            dn = _view(buf, at[n], dx.length, dx.dtype, dx.shape)  # [F, D], applied x @ W
+            down = self._empty(down_shape, dn.dtype)
+            down.copy_(dn.t())
+            return self._rows(buf, at[:n], ex.gate_up, up_shape), down
         if ex.layout in ("interleaved_transposed", "transposed"):
             (gx,), (dx,) = ex.gate_up, ex.down
             gu = _view(buf, at[0], gx.length, gx.dtype, gx.shape)  # [D, 2F]: gate/up interleaved, or halves (llama4)
@@ -219,6 +240,28 @@ class ExpertReader:
             down.copy_(dn.t())
             return gate_up, down
         return self._rows(buf, at[:n], ex.gate_up, up_shape), self._rows(buf, at[n:], ex.down, down_shape)
+
+    def _pieces(self, buf: torch.Tensor, at, extents) -> list[torch.Tensor]:
+        return [_view(buf, a, x.length, x.dtype, x.shape) for a, x in zip(at, extents)]
+
+    def _mxfp4(self, buf: torch.Tensor, at, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+        """gpt_oss's (blocks, scales) pairs → the prepared rows: gate_up's gate (even) rows then its
+        up (odd) rows [2F, G·17], down as stored [D, G'·17]."""
+        from moekit.model.packed_loading import mxfp4_expert
+
+        up_blocks, up_scales, down_blocks, down_scales = self._pieces(buf, at, ex.extents)
+        return mxfp4_expert(up_blocks, up_scales, down_blocks, down_scales)
+
+    def _fp8(self, buf: torch.Tensor, at, ex: ExpertExtents, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each weight's (codes, scale_inv) → its prepared rows [out, in + 4·nbc]; gate's then up's."""
+        from moekit.model.packed import fp8_rows
+
+        if self.fp8_block is None:
+            raise MoekitError(f"{self.folder}: layer {layer} expert {e} is FP8, and the reader was given no weight_block_size")
+        pieces = self._pieces(buf, at, ex.extents)
+        rows = [fp8_rows(w, s, self.fp8_block) for w, s in zip(pieces[0::2], pieces[1::2])]
+        *gate_up, down = rows
+        return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
 
     def _empty(self, shape, stored: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype or stored)

@@ -46,6 +46,7 @@ class ServeConfig:
     admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
     compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
+    weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ServerState:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
-                             compile=cfg.compile)
+                             compile=cfg.compile, weights=cfg.weights)
         if engine.decoder.compiled is not None:
             engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
         self.template = load_chat_template(Path(cfg.checkpoint))
@@ -96,6 +97,8 @@ class ServerState:
             max_batch=cfg.max_batch,
             max_len=cfg.max_context,
             bytes_per_param=engine.bytes_per_param,
+            expert_bytes=engine.expert_bytes,  # int8 / packed / paged experts at their real bytes
+            dense_saving=engine.dense_saving,  # and int8 projections (--weights int8)
             queue_limit=cfg.queue_limit,
             store=engine.store,
             on_step=lambda s: self.metrics.batch.observe(s.batch) if s.batch else None,

@@ -71,6 +71,10 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("moekit:prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("moekit:generation_tokens", "Tokens generated.", registry=r)
+        self.weight_bytes = Counter(
+            "moekit:generation_weight_bytes", "Weight bytes the passes that made the generated tokens read "
+            "(each routed expert at the bytes it holds: int8, MXFP4, FP8 or a paged precision).", registry=r
+        )
         self.success = Counter("moekit:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r)
         self.failures = Counter("moekit:request_failure", "Requests that failed inside the engine.", registry=r)
         self.active_share = Histogram(
@@ -93,6 +97,7 @@ class ServerMetrics:
                 itl.observe(after - before)
             self.e2e.labels(tier=tier).observe(token_times[-1] - outcome.submitted_at)
         self.generation_tokens.inc(len(outcome.token_ids))
+        self.weight_bytes.inc(outcome.usage.bytes_read_per_token * outcome.usage.generated_tokens)
         for active in outcome.active_params:
             self.active_share.observe(active / total_params)
 

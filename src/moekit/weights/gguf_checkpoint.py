@@ -5,12 +5,18 @@ data in the GGUF (gguf_names), takes one expert's slice of a stacked tensor, deq
 llama.cpp's own numpy code (gguf.quants) and undoes the converter's q/k row permutation. Nothing
 is read before `get`: the file stays memory-mapped, and each expert is dequantized alone, so a
 quantized GGUF never exists in memory at full precision all at once.
+
+Integrity: when `x.gguf.moekit-experts.json` lies beside the file (`moekit checksum x.gguf`;
+moekit.offload.gguf_extents), the first `get` of each GGUF tensor checks all of that tensor's
+bytes against it (its crc32, or one per expert slice of a stacked tensor: the loader reads every
+slice of it next), on worker threads while the loader dequantizes (moekit.weights.integrity.Verifier);
+`close` waits and raises the first mismatch in one line. `verify = False` skips it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -51,6 +57,10 @@ class GGUFCheckpoint:
     config: dict
     files: dict[str, Source]  # Hub tensor name → where it is in the GGUF
     gguf: GGUFFile
+    verify: bool = True  # check what get() reads against x.gguf.moekit-experts.json, when there is one
+    _checks: Optional[dict] = field(default=None, repr=False)  # GGUF tensor → its RangeChecks; None: not read yet
+    _verifier: Optional[object] = field(default=None, repr=False)
+    _manifest: Optional[tuple] = field(default=None, repr=False)  # (the manifest or None), once read
 
     @property
     def tensor_names(self) -> list[str]:
@@ -64,12 +74,58 @@ class GGUFCheckpoint:
     def get(self, name: str):
         source = self._source(name)
         t = self.gguf.tensors[source.tensor]
+        self._check(t)
         data = t.data if source.expert is None else t.data[source.expert]
         try:
             w = dequantize(t, data)
         except Exception as err:  # gguf.quants raises on a malformed block
             raise CheckpointError(f"{self.folder}: cannot dequantize {source.tensor} ({t.qtype}): {err}") from None
         return _unpermute(w, source.unpermute_heads) if source.unpermute_heads else w
+
+    def spec(self):
+        from moekit.spec.loading import spec_from_config
+
+        return spec_from_config(self.config, self.folder.stem)
+
+    def manifest(self):
+        """The checksum manifest beside the GGUF (checked to be this file's), None when there is none."""
+        if self._manifest is None:
+            from moekit.offload.gguf_extents import read
+
+            self._manifest = (read(self.gguf, self.spec()),)
+        return self._manifest[0]
+
+    def _check(self, t: GGUFTensor) -> None:
+        """Start checking all of t's bytes, the first time any of it is read."""
+        if not self.verify:
+            return
+        if self._checks is None:
+            from moekit.offload.gguf_extents import resident_checks
+            from moekit.weights.integrity import Verifier
+
+            manifest = self.manifest()
+            self._checks = {} if manifest is None else dict(resident_checks(self.gguf, manifest))
+            self._verifier = Verifier()
+        checks = self._checks.pop(t.name, None)  # popped: each tensor is checked once
+        if checks:
+            import numpy as np
+
+            raw = np.asarray(t.data).reshape(-1).view(np.uint8)  # the stored bytes, no copy (the mmap)
+            failure = self._verifier.submit(raw, checks, self.folder.name, t.offset)
+            if failure is not None:
+                raise self._mismatch(failure)
+
+    def _mismatch(self, failure) -> CheckpointError:
+        from moekit.offload.gguf_extents import changed
+
+        return failure.error(self.folder, changed(self.folder))
+
+    def wait_verified(self) -> None:
+        """Block until every check get() started is done; the first mismatch as a CheckpointError."""
+        if self._verifier is not None:
+            failure = self._verifier.wait()
+            if failure is not None:
+                raise self._mismatch(failure)
 
     def shape(self, name: str) -> tuple[int, ...]:
         source = self._source(name)
@@ -80,16 +136,21 @@ class GGUFCheckpoint:
         return iter(self.tensor_names)
 
     def close(self) -> None:
-        """Nothing to drop: the reader's mmap lives as long as this object (get reads through it)."""
+        """Wait for pending checks and raise the first mismatch. The reader's mmap lives as long as
+        this object (get reads through it): nothing to drop."""
+        self.wait_verified()
 
     def types(self) -> Counter:
         """Tensor type → how many GGUF tensors hold it: what loading dequantized."""
         return Counter(t.qtype for t in self.gguf.tensors.values())
 
-    def note(self) -> str:
+    def note(self, paged: bool = False) -> str:
+        """paged: the routed experts are the expert store's, read as stored (gguf_extents): only the
+        other tensors are dequantized here."""
         counts = self.types()
         kinds = ", ".join(f"{n} {q}" for q, n in sorted(counts.items(), key=lambda kv: -kv[1]))
-        quantized = sorted(q for q in counts if q not in ("F32", "F16", "BF16"))
+        loaded = Counter(t.qtype for t in self.gguf.tensors.values() if not (paged and "_exps." in t.name))
+        quantized = sorted(q for q in loaded if q not in ("F32", "F16", "BF16"))
         how = f"{'/'.join(quantized)} dequantized to float32 at load" if quantized else "no dequantization needed"
         return f"GGUF {self.config['model_type']} ({kinds} tensors): {how}"
 
@@ -111,13 +172,23 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
     return GGUFCheckpoint(folder=path, config=config, files=files, gguf=gguf)
 
 
-def engine_parts(ckpt: GGUFCheckpoint, offload) -> tuple[Optional[object], list[str]]:
-    """What load_engine takes from a GGUF beyond its weights: the tokenizer and the notes to show.
-    Paging a GGUF's experts (offload) is not built yet: refused here in one line."""
+def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Optional[object], Optional[object], list[str]]:
+    """What load_engine takes from a GGUF beyond its weights: the tokenizer, the manifest the
+    expert store reads experts through (with offload; moekit.offload.gguf_extents) and the notes
+    to show. verify: the resident reads and the store check against the GGUF's manifest."""
     from moekit.weights.gguf_tokenizer import gguf_tokenizer
 
+    ckpt.verify = verify
+    notes = [ckpt.note(paged=offload is not None)]
+    store_manifest = None
     if offload is not None:
-        raise CheckpointError(f"{ckpt.folder}: --expert-memory does not page a GGUF's experts yet; run it resident "
-                              "or page the safetensors checkpoint it was converted from")
+        from moekit.offload.gguf_extents import store_manifest as for_the_store
+
+        if offload.pin is not None:  # a profile names its model by config.json, which a GGUF has not
+            raise CheckpointError(f"{ckpt.folder}: --pin is not supported for a GGUF yet (drop it)")
+        store_manifest, paged = for_the_store(ckpt.gguf, ckpt.spec(), verify)
+        if verify and store_manifest.tensors is not None:
+            ckpt._manifest = (store_manifest,)  # read once: the resident reads check against the same
+        notes.extend(paged)
     tokenizer, why_not = gguf_tokenizer(ckpt.gguf.metadata, str(ckpt.folder))
-    return tokenizer, [ckpt.note()] + ([why_not] if why_not else [])
+    return tokenizer, store_manifest, notes + ([why_not] if why_not else [])

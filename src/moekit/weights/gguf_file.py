@@ -46,6 +46,7 @@ class GGUFFile:
     version: int
     metadata: dict[str, Any]  # key → plain Python value (str, int, float, bool or list)
     tensors: dict[str, GGUFTensor]
+    data_start: int = 0  # where tensor data begins: everything before it is the header (metadata, tensor table)
 
 
 class _Header:
@@ -163,4 +164,4 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for name, qtype, shape, offset in infos:
         data, n_bytes = _tensor_view(mm, name, qtype, shape, data_start + offset, path)
         tensors[name] = GGUFTensor(name, qtype.name, shape, data, data_start + offset, n_bytes)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors)
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data_start=data_start)

@@ -3,7 +3,7 @@ itself, each expert's slice of the stacked blk.N.ffn_*_exps tensors, and `moekit
 makes every later load of it, resident or paged, verify what it reads.
 
 The GGUFs are llama.cpp's converter's, of a tiny qwen3_moe 256 wide (every matrix whole Q8_0
-blocks); Q4_0 and Q6_K experts are written by gguf's own writer (gguf_convert.rewrite_gguf).
+blocks); Q4_0, Q4_K and Q6_K experts are written by gguf's own writer (gguf_convert.rewrite_gguf).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CLI runner
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))  # flip_byte
@@ -43,19 +44,31 @@ def _q4_0(name, w):
     return quants.quantize(np.ascontiguousarray(w), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0
 
 
-def _q6_k(name, w):
-    """Q6_K experts: gguf-py cannot quantize K-quants, and a refusal needs no real values (210 bytes
-    per 256 weights, zeros)."""
-    from gguf import GGMLQuantizationType
+def _k_quant(qtype: str, block_bytes: int, scale_at: tuple[int, ...], scale: float):
+    """K-quant experts: gguf-py dequantizes K-quants but cannot quantize them, so the blocks are random
+    bytes with their float16 super-block scale(s) set to `scale` (finite weights of a sane size)."""
 
-    if "_exps" not in name:
-        return None
-    return np.zeros((*w.shape[:-1], w.shape[-1] // 256 * 210), dtype=np.uint8), GGMLQuantizationType.Q6_K
+    def write(name, w):
+        from gguf import GGMLQuantizationType
+
+        if "_exps" not in name:
+            return None
+        rng = np.random.default_rng(len(name))
+        blocks = rng.integers(0, 256, size=(*w.shape[:-1], w.shape[-1] // 256, block_bytes), dtype=np.uint8)
+        for at in scale_at:
+            blocks[..., at : at + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+        return blocks.reshape(*w.shape[:-1], -1), GGMLQuantizationType[qtype]
+
+    return write
+
+
+_q6_k = _k_quant("Q6_K", 210, (208,), 1e-4)  # ql, qh, int8 scales, then d
+_q4_k = _k_quant("Q4_K", 144, (0, 2), 5e-4)  # d, dmin, packed scales, then the nibbles
 
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
-    """kind (f32, bf16, q8_0, q4_0, q6_k) → a GGUF of the same tiny qwen3_moe, made on first use."""
+    """kind (f32, bf16, q8_0, q4_0, q4_k, q6_k) → a GGUF of the same tiny qwen3_moe, made on first use."""
     folder = tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("paging"), hidden_size=256,
                              moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     made: dict[str, Path] = {}
@@ -66,7 +79,7 @@ def ggufs(tmp_path_factory):
             if kind in ("f32", "bf16", "q8_0"):
                 made[kind] = convert(folder, kind, out)
             else:
-                made[kind] = rewrite_gguf(get("f32"), out, tensor={"q4_0": _q4_0, "q6_k": _q6_k}[kind])
+                made[kind] = rewrite_gguf(get("f32"), out, tensor={"q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k}[kind])
         return made[kind]
 
     return get
@@ -102,6 +115,32 @@ def test_paged_gguf_generates_the_resident_tokens(ggufs, kind, dtype, precision)
         assert stats["expert_bytes"] == total // n  # held as stored: a block format is not widened to float
         assert precision is None or stats["expert_precision"] == precision
         assert any("read unverified" in note for note in paged.notes), paged.notes  # no manifest yet
+    finally:
+        paged.close()
+
+
+@pytest.mark.parametrize("kind, dtype", [("q4_k", "float32"), ("q6_k", "bfloat16")])
+def test_k_quant_experts_are_paged_dequantized_as_the_resident_load_dequantizes(ggufs, kind, dtype):
+    """A miss reads the K-quant bytes and dequantizes them with gguf-py, as the resident load does;
+    the slot holds the expert at the engine dtype."""
+    gguf = ggufs(kind)
+    resident = load_engine(gguf, dtype=dtype)
+    want = greedy(resident)
+    assert len(set(want)) > 1  # the random blocks make a model that does not just repeat one token
+    paged = load_engine(gguf, dtype=dtype, offload=OffloadOptions(expert_memory=SMALL))
+    try:
+        assert greedy(paged) == want
+        stats = paged.store.stats()
+        total, n = expert_bytes(gguf)
+        assert stats["loads"] > 2 * 2 and stats["disk_bytes"] == stats["loads"] * total // n
+        d = f = 256
+        assert stats["expert_bytes"] == 3 * f * d * (4 if dtype == "float32" else 2)  # held dequantized
+        layer = paged.spec.moe_layers[0]
+        got = paged.store.layers[layer]._load(layer, 3)  # expert 3 as the store holds it
+        hub = resident.decoder.layers[layer].ffn.experts
+        want_up, want_down = (kernel.hub(w, k) for kernel, w, k in zip(hub.kernels, hub.resident_weights(3), hub.in_features))
+        up_kernel, down_kernel = paged.decoder.layers[layer].ffn.experts.kernels
+        assert torch.equal(up_kernel.hub(got[0], d), want_up) and torch.equal(down_kernel.hub(got[1], f), want_down)
     finally:
         paged.close()
 
@@ -175,6 +214,7 @@ def test_a_flipped_expert_byte_is_refused_paged_and_resident(capsys, checksummed
     flip_byte(checksummed, start + 100)
     line = failed_while_generating(capsys, "run", checksummed, *RUN, "--expert-memory", SMALL)
     assert f"layer 0 expert {e}: checksum mismatch in " in line, line
+    assert "model.gguf.moekit-experts.json" in line and "moekit pack" not in line  # what to do, for a GGUF
     line = refused(capsys, "run", checksummed, *RUN)  # resident: found while loading
     assert f"layer 0 expert {e} (tensor blk.0.ffn_up_exps.weight): checksum mismatch in model.gguf (bytes {start}.." in line
     line = refused(capsys, "checksum", checksummed)
@@ -200,21 +240,17 @@ def test_a_manifest_of_another_gguf_is_refused(capsys, ggufs, checksummed):
     assert f"{manifest_path(other)} was written for another GGUF" in line and f"moekit checksum {other}" in line
 
 
-def test_unpageable_experts_are_refused_in_one_line(capsys, ggufs, converted, tmp_path):
-    q6_k = ggufs("q6_k")
-    line = refused(capsys, "run", q6_k, *RUN, "--expert-memory", SMALL)
-    assert "blk.0.ffn_gate_exps.weight is Q6_K, which the expert store does not page" in line
-    assert "(it pages F32, F16, BF16, Q8_0, Q4_0 experts); run it without --expert-memory" in line
+def test_unpageable_experts_are_refused_in_one_line(capsys, converted):
     # The tiny 48-wide model's Q8_0: gate/up rows of 48 are not whole blocks, kept F16; down is Q8_0.
     _, mixed = converted("qwen3_moe", "q8_0")
     line = refused(capsys, "run", mixed, *RUN, "--expert-memory", SMALL)
     assert "layer 0's experts mix types (gate F16, up F16, down Q8_0)" in line
 
 
-def test_unpageable_experts_are_still_checksummed_whole(capsys, ggufs, tmp_path):
-    gguf = shutil.copy(ggufs("q6_k"), tmp_path / "q6_k.gguf")
+def test_unpageable_experts_are_still_checksummed_whole(capsys, converted, tmp_path):
+    gguf = shutil.copy(converted("qwen3_moe", "q8_0")[1], tmp_path / "mixed.gguf")
     code, out, err = moekit(capsys, "checksum", gguf)
-    assert code == 0 and "whole tensors only" in err and "is Q6_K" in err
+    assert code == 0 and "whole tensors only" in err and "mix types" in err
     assert out.startswith(f"wrote {manifest_path(gguf)}: ")
     t = read_gguf(gguf).tensors["blk.1.ffn_down_exps.weight"]
     flip_byte(gguf, t.offset + t.n_bytes - 1)

@@ -62,6 +62,10 @@ FLOATS: dict[str, int] = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
 ITEMSIZE: dict[str, int] = {**FLOATS, "Q8_0": 1, "Q4_0": 1}
 # ... and the published formats' pieces: MXFP4 blocks and scales (bytes), FP8 codes.
 ITEMSIZE.update({"U8": 1, "F8_E4M3": 1})
+# ... and a GGUF's K-quants, which the store dequantizes as it reads them (to the engine dtype, as
+# the resident load does): (weights, bytes) per ggml super-block; their shapes count bytes too.
+DEQUANTIZED: dict[str, tuple[int, int]] = {"Q4_K": (256, 144), "Q6_K": (256, 210)}
+ITEMSIZE.update({k: 1 for k in DEQUANTIZED})
 MXFP4_BLOCK = 32  # inputs per E8M0 scale (moekit.weights.mxfp4, which needs torch)
 
 
@@ -307,7 +311,15 @@ def our_shapes(experts: ExpertExtents) -> tuple[tuple[int, int], tuple[int, int]
         return (sum(x.shape[0] for x in experts.gate_up), experts.gate_up[0].shape[1]), (down.shape[1], down.shape[0])
     rows = sum(x.shape[0] for x in experts.gate_up)
     (down,) = experts.down
-    return (rows, experts.gate_up[0].shape[1]), (down.shape[0], down.shape[1])
+    return (rows, row_width(experts.gate_up[0])), (down.shape[0], row_width(down))
+
+
+def row_width(x: Extent) -> int:
+    """Inputs per row of a "rows" extent: its last size, or for a K-quant (bytes) the weights they hold."""
+    if x.dtype in DEQUANTIZED:
+        weights, nbytes = DEQUANTIZED[x.dtype]
+        return x.shape[1] // nbytes * weights
+    return x.shape[1]
 
 
 def referenced_files(extents: ExtentMap) -> list[str]:

@@ -10,10 +10,14 @@ third (moekit.offload.extents). The bytes stay as stored:
                   nibbles, low nibble element j, high nibble j + 16): byte for byte the layout of
                   moekit's int8 / int4 kernels (moekit.model.int8, int4), so an expert is multiplied
                   as read; its extents' shapes count bytes, [out, nb * block bytes], as a packed file's
-  anything else   (the K-quants) no kernel reads it: paging is refused in one line naming the type
+  Q4_K, Q6_K      no kernel reads these: each slot holds the expert dequantized at the engine
+                  dtype (moekit.offload.reader, gguf-py's own dequantization, the function the
+                  resident load uses, so paged and resident weights are the same values); a miss
+                  reads the K-quant bytes (4.5 / 6.56 bits a weight) and pays the dequantization
 
 An expert whose gate/up and down are of different kinds (a block format and a float: the converter
-keeps rows that are not whole blocks at F16) is refused too: the store runs one kind per expert.
+keeps rows that are not whole blocks at F16) is refused: the store runs one kind per expert. Floats
+and K-quants mix freely (a Q4_K_M file's Q4_K gate/up and Q6_K down): both are held as floats.
 
 The manifest: `model.gguf.moekit-experts.json` beside the file (the .gguf is never written), in
 moekit-experts.json's format (moekit.offload.manifest): a crc32 per expert extent and per other
@@ -42,7 +46,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from moekit.errors import CheckpointError, MoekitError
-from moekit.offload.extents import Extent, ExpertExtents, ExtentMap
+from moekit.offload.extents import DEQUANTIZED, Extent, ExpertExtents, ExtentMap
 from moekit.offload.manifest import (
     ChecksumResult,
     Fingerprint,
@@ -61,7 +65,8 @@ from moekit.weights.integrity import RangeCheck
 SUFFIX = ".moekit-experts.json"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # ggml's blocks that are moekit's int8 / int4 kernel layout
-PAGED_TYPES = FLOAT_TYPES + BLOCK_TYPES
+DEQUANTIZED_TYPES = tuple(DEQUANTIZED)  # K-quants: dequantized as they are read, held at the engine dtype
+PAGED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES
 STACKED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down: ExpertExtents order
 CHUNK = 64 * 1024 * 1024  # crc32 in pieces: a huge tensor never needs one huge buffer
 

@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
-from moekit.offload.extents import ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
+from moekit.offload.extents import DEQUANTIZED, ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
 from moekit.offload.manifest import MANIFEST_NAME, Manifest
 from moekit.offload.precision import is_quantized, memory_bytes, stored_kind
 
@@ -47,6 +47,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     # Published packed experts' pieces: MXFP4 blocks and scales, FP8 codes (moekit.offload.extents).
     "U8": torch.uint8,
     "F8_E4M3": torch.float8_e4m3fn,
+    # A GGUF's K-quants: read as bytes, dequantized to the reader's dtype (_dequantized).
+    "Q4_K": torch.uint8,
+    "Q6_K": torch.uint8,
 }
 ALIGN = 64  # each span starts on a cache line of the expert's buffer
 
@@ -187,9 +190,17 @@ class ExpertReader:
             if verify and x.crc32 is not None and zlib.crc32(arr[at : at + x.length]) != x.crc32:
                 raise ExpertIntegrityError(
                     f"{self.folder}: layer {layer} expert {e}: checksum mismatch in {x.file} "
-                    f"(bytes {x.offset}..{x.end}); {_CHANGED}"
+                    f"(bytes {x.offset}..{x.end}); {self._changed(x.file)}"
                 )
         return buf
+
+    def _changed(self, file: str) -> str:
+        """What a mismatch line tells the user to do: a GGUF's manifest is named after the file."""
+        if file.endswith(".gguf"):
+            from moekit.offload.gguf_extents import changed
+
+            return changed(self.folder / file)
+        return _CHANGED
 
     def _pread(self, into, span: _Span, layer: int, e: int) -> None:
         done = 0
@@ -204,7 +215,7 @@ class ExpertReader:
                 raise ExpertIntegrityError(
                     f"{self.folder}: layer {layer} expert {e}: {span.file} is truncated "
                     f"(bytes {span.offset}..{span.offset + span.length} wanted, file ends at "
-                    f"{span.offset + done}); {_CHANGED}"
+                    f"{span.offset + done}); {self._changed(span.file)}"
                 )
             done += n
 
@@ -263,11 +274,28 @@ class ExpertReader:
         *gate_up, down = rows
         return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
 
+    def _dequantized(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
+        """K-quant parts dequantized by gguf-py, the function the resident GGUF load uses
+        (moekit.weights.gguf_checkpoint.dequantize), then cast: the resident weights' values."""
+        from gguf import GGMLQuantizationType, quants
+
+        out = self._empty(shape, torch.float32)
+        begin = 0
+        for a, x in zip(at, extents):
+            piece = _view(buf, a, x.length, x.dtype, x.shape)
+            if x.dtype in DEQUANTIZED:
+                piece = torch.from_numpy(quants.dequantize(piece.numpy(), GGMLQuantizationType[x.dtype]))
+            out[begin : begin + x.shape[0]].copy_(piece)
+            begin += x.shape[0]
+        return out
+
     def _empty(self, shape, stored: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype or stored)
 
     def _rows(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
         """Parts stacked row-wise: one view of the buffer when they already lie so in it."""
+        if any(x.dtype in DEQUANTIZED for x in extents):
+            return self._dequantized(buf, at, extents, shape)
         dtype = extents[0].dtype
         total = sum(x.length for x in extents)
         if all(x.dtype == dtype for x in extents) and all(a + x.length == b for a, b, x in zip(at, at[1:], extents)):

@@ -1,0 +1,81 @@
+"""The products of one decode step of the ~140M qwen3_moe shape (8 layers: qkv, o and router
+projections, gate_up and down of each row's 4 experts out of 32, then the 32000 × 512 head), on
+distinct weights per layer so that they stream from memory as in a real step, timed for the
+moekit::rows_gemv / experts_gemv operators of src/moekit/model/gemv.py, optionally against the same
+operators built from another version of that file, alternating in one process.
+
+    .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8
+    git show 0460671:src/moekit/model/gemv.py > /tmp/gemv_before.py
+    .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8 --against /tmp/gemv_before.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+LAYERS, D, F, E, K, V = 8, 512, 256, 32, 4, 32000
+
+
+def build(tag: str, path: Path):
+    """The operators of `path`'s _SOURCE, registered under the namespace `tag`."""
+    spec = importlib.util.spec_from_file_location(tag, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = module._SOURCE.replace("TORCH_LIBRARY(moekit, m)", f"TORCH_LIBRARY({tag}, m)")
+    source = source.replace("TORCH_LIBRARY_IMPL(moekit,", f"TORCH_LIBRARY_IMPL({tag},")
+    load_inline(name=f"bench_{tag}", cpp_sources=source, is_python_module=False,
+                extra_cflags=["-O3", "-march=native", "-fopenmp"])
+    return getattr(torch.ops, tag)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--against", type=Path, help="another gemv.py to time beside this one")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    here = Path(__file__).resolve().parents[1] / "src/moekit/model/gemv.py"
+    variants = {"this": build("gemv_this", here)}
+    if args.against:
+        variants["against"] = build("gemv_against", args.against)
+    dt, b = getattr(torch, args.dtype), args.batch
+    gen = torch.Generator().manual_seed(0)
+    layers = [[torch.randn(n, D, generator=gen).to(dt) for n in (1536, 512, E)]
+              + [torch.randn(E, 2 * F, D, generator=gen).to(dt), torch.randn(E, D, F, generator=gen).to(dt)]
+              for _ in range(LAYERS)]
+    head = torch.randn(V, D, generator=gen).to(dt)
+    x, h = torch.randn(b, D, generator=gen).to(dt), torch.randn(b, K, F, generator=gen).to(dt)
+    ids = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(b)]) for _ in range(64)]
+
+    def step(ops, i: int) -> None:
+        for j, (qkv, o, router, gate_up, down) in enumerate(layers):
+            chosen = ids[(i * LAYERS + j) % len(ids)]
+            ops.rows_gemv(x, qkv), ops.rows_gemv(x, o), ops.rows_gemv(x, router)
+            ops.experts_gemv(x[:, None], gate_up, chosen), ops.experts_gemv(h, down, chosen)
+        ops.rows_gemv(x, head)
+
+    times = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, ops in variants.items():
+            step(ops, 0)
+            began = time.perf_counter()
+            for i in range(5):
+                step(ops, i)
+            times[name].append((time.perf_counter() - began) / 5)
+    for name, ts in times.items():
+        print(f"{name:8s} {args.dtype} batch {b}: {statistics.median(ts) * 1e3:.2f} ms a step's products "
+              f"(median of {args.rounds}, {args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()

@@ -226,7 +226,7 @@ def unsupported(decoder) -> Optional[str]:
     if decoder.device.type != "cpu":
         return "the compiled decode step is built and tested for CPU only"
     if any(isinstance(m, Linear) and m.kernel not in (PLAIN, INT8, INT8_GEMV) for m in decoder.modules()):
-        return "projections are laid out for eager kernels (load the decoder with kernels=False)"
+        return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
     if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()) and not _has_gemv():
         return "int8 weights need the gemv operators, which could not be built here"
     for block in decoder.layers:

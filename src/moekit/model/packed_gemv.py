@@ -103,6 +103,16 @@ static inline float fp8_row_dot(const uint8_t* w, const float* x, int64_t in, in
     return acc;
 }
 
+// y[r, o] = dot(o, r) for n rows of x and `out` weight rows, threads over the weight rows.
+template <typename Dot>
+static void each_output(float* y, int64_t n, int64_t out, Dot dot) {
+    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t o = begin; o < end; ++o)
+            for (int64_t r = 0; r < n; ++r)
+                y[r * out + o] = dot(o, r);
+    });
+}
+
 torch::Tensor fp8_gemv(torch::Tensor x, torch::Tensor packed, int64_t block, torch::Tensor lut) {
     // x fp32 [N, in] contiguous; packed uint8 [out, in + 4 * nbc]; lut fp32 [256] → fp32 [N, out]
     const int64_t n = x.size(0), in = x.size(1), out = packed.size(0), width = packed.size(1);
@@ -111,11 +121,7 @@ torch::Tensor fp8_gemv(torch::Tensor x, torch::Tensor packed, int64_t block, tor
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     const float* lp = lut.data_ptr<float>();
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t o = begin; o < end; ++o)
-            for (int64_t r = 0; r < n; ++r)
-                yp[r * out + o] = fp8_row_dot(wp + o * width, xp + r * in, in, block, lp);
-    });
+    each_output(yp, n, out, [&](int64_t o, int64_t r) { return fp8_row_dot(wp + o * width, xp + r * in, in, block, lp); });
     return y;
 }
 
@@ -126,11 +132,7 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
     const float* xp = x.data_ptr<float>();
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-        for (int64_t o = begin; o < end; ++o)
-            for (int64_t r = 0; r < n; ++r)
-                yp[r * out + o] = row_dot(wp + o * groups * 17, xp + r * groups * 32, groups);
-    });
+    each_output(yp, n, out, [&](int64_t o, int64_t r) { return row_dot(wp + o * groups * 17, xp + r * groups * 32, groups); });
     return y;
 }
 """

@@ -277,14 +277,14 @@ class ExpertReader:
     def _dequantized(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
         """K-quant parts dequantized by gguf-py, the function the resident GGUF load uses
         (moekit.weights.gguf_checkpoint.dequantize), then cast: the resident weights' values."""
-        from gguf import GGMLQuantizationType, quants
+        from moekit.weights.gguf_checkpoint import dequantize_as
 
         out = self._empty(shape, torch.float32)
         begin = 0
         for a, x in zip(at, extents):
             piece = _view(buf, a, x.length, x.dtype, x.shape)
             if x.dtype in DEQUANTIZED:
-                piece = torch.from_numpy(quants.dequantize(piece.numpy(), GGMLQuantizationType[x.dtype]))
+                piece = dequantize_as(x.dtype, piece.numpy())
             out[begin : begin + x.shape[0]].copy_(piece)
             begin += x.shape[0]
         return out

@@ -35,18 +35,23 @@ def _unpermute(w, heads: int):
 def dequantize(t: GGUFTensor, data):
     """`data` (t's bytes or elements, any leading slice of them) as a torch tensor: exact for F32,
     F16 and BF16 (kept in their own dtype), float32 for the block-quantized types."""
+    return dequantize_as(t.qtype, data)
+
+
+def dequantize_as(qtype: str, data):
+    """dequantize() for data of ggml type `qtype` (the expert store's K-quant slices use it too)."""
     import numpy as np
     import torch
 
-    if t.qtype == "F32":
+    if qtype == "F32":
         return torch.from_numpy(np.array(data, dtype=np.float32))
-    if t.qtype == "F16":
+    if qtype == "F16":
         return torch.from_numpy(np.array(data, dtype=np.float16))
-    if t.qtype == "BF16":  # gguf_file (like gguf.GGUFReader) gives BF16 as raw bytes, two per element
+    if qtype == "BF16":  # gguf_file (like gguf.GGUFReader) gives BF16 as raw bytes, two per element
         return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
     from gguf import GGMLQuantizationType, quants
 
-    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, GGMLQuantizationType[t.qtype])))
+    return torch.from_numpy(np.ascontiguousarray(quants.dequantize(data, GGMLQuantizationType[qtype])))
 
 
 @dataclass

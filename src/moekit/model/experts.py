@@ -129,18 +129,15 @@ class RoutedExperts(nn.Module):
         the stacks are what the forward reads."""
         if self._weights is None or self.store is not None:
             raise RuntimeError("replace_expert needs prepared, resident experts")
-        if self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter):
-            # The Hub-layout stacks are what the compiled decode step reads (W[topk_ids]): the new
-            # expert is written into them in place, and a copy of the old one is handed back.
-            old = (self.gate_up[e].clone(), self.down[e].clone())
-            self.gate_up[e].copy_(weights[0])
-            self.down[e].copy_(weights[1])
-            return old
-        if self.int8_stacks is not None:
-            # Each expert's weights are views of the q8_0 stacks the compiled step reads: written in place.
-            old = (self.int8_stacks[0][e].clone(), self.int8_stacks[1][e].clone())
-            self.int8_stacks[0][e].copy_(weights[0])
-            self.int8_stacks[1][e].copy_(weights[1])
+        plain = self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
+        stacks = (self.gate_up, self.down) if plain else self.int8_stacks
+        if stacks is not None:
+            # The stacks the compiled decode step reads in place (the Hub layout's, or the q8_0 ones
+            # the per-expert weights are views of): the new expert is written into them, and a copy
+            # of the old one is handed back.
+            old = (stacks[0][e].clone(), stacks[1][e].clone())
+            stacks[0][e].copy_(weights[0])
+            stacks[1][e].copy_(weights[1])
             return old
         old = self.resident_weights(e)
         gate_up, down = self._weights

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from moekit.bench import llama_cpp
-from moekit.bench.llama_cpp import LlamaCppBuild, find_build, gguf_type, worker_command
+from moekit.bench.llama_cpp import LlamaCppBaseline, LlamaCppBuild, find_build, gguf_type, worker_command
+from moekit.bench.llama_cpp_worker import context_cells, parse_rows
 from moekit.errors import MoekitError
 
 
@@ -45,18 +46,67 @@ def test_a_missing_build_is_one_error_naming_the_build_script(tmp_path):
 
 def test_the_worker_runs_under_the_builds_python_with_the_same_threads_and_prompt(tmp_path):
     build = LlamaCppBuild(tmp_path)
-    argv = worker_command(build, tmp_path / "m.gguf", [1, 17, 42], new_tokens=8, threads=2)
+    argv = worker_command(build, tmp_path / "m.gguf", [[1, 17, 42]], new_tokens=8, threads=2)
     assert argv[0] == str(tmp_path / "venv" / "bin" / "python")
     assert argv[1:3] == ["-m", "moekit.bench.llama_cpp_worker"]
     assert argv[argv.index("--prompt-ids") + 1] == "1,17,42"
     assert argv[argv.index("--threads") + 1] == "2" and argv[argv.index("--new-tokens") + 1] == "8"
 
 
-@pytest.mark.parametrize("kwargs", [dict(prompt_ids=[]), dict(new_tokens=1), dict(threads=0)])
+def test_every_prompt_row_reaches_the_worker_and_comes_back_as_the_same_rows(tmp_path):
+    rows = [[1, 17, 42], [5, 0, 31999], [7, 7, 7]]
+    argv = worker_command(LlamaCppBuild(tmp_path), tmp_path / "m.gguf", rows, new_tokens=8, threads=2)
+    assert argv[argv.index("--prompt-ids") + 1] == "1,17,42;5,0,31999;7,7,7"
+    assert parse_rows(argv[argv.index("--prompt-ids") + 1]) == rows
+
+
+def test_the_single_row_form_is_one_row():
+    assert parse_rows("1,2,3") == [[1, 2, 3]] and parse_rows("1,2,3;") == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize("text", ["", ";", "1,2;3", "1,x;3,4"])
+def test_the_worker_refuses_empty_ragged_or_non_integer_rows(text):
+    with pytest.raises(MoekitError, match="--prompt-ids"):
+        parse_rows(text)
+
+
+@pytest.mark.parametrize("kwargs", [dict(rows=[]), dict(rows=[[]]), dict(rows=[[1, 2], [3]]), dict(new_tokens=1),
+                                    dict(threads=0)])
 def test_bad_worker_requests_are_refused_before_a_child_starts(tmp_path, kwargs):
-    args = dict(prompt_ids=[1, 2], new_tokens=4, threads=1) | kwargs
+    args = dict(rows=[[1, 2]], new_tokens=4, threads=1) | kwargs
     with pytest.raises(MoekitError):
         worker_command(LlamaCppBuild(tmp_path), tmp_path / "m.gguf", **args)
+
+
+@pytest.mark.parametrize("batch, prompt_len, new_tokens", [(1, 16, 32), (8, 16, 16), (3, 300, 500)])
+def test_each_sequence_gets_its_whole_prompt_and_new_tokens_of_context(batch, prompt_len, new_tokens):
+    # llama.cpp splits n_ctx evenly over n_seq_max sequences, each share a multiple of 256 cells
+    cells = context_cells(batch, prompt_len, new_tokens)
+    assert cells % batch == 0 and (cells // batch) % 256 == 0
+    assert cells // batch >= prompt_len + new_tokens
+
+
+def test_the_baseline_runs_every_batch_and_answers_one_token_list_per_prompt_row(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    asked = []
+
+    def fake_run(build, gguf, rows, new_tokens, threads, warmup=1):
+        asked.append((rows, warmup))
+        return {"tokens_per_s": 10.0, "token_ids": [[row[0]] * (new_tokens + 1) for row in rows]}
+
+    monkeypatch.setattr(llama_cpp, "run_llama_cpp", fake_run)
+    baseline = LlamaCppBaseline(LlamaCppBuild(tmp_path), tmp_path / "m.gguf", threads=2)
+    assert all(baseline.supports(b) for b in (1, 2, 8, 64))
+    prompts = torch.tensor([[3, 4], [5, 6], [7, 8]])  # [B, P]
+    assert baseline.timer(prompts, 4)() == 10.0
+    assert baseline.tokens(prompts, 4) == [[3] * 4, [5] * 4, [7] * 4]
+    assert asked == [(((3, 4), (5, 6), (7, 8)), 1)]  # the timed run's tokens, no second child
+    assert baseline.tokens(prompts[:1], 4) == [[3] * 4] and asked[-1] == (((3, 4),), 0)
+
+
+def test_a_worker_answer_with_the_wrong_number_of_rows_is_one_error():
+    with pytest.raises(MoekitError, match="2 rows"):
+        llama_cpp.token_rows({"token_ids": [1, 2, 3]}, 2)
 
 
 def test_the_converter_runs_under_this_python_with_the_asked_type(tmp_path):

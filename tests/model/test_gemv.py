@@ -81,3 +81,17 @@ def test_experts_q8_reads_each_rows_chosen_experts(ops, per_choice):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     with pytest.raises(RuntimeError, match="expert id out of range"):
         ops.experts_q8(x, stack, torch.tensor([[6, 0]] * b))
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 7, 9])
+def test_a_row_of_a_q8_batch_is_its_solo_product_bit_for_bit(ops, rows):
+    """The batch kernel widens each block once for up to 4 rows but keeps the one-row order of
+    operations, so batching cannot move an int8 greedy token (odd block counts included)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 3 * 32 + 5, generator=gen)  # 4 blocks, the last padded
+    packed = quantize_q8_0(torch.randn(40, x.shape[1], generator=gen))
+    stack = torch.stack([packed, quantize_q8_0(torch.randn(40, x.shape[1], generator=gen))])  # [E = 2, N, nb·34]
+    ids = torch.zeros(rows, 1, dtype=torch.int64)  # every row on expert 0: one weight read for all rows
+    batch, experts = ops.rows_q8(x, packed), ops.experts_q8(x[:, None], stack, ids)[:, 0]
+    solo = torch.cat([ops.rows_q8(x[i : i + 1], packed) for i in range(rows)])
+    assert torch.equal(batch, solo) and torch.equal(experts, solo)

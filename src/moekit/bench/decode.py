@@ -5,7 +5,8 @@ tokens (no early stop). Decode tokens/s counts B x (N - 1) tokens over the decod
 - moekit times its decode loop directly (the prefill is timed apart);
 - transformers' `generate` is timed whole for N and for 1 new token; the difference is N - 1
   decode steps (its per-call set-up cancels out);
-- llama.cpp (llama-cpp-python, in a child process, batch 1 only) times its own decode loop.
+- llama.cpp (llama-cpp-python, in a child process; B sequences of one context, one llama_decode of
+  B tokens a step) times its own decode loop.
 Each side gets warm-up calls, then the median of `repeats` timed calls, the two sides taking turns. The roofline divides the
 machine's memory bandwidth by the bytes one decode step reads (from the meter: shared weights
 once, one embedding row per row, the union of the experts the batch chose, each expert at the bytes

@@ -16,7 +16,9 @@ knows and it would refuse; the run labels it "default" (decode is fed token ids,
 
 Each timed call is one child process (`moekit.bench.llama_cpp_worker` under the build's python,
 with moekit's source on its path for the JSON protocol only): it loads the GGUF (memory-mapped,
-so after the first call from the page cache), decodes greedily once untimed, then once timed.
+so after the first call from the page cache), decodes greedily once untimed, then once timed. At
+batch B the B prompt rows are B sequences of one llama context, each decode step one llama_decode
+of B tokens, as moekit's decode step is one forward of B rows.
 """
 
 from __future__ import annotations
@@ -135,14 +137,30 @@ def ensure_gguf(build: LlamaCppBuild, folder: Path, outtype: str, timeout_s: flo
     return out
 
 
-def worker_command(build: LlamaCppBuild, gguf: Path, prompt_ids: Sequence[int], new_tokens: int,
-                   threads: int, warmup: int = 1) -> list[str]:
-    if not prompt_ids:
+Rows = tuple[tuple[int, ...], ...]  # [B, P] prompt ids
+
+
+def prompt_rows(prompts) -> Rows:
+    """The harness's [B, P] prompt tensor as a hashable tuple of B rows (no torch import here)."""
+    return tuple(tuple(int(t) for t in row) for row in prompts.tolist())
+
+
+def prompt_ids_arg(rows: Sequence[Sequence[int]]) -> str:
+    """[[1, 2], [3, 4]] → '1,2;3,4': the worker's --prompt-ids, ';' between rows."""
+    if not rows or not all(rows):
         raise MoekitError("no prompt ids given")
+    if len({len(row) for row in rows}) != 1:
+        raise MoekitError(f"prompt rows must be of one length (no padding), got {[len(row) for row in rows]}")
+    return ";".join(",".join(str(int(t)) for t in row) for row in rows)
+
+
+def worker_command(build: LlamaCppBuild, gguf: Path, rows: Sequence[Sequence[int]], new_tokens: int,
+                   threads: int, warmup: int = 1) -> list[str]:
+    ids = prompt_ids_arg(rows)
     if new_tokens < 2 or threads < 1 or warmup < 0:
         raise MoekitError("new tokens must be at least 2, threads at least 1, warm-up runs at least 0")
     return [str(build.python), "-m", "moekit.bench.llama_cpp_worker", "--gguf", str(gguf),
-            "--prompt-ids", ",".join(str(int(t)) for t in prompt_ids), "--new-tokens", str(int(new_tokens)),
+            "--prompt-ids", ids, "--new-tokens", str(int(new_tokens)),
             "--threads", str(int(threads)), "--warmup", str(int(warmup))]
 
 
@@ -151,31 +169,39 @@ def worker_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)}
 
 
-def run_llama_cpp(build: LlamaCppBuild, gguf: Path, prompt_ids: Sequence[int], new_tokens: int, threads: int,
+def token_rows(run: dict, batch: int) -> list[list[int]]:
+    """The worker's token_ids, one list per prompt row ([B, N]); anything else is refused."""
+    rows = run.get("token_ids")
+    if not isinstance(rows, list) or len(rows) != batch or not all(isinstance(row, list) for row in rows):
+        raise MoekitError(f"the llama.cpp baseline returned token_ids that are not {batch} rows")
+    return [[int(t) for t in row] for row in rows]
+
+
+def run_llama_cpp(build: LlamaCppBuild, gguf: Path, rows: Sequence[Sequence[int]], new_tokens: int, threads: int,
                   warmup: int = 1, timeout_s: float = 600.0) -> dict:
-    """One child: tokens_per_s (decode, N - 1 steps), token_ids, prefill_s, decode_s, threads."""
-    argv = worker_command(build, gguf, prompt_ids, new_tokens, threads, warmup)
+    """One child: tokens_per_s (decode, B x (N - 1) tokens), token_ids ([B, N]), prefill_s, decode_s, threads."""
+    argv = worker_command(build, gguf, rows, new_tokens, threads, warmup)
     return run_json_child(argv, "the llama.cpp baseline", timeout_s, env=worker_env())
 
 
 class LlamaCppBaseline:
-    """`--vs llama.cpp`: batch 1, the same prompt ids and thread count, greedy, in child processes."""
+    """`--vs llama.cpp`: any batch, the same prompt rows and thread count, greedy, in child processes."""
 
     name = "llama.cpp"
 
     def __init__(self, build: LlamaCppBuild, gguf: Path, threads: int):
         self.build, self.gguf, self.threads = build, Path(gguf), threads
-        self.last: dict[tuple[int, ...], list[int]] = {}  # prompt → tokens of its latest timed run
+        self.last: dict[Rows, list[list[int]]] = {}  # prompt rows → [B, N] tokens of their latest timed run
 
     def supports(self, batch: int) -> bool:
-        return batch == 1
+        return batch >= 1
 
     def timer(self, prompts, new_tokens: int) -> Callable[[], float]:
-        ids = tuple(int(t) for t in prompts[0].tolist())
+        rows = prompt_rows(prompts)
 
         def once() -> float:
-            run = run_llama_cpp(self.build, self.gguf, ids, new_tokens, self.threads)
-            self.last[ids] = run["token_ids"]
+            run = run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads)
+            self.last[rows] = token_rows(run, len(rows))
             return run["tokens_per_s"]
 
         return once
@@ -184,7 +210,8 @@ class LlamaCppBaseline:
         return {"llama_cpp_python": VERSION, "gguf": str(self.gguf), "threads": self.threads}
 
     def tokens(self, prompts, new_tokens: int) -> list[list[int]]:
-        ids = tuple(int(t) for t in prompts[0].tolist())
-        if ids not in self.last:
-            self.last[ids] = run_llama_cpp(self.build, self.gguf, ids, new_tokens, self.threads, warmup=0)["token_ids"]
-        return [self.last[ids][:new_tokens]]
+        rows = prompt_rows(prompts)
+        if rows not in self.last:
+            run = run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads, warmup=0)
+            self.last[rows] = token_rows(run, len(rows))
+        return [row[:new_tokens] for row in self.last[rows]]

@@ -13,12 +13,12 @@ from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
 
-DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate (or llama.cpp, batch 1) on one checkpoint, at batch 1 and 8.
+DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate (or llama.cpp) on one checkpoint, at batch 1 and 8.
 
 Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio, the bandwidth roofline of this machine (measured memory bandwidth / bytes one decode step reads) and the share of it moekit reaches.
 
   moekit bench decode path/to/checkpoint --vs transformers --batch 1,8 --tokens 32
-  moekit bench decode path/to/checkpoint --vs llama.cpp --batch 1 --threads 2   (benchmarks/build_llama_cpp.sh first)
+  moekit bench decode path/to/checkpoint --vs llama.cpp --batch 1,8 --threads 2   (benchmarks/build_llama_cpp.sh first)
 """
 
 

@@ -30,6 +30,7 @@ Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo sp
 from __future__ import annotations
 
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -260,14 +261,20 @@ def unsupported(decoder) -> Optional[str]:
     return None
 
 
-def _mark(ids, slot, positions, key_mask, caches, tables) -> None:
-    """Mark the batch, the visible length and the cache's rows and slots as dynamic sizes."""
+def _mark_step(ids, slot, positions, key_mask) -> None:
+    """Mark the batch and the visible length of one step's inputs as dynamic sizes."""
     mark = torch._dynamo.mark_dynamic
     if ids.shape[0] > 1:  # a size of 1 is always specialised; batch 1 gets its own graph
         for t in (ids, slot, positions, key_mask):
             mark(t, 0)
     if key_mask.shape[1] > 1:
         mark(key_mask, 1)
+
+
+def _mark_held(caches, tables) -> None:
+    """Mark the cache's rows and slots and the rope tables' length as dynamic sizes. A mark stays on
+    its tensor, so these, which live across steps, are marked once (CompiledStep._held)."""
+    mark = torch._dynamo.mark_dynamic
     for t in tables:
         mark(t, 0)
     for entry in caches:
@@ -280,7 +287,16 @@ def _mark(ids, slot, positions, key_mask, caches, tables) -> None:
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [B, 1, V] fp32
-    decisions: list  # (layer index, RoutingDecision) per MoE layer
+    chosen: torch.Tensor  # [L_moe, B, K] the experts each MoE layer chose
+    weights: torch.Tensor  # [L_moe, B, K] their weights
+    moe_layers: list  # the decoder's index of each MoE layer
+
+    @property
+    def decisions(self) -> list:
+        """(layer index, RoutingDecision) per MoE layer; built only when a caller asks (the metered
+        runs), so an unmetered step pays nothing for it."""
+        pairs = zip(self.moe_layers, self.chosen.unbind(0), self.weights.unbind(0))
+        return [(layer, RoutingDecision(ids, w)) for layer, ids, w in pairs]
 
 
 class CompiledStep:
@@ -298,7 +314,8 @@ class CompiledStep:
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
-        # Sizes that change from call to call are marked dynamic (_mark): one graph for batch 1, one
+        self._cache = self._cache_layers = self._caches = None  # the cache last marked (_held)
+        # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph for batch 1, one
         # for larger batches, whatever the cache length. Everything else (weights, heads, widths)
         # stays static, which is what lets Inductor vectorise the products.
         # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: a copy of _step's
@@ -311,23 +328,33 @@ class CompiledStep:
         self._fn = torch.compile(own, fullgraph=True, dynamic=False, options=options)
 
     def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
-        """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position;
-        key_mask [B, S] bool, False at padding (S = the last slot written + 1)."""
+        """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
+        (never past the slot, so below cache.max_len); key_mask [B, S] bool, False at padding (S =
+        the last slot written + 1)."""
         rope = self.decoder.rope
-        rope.reserve(int(positions.max()) + 1)
-        caches = [tuple(t for t, _ in slot_tensors(entry)) for entry in cache.layers]
+        rope.reserve(cache.max_len)  # a Python compare once the tables cover the cache
         # Dynamo guards on whether a tensor was made under inference mode: the small per-step inputs
         # and the rope tables are made so here, whoever the caller is, so one graph serves them all
         # (the caches are always normal tensors: Decoder.new_cache makes them outside it).
         with torch.inference_mode():
-            if self._tables is None or self._tables[0] is not rope.cos_table:
-                self._tables = (rope.cos_table, rope.cos_table.clone(), rope.sin_signed_table.clone())
-            tables = self._tables[1:]
+            caches, tables = self._held(cache, rope)
             ids, slot, positions, key_mask = (t.clone() for t in (ids[:, 0], slot, positions, key_mask))  # ids [B]
-            _mark(ids, slot, positions, key_mask, caches, tables)
+            _mark_step(ids, slot, positions, key_mask)
             logits, chosen, weights = self._fn(self.decoder, ids, slot, positions, key_mask, caches, *tables)
-        decisions = [(layer, RoutingDecision(chosen[j], weights[j])) for j, layer in enumerate(self.moe_layers)]
-        return StepResult(logits[:, None, :], decisions)
+        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers)
+
+    def _held(self, cache, rope) -> tuple[list, tuple]:
+        """The cache's tensors per layer and the rope tables, marked dynamic once per cache and per
+        table (the per-step cost of listing and marking them was ~0.15 ms, measured)."""
+        if self._tables is None or self._tables[0] is not rope.cos_table:
+            self._tables = (rope.cos_table, rope.cos_table.clone(), rope.sin_signed_table.clone())
+            self._cache = None
+        held = self._cache() if self._cache is not None else None
+        if held is not cache or self._cache_layers is not cache.layers:
+            self._caches = [tuple(t for t, _ in slot_tensors(entry)) for entry in cache.layers]
+            _mark_held(self._caches, self._tables[1:])
+            self._cache, self._cache_layers = weakref.ref(cache), cache.layers
+        return self._caches, self._tables[1:]
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so

@@ -153,3 +153,21 @@ def test_paged_engines_stay_eager(tmp_path):
         assert "--compile: running eager (routed experts are paged by the expert store)" in engine.notes
     finally:
         engine.close()
+
+
+def test_a_cache_without_a_stack_is_refused_by_the_step_and_decoded_eagerly(engines):
+    """Decoder.new_cache stacks every layer's tensors (the compiled step's one cache input); a cache
+    put together otherwise is run by the eager step, with the same logits."""
+    _, compiled = engines("qwen3_moe")
+    dec = compiled.decoder
+    stacked = dec.new_cache(1, 8)
+    loose = dec.new_cache(1, 8)
+    loose.stack = None
+    ids, pos = torch.tensor([[5, 9, 33]]), torch.tensor([[0, 1, 2]])
+    with torch.inference_mode():
+        dec(ids, stacked, pos)
+        dec(ids, loose, pos)
+        with pytest.raises(ValueError, match="stacked cache"):
+            dec.compiled(torch.tensor([[7]]), loose, torch.tensor([3]), torch.tensor([3]), loose.key_mask[:, :4])
+        got = [dec(torch.tensor([[7]]), cache, torch.tensor([[3]])) for cache in (stacked, loose)]
+    torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -12,6 +15,9 @@ class KVCache:
     layers: list  # one entry per layer: whatever that layer's mixer.new_cache() returned
     key_mask: Tensor  # [B, S_max] bool, True where a real token sits; prompts are LEFT-padded
     length: int = 0  # slots already written (the same for every row)
+    # [N, ...]: every layer's cache tensors (slot_tensors order) as one tensor, the entries views of
+    # it, when all N share a shape (stacked_layers); the compiled step reads and writes this one.
+    stack: Optional[Tensor] = None
 
     @property
     def batch(self) -> int:
@@ -28,6 +34,28 @@ def slot_tensors(entry) -> list[tuple[Tensor, int]]:
     if isinstance(entry, tuple):
         return [(t, 2) for t in entry]
     return [(entry.slots, 1)]
+
+
+def stacked_layers(layers: list, device) -> tuple[list, Optional[Tensor]]:
+    """(entries, stack): `layers` (the mixers' caches, made on the meta device for their shapes) made
+    real as views of one zeroed [N, ...] tensor when all N cache tensors share a shape and dtype, else
+    each allocated on its own and stack None. Why one tensor: the compiled step takes each input's
+    length as a dynamic size of its own, and ~20 of them cost ~0.1 ms a step (measured)."""
+    tensors = [t for entry in layers for t, _ in slot_tensors(entry)]
+    if tensors and len({(t.shape, t.dtype) for t in tensors}) == 1:
+        stack = torch.zeros((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device=device)
+        views = iter(stack.unbind(0))
+    else:
+        stack = None
+        views = (torch.zeros(t.shape, dtype=t.dtype, device=device) for t in tensors)
+    return [_with_tensors(entry, views) for entry in layers], stack
+
+
+def _with_tensors(entry, views):
+    """The same cache entry holding the next tensors of `views` in place of its own."""
+    if isinstance(entry, tuple):
+        return tuple(next(views) for _ in entry)
+    return dataclasses.replace(entry, slots=next(views))
 
 
 def copy_row(dst: KVCache, dst_row: int, src: KVCache, src_row: int, length: int, src_start: int = 0) -> None:

@@ -12,8 +12,11 @@ step compiles into one graph of a few dozen kernels:
     would copy the experts: this step is compile-only);
   - routing is the shared `route()` (so every family's order of operations is the one the eager
     path and the reference use);
-  - the KV cache is the Decoder's own, written in place with one index_put_ per tensor at each
-    row's slot, and attention runs over slots 0..end-1 only (end is a dynamic size, not a recompile).
+  - the KV cache is the Decoder's own, one tensor for all layers (KVCache.stack, whose views the
+    eager layers use), written in place with one index_put_ on it per k / v at each row's slot;
+    attention runs over slots 0..end-1 only (end is a dynamic size, not a recompile). One tensor,
+    not one per layer: each input's length would be a dynamic size of its own, passed and checked
+    every step.
 It reads the Decoder's parameters in the Hub layout (the decoder is prepared with
 `kernels=False`), so it costs no second copy of the weights, and the eager forward of the same
 decoder stays the reference: tests/model/test_compiled_step.py holds the two to identical greedy
@@ -38,7 +41,6 @@ import torch
 
 from moekit.model import gemv
 from moekit.model.attention import Attention
-from moekit.model.cache import slot_tensors
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import INT8, INT8_GEMV, PLAIN, Linear
 from moekit.model.mla import MLAttention
@@ -120,9 +122,9 @@ def _moe(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision]:
     return out, decision
 
 
-def _attention(attn: Attention, x, cache_k, cache_v, slot, cos, sin_signed, visible) -> torch.Tensor:
-    """x [B, D] at each row's slot [B] → [B, D]; writes k, v into the caches [B_max, Hkv, S, hd].
-    visible [B, S] bool: the real slots up to each row's own (padding and causality)."""
+def _attention(attn: Attention, x, stack, at, slot, cos, sin_signed, visible) -> torch.Tensor:
+    """x [B, D] at each row's slot [B] → [B, D]; writes k, v into stack[at], stack[at + 1] (the
+    cache's [N, B_max, Hkv, S, hd]). visible [B, S] bool: the real slots up to each row's own."""
     b = x.shape[0]
     h, hkv, hd = attn.heads, attn.kv_heads, attn.head_dim
     qkv = linear_rows(x, attn.qkv.weight, attn.qkv.bias)  # [B, (H + 2·Hkv)·hd]
@@ -141,14 +143,15 @@ def _attention(attn: Attention, x, cache_k, cache_v, slot, cos, sin_signed, visi
     q, k = qk[:, :h], qk[:, h:]
     rows = torch.arange(b, device=x.device)[:, None]
     heads = torch.arange(hkv, device=x.device)[None, :]
-    cache_k.index_put_((rows, heads, slot[:, None]), k)
-    cache_v.index_put_((rows, heads, slot[:, None]), v)
+    # In place on the whole stack (a write through a view of it makes the graph copy the cache).
+    stack.index_put_((torch.full_like(rows, at), rows, heads, slot[:, None]), k)
+    stack.index_put_((torch.full_like(rows, at + 1), rows, heads, slot[:, None]), v)
     end = visible.shape[1]
     allowed = visible
     if attn.window is not None:
         back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
         allowed = visible & (back < attn.window)
-    keys, values = cache_k[:b, :, :end], cache_v[:b, :, :end]  # [B, Hkv, S, hd]
+    keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
     grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
     logits = torch.einsum("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
@@ -161,9 +164,9 @@ def _attention(attn: Attention, x, cache_k, cache_v, slot, cos, sin_signed, visi
     return linear_rows(out.reshape(b, h * hd), attn.o_proj.weight, attn.o_proj.bias)
 
 
-def _latent_attention(attn: MLAttention, x, slots, slot, cos, sin_signed, visible) -> torch.Tensor:
+def _latent_attention(attn: MLAttention, x, stack, at, slot, cos, sin_signed, visible) -> torch.Tensor:
     """MLA's absorbed decode (moekit.model.mla) on x [B, D] → [B, D]; writes each row's latent and
-    rope key into slots [B_max, S, R+Rr] at its slot."""
+    rope key into stack[at] (the cache's [N, B_max, S, R+Rr]) at its slot."""
     b = x.shape[0]
     h, nope, rr, r = attn.heads, attn.nope, attn.rope_dim, attn.latent_dim
     q, kv = linear_rows(x, attn.x_proj.weight, attn.x_proj.bias).split(attn.x_split, dim=-1)
@@ -176,8 +179,9 @@ def _latent_attention(attn: MLAttention, x, slots, slot, cos, sin_signed, visibl
         turn = turn.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
     turned = turn * cos + turn.roll(rr // 2, dims=-1) * sin_signed
     new = torch.cat((attn.kv_a_layernorm(latent), turned[:, h]), dim=-1)  # [B, R+Rr]
-    slots.index_put_((torch.arange(b, device=x.device), slot), new)
-    cached = slots[:b, : visible.shape[1]].float()  # [B, S, R+Rr]
+    rows = torch.arange(b, device=x.device)
+    stack.index_put_((torch.full_like(rows, at), rows, slot), new)
+    cached = stack[at, :b, : visible.shape[1]].float()  # [B, S, R+Rr]
     absorbed = torch.einsum("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
     query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
     scores = torch.einsum("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
@@ -188,9 +192,10 @@ def _latent_attention(attn: MLAttention, x, slots, slot, cos, sin_signed, visibl
     return linear_rows(out.reshape(b, h * attn.v_dim), attn.o_proj.weight, attn.o_proj.bias)
 
 
-def _step(decoder, ids, slot, positions, key_mask, caches, cos_table, sin_table):
+def _step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_table):
     """ids, slot, positions [B] int64; key_mask [B, S] (False at padding; S = the last slot + 1);
-    caches: (k, v) per layer → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
+    stack: the cache's tensors as one (KVCache.stack: k, v per attention layer, one per MLA layer)
+    → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
     spec = decoder.spec
     end = key_mask.shape[1]
     visible = key_mask & (torch.arange(end, device=ids.device)[None, :] <= slot[:, None])  # [B, S]
@@ -201,9 +206,12 @@ def _step(decoder, ids, slot, positions, key_mask, caches, cos_table, sin_table)
     sin_signed = sin_table[positions][:, None, :].to(x.dtype)
     residual = spec.multipliers.residual
     chosen, weights = [], []
-    for block, entry in zip(decoder.layers, caches):
-        mixer = _latent_attention if isinstance(block.attn, MLAttention) else _attention
-        h = mixer(block.attn, block.input_norm(x), *entry, slot, cos, sin_signed, visible)
+    at = 0  # the layer's first tensor in the stack
+    for block in decoder.layers:
+        latent = isinstance(block.attn, MLAttention)
+        mixer = _latent_attention if latent else _attention
+        h = mixer(block.attn, block.input_norm(x), stack, at, slot, cos, sin_signed, visible)
+        at += 1 if latent else 2
         x = x + (h * residual if residual != 1.0 else h)
         h = block.post_norm(x)
         if isinstance(block.ffn, MoE):
@@ -271,17 +279,15 @@ def _mark_step(ids, slot, positions, key_mask) -> None:
         mark(key_mask, 1)
 
 
-def _mark_held(caches, tables) -> None:
+def _mark_held(stack, tables) -> None:
     """Mark the cache's rows and slots and the rope tables' length as dynamic sizes. A mark stays on
     its tensor, so these, which live across steps, are marked once (CompiledStep._held)."""
     mark = torch._dynamo.mark_dynamic
     for t in tables:
         mark(t, 0)
-    for entry in caches:
-        for t in entry:
-            if t.shape[0] > 1:
-                mark(t, 0)
-            mark(t, 1 if t.dim() == 3 else 2)  # the slots: MLA's [B, S, R+Rr], attention's [B, Hkv, S, hd]
+    if stack.shape[1] > 1:
+        mark(stack, 1)
+    mark(stack, 2 if stack.dim() == 4 else 3)  # the slots: MLA's [N, B, S, R+Rr], attention's [N, B, Hkv, S, hd]
 
 
 @dataclass
@@ -314,7 +320,7 @@ class CompiledStep:
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
-        self._cache = self._cache_layers = self._caches = None  # the cache last marked (_held)
+        self._marked = None  # a weak reference to the cache stack last marked (_held)
         # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph for batch 1, one
         # for larger batches, whatever the cache length. Everything else (weights, heads, widths)
         # stays static, which is what lets Inductor vectorise the products.
@@ -330,31 +336,31 @@ class CompiledStep:
     def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
         (never past the slot, so below cache.max_len); key_mask [B, S] bool, False at padding (S =
-        the last slot written + 1)."""
+        the last slot written + 1). The cache must be stacked (KVCache.stack; Decoder.new_cache's are)."""
+        if cache.stack is None:
+            raise ValueError("the compiled step needs a stacked cache (Decoder.new_cache makes one)")
         rope = self.decoder.rope
         rope.reserve(cache.max_len)  # a Python compare once the tables cover the cache
         # Dynamo guards on whether a tensor was made under inference mode: the small per-step inputs
         # and the rope tables are made so here, whoever the caller is, so one graph serves them all
         # (the caches are always normal tensors: Decoder.new_cache makes them outside it).
         with torch.inference_mode():
-            caches, tables = self._held(cache, rope)
+            tables = self._held(cache.stack, rope)
             ids, slot, positions, key_mask = (t.clone() for t in (ids[:, 0], slot, positions, key_mask))  # ids [B]
             _mark_step(ids, slot, positions, key_mask)
-            logits, chosen, weights = self._fn(self.decoder, ids, slot, positions, key_mask, caches, *tables)
+            logits, chosen, weights = self._fn(self.decoder, ids, slot, positions, key_mask, cache.stack, *tables)
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers)
 
-    def _held(self, cache, rope) -> tuple[list, tuple]:
-        """The cache's tensors per layer and the rope tables, marked dynamic once per cache and per
-        table (the per-step cost of listing and marking them was ~0.15 ms, measured)."""
+    def _held(self, stack, rope) -> tuple:
+        """The rope tables, and the stack and tables marked dynamic once each (marking them on every
+        step cost ~0.1 ms, measured)."""
         if self._tables is None or self._tables[0] is not rope.cos_table:
             self._tables = (rope.cos_table, rope.cos_table.clone(), rope.sin_signed_table.clone())
-            self._cache = None
-        held = self._cache() if self._cache is not None else None
-        if held is not cache or self._cache_layers is not cache.layers:
-            self._caches = [tuple(t for t, _ in slot_tensors(entry)) for entry in cache.layers]
-            _mark_held(self._caches, self._tables[1:])
-            self._cache, self._cache_layers = weakref.ref(cache), cache.layers
-        return self._caches, self._tables[1:]
+            self._marked = None
+        if self._marked is None or self._marked() is not stack:
+            _mark_held(stack, self._tables[1:])
+            self._marked = weakref.ref(stack)
+        return self._tables[1:]
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so

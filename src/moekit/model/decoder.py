@@ -18,7 +18,7 @@ from torch import nn
 
 from moekit.errors import SpecError
 from moekit.model.attention import Attention
-from moekit.model.cache import KVCache
+from moekit.model.cache import KVCache, stacked_layers
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear, prepare_linears
 from moekit.model.mla import MLAttention
@@ -138,9 +138,10 @@ class Decoder(nn.Module):
         # Normal tensors even under inference_mode: the cache is written in place by later calls,
         # which may run outside it.
         with torch.inference_mode(False):
-            layers = [block.attn.new_cache(batch, max_len, self.dtype, self.device) for block in self.layers]
+            shapes = [block.attn.new_cache(batch, max_len, self.dtype, "meta") for block in self.layers]
+            layers, stack = stacked_layers(shapes, self.device)
             key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
-        return KVCache(layers=layers, key_mask=key_mask)
+        return KVCache(layers=layers, key_mask=key_mask, stack=stack)
 
     def forward(
         self,
@@ -164,7 +165,7 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
-        if t == 1 and self.compiled is not None and top_k is None and policy is None:
+        if t == 1 and self.compiled is not None and cache.stack is not None and top_k is None and policy is None:
             slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
             logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions)
             cache.length = start + 1
@@ -199,7 +200,7 @@ class Decoder(nn.Module):
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
-        if self.compiled is not None and top_k is None:
+        if self.compiled is not None and cache.stack is not None and top_k is None:
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
             return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions)
         if b == 1 or bool((lengths == lengths[0]).all()):

@@ -1,0 +1,35 @@
+"""The decode cache: every layer's tensors as views of one stack (what the compiled step reads)."""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.model.cache import slot_tensors, stacked_layers
+from moekit.model.mla import MLACache
+
+
+def test_equal_layers_become_views_of_one_zeroed_stack():
+    meta = [(torch.empty(2, 4, 8, 16, device="meta"), torch.empty(2, 4, 8, 16, device="meta")) for _ in range(3)]
+    layers, stack = stacked_layers(meta, "cpu")
+    assert stack.shape == (6, 2, 4, 8, 16) and not stack.any()
+    k, v = layers[1]
+    k[0, 0, 3] = 1.0  # a write through the layer's entry lands in the stack, where the compiled step reads
+    assert stack[2, 0, 0, 3].eq(1.0).all() and stack.sum() == 16
+    assert v.data_ptr() == stack[3].data_ptr()
+
+
+def test_mla_entries_keep_their_type_and_latent_width():
+    meta = [MLACache(slots=torch.empty(1, 8, 12, device="meta"), latent_dim=8) for _ in range(2)]
+    layers, stack = stacked_layers(meta, "cpu")
+    assert stack.shape == (2, 1, 8, 12)
+    assert all(isinstance(entry, MLACache) and entry.latent_dim == 8 for entry in layers)
+    assert layers[1].slots.data_ptr() == stack[1].data_ptr()
+
+
+def test_layers_of_different_shapes_get_tensors_of_their_own_and_no_stack():
+    meta = [(torch.empty(1, 2, 8, 4, device="meta"),) * 2, (torch.empty(1, 1, 8, 4, device="meta"),) * 2]
+    layers, stack = stacked_layers(meta, "cpu")
+    assert stack is None
+    tensors = [t for entry in layers for t, _ in slot_tensors(entry)]
+    assert [tuple(t.shape) for t in tensors] == [(1, 2, 8, 4)] * 2 + [(1, 1, 8, 4)] * 2
+    assert len({t.data_ptr() for t in tensors}) == 4 and not any(t.any() for t in tensors)

@@ -321,8 +321,8 @@ class CompiledStep:
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         self._marked = None  # a weak reference to the cache stack last marked (_held)
-        # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph for batch 1, one
-        # for larger batches, whatever the cache length. Everything else (weights, heads, widths)
+        # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph
+        # for batch 1, one for larger batches, whatever the cache length. Everything else (weights, heads, widths)
         # stays static, which is what lets Inductor vectorise the products.
         # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: a copy of _step's
         # code for each decoder keeps one model's graphs from counting against another's.

@@ -165,7 +165,8 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
-        if t == 1 and self.compiled is not None and cache.stack is not None and top_k is None and policy is None:
+        compiled = self.compiled is not None and cache.stack is not None
+        if t == 1 and compiled and top_k is None and policy is None:
             slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
             logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions)
             cache.length = start + 1

@@ -33,3 +33,19 @@ def test_layers_of_different_shapes_get_tensors_of_their_own_and_no_stack():
     tensors = [t for entry in layers for t, _ in slot_tensors(entry)]
     assert [tuple(t.shape) for t in tensors] == [(1, 2, 8, 4)] * 2 + [(1, 1, 8, 4)] * 2
     assert len({t.data_ptr() for t in tensors}) == 4 and not any(t.any() for t in tensors)
+
+
+def test_a_stacked_entry_takes_an_in_place_write_that_carries_a_gradient():
+    """Select views, not unbind's: autograd forbids in-place writes into multi-output views."""
+    meta = [(torch.empty(1, 1, 4, 2, device="meta"),) * 2]
+    [(k, _)], stack = stacked_layers(meta, "cpu")
+    w = torch.ones(2, requires_grad=True)
+    k[0, 0, 1] = w * 3.0
+    stack.sum().backward()
+    assert w.grad.tolist() == [3.0, 3.0]
+
+
+def test_unstacked_caches_are_tensors_of_their_own():
+    meta = [(torch.empty(1, 1, 4, 2, device="meta"),) * 2 for _ in range(2)]
+    layers, stack = stacked_layers(meta, "cpu", stacked=False)
+    assert stack is None and len({t.data_ptr() for entry in layers for t in entry}) == 4

@@ -36,15 +36,17 @@ def slot_tensors(entry) -> list[tuple[Tensor, int]]:
     return [(entry.slots, 1)]
 
 
-def stacked_layers(layers: list, device) -> tuple[list, Optional[Tensor]]:
+def stacked_layers(layers: list, device, stacked: bool = True) -> tuple[list, Optional[Tensor]]:
     """(entries, stack): `layers` (the mixers' caches, made on the meta device for their shapes) made
-    real as views of one zeroed [N, ...] tensor when all N cache tensors share a shape and dtype, else
-    each allocated on its own and stack None. Why one tensor: the compiled step takes each input's
-    length as a dynamic size of its own, and ~20 of them cost ~0.1 ms a step (measured)."""
+    real as views of one zeroed [N, ...] tensor when all N cache tensors share a shape and dtype (and
+    `stacked`), else each allocated on its own and stack None. Why one tensor: the compiled step
+    takes each input's length as a dynamic size of its own, and ~20 of them cost ~0.1 ms a step."""
     tensors = [t for entry in layers for t, _ in slot_tensors(entry)]
-    if tensors and len({(t.shape, t.dtype) for t in tensors}) == 1:
+    if stacked and tensors and len({(t.shape, t.dtype) for t in tensors}) == 1:
         stack = torch.zeros((len(tensors), *tensors[0].shape), dtype=tensors[0].dtype, device=device)
-        views = iter(stack.unbind(0))
+        # One select view each (not unbind's multi-output views, which autograd forbids writing into
+        # in place under grad mode).
+        views = iter([stack[i] for i in range(len(tensors))])
     else:
         stack = None
         views = (torch.zeros(t.shape, dtype=t.dtype, device=device) for t in tensors)

@@ -131,15 +131,17 @@ class Decoder(nn.Module):
         self.prepared = False
         self.compiled = None  # a moekit.model.compiled_step.CompiledStep once compile_decode() ran
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, stacked: bool = True) -> KVCache:
         """Preallocated slots for `batch` rows of up to `max_len` tokens; key_mask starts all True
-        (the caller marks left-padding False)."""
+        (the caller marks left-padding False). stacked: every layer's tensors as views of one
+        (KVCache.stack, what the compiled step reads); False gives each its own (training, whose
+        in-place writes carry gradients, which views of one tensor would route through all of it)."""
         self.rope.reserve(max_len)
         # Normal tensors even under inference_mode: the cache is written in place by later calls,
         # which may run outside it.
         with torch.inference_mode(False):
             shapes = [block.attn.new_cache(batch, max_len, self.dtype, "meta") for block in self.layers]
-            layers, stack = stacked_layers(shapes, self.device)
+            layers, stack = stacked_layers(shapes, self.device, stacked)
             key_mask = torch.ones(batch, max_len, dtype=torch.bool, device=self.device)
         return KVCache(layers=layers, key_mask=key_mask, stack=stack)
 

@@ -105,7 +105,7 @@ def moe_forward(moe: MoE, x: Tensor, options: RoutingOptions) -> tuple[Tensor, L
 def train_forward(decoder, input_ids: Tensor, options: RoutingOptions) -> tuple[Tensor, list[LayerRouting]]:
     """input_ids [B, S] → (logits [B, S, V] fp32, one LayerRouting per MoE layer), causal, no cache kept."""
     b, s = input_ids.shape
-    cache = decoder.new_cache(b, s)
+    cache = decoder.new_cache(b, s, stacked=False)
     positions = torch.arange(s, device=input_ids.device)[None].expand(b, s)  # [B, S]
     x = decoder.embed(input_ids)
     if decoder.spec.multipliers.embedding != 1.0:

@@ -339,8 +339,7 @@ class CompiledStep:
         the last slot written + 1). The cache must be stacked (KVCache.stack; Decoder.new_cache's are)."""
         if cache.stack is None:
             raise ValueError("the compiled step needs a stacked cache (Decoder.new_cache makes one)")
-        rope = self.decoder.rope
-        rope.reserve(cache.max_len)  # a Python compare once the tables cover the cache
+        rope = self.decoder.rope  # its tables cover the cache: Decoder.new_cache reserved them
         # Dynamo guards on whether a tensor was made under inference mode: the small per-step inputs
         # and the rope tables are made so here, whoever the caller is, so one graph serves them all
         # (the caches are always normal tensors: Decoder.new_cache makes them outside it).

@@ -13,7 +13,7 @@ import torch
 
 from moekit.engine.loader import load_engine
 from moekit.model.cache import copy_row
-from moekit.model.compiled_step import unsupported
+from moekit.model.compiled_step import contract, unsupported
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
 
 COMPILED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "phimoe", "dbrx", "deepseek_v3")
@@ -62,6 +62,29 @@ def test_compiled_step_matches_eager(engines, family):
             step = [dec(torch.tensor([[17], [23]]), cache, torch.tensor([[8 + s], [3 + s]])) for s in range(3)]
         outs.append(torch.cat(step, 1))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    # Batch 1 has a graph of its own (its attention written with `contract`, not einsum).
+    outs = []
+    for engine in (eager, compiled):
+        dec = engine.decoder
+        cache = dec.new_cache(1, 16)
+        with torch.inference_mode():
+            dec(torch.tensor([prompts[0]]), cache, torch.arange(8)[None])
+            outs.append(torch.cat([dec(torch.tensor([[17 + s]]), cache, torch.tensor([[8 + s]])) for s in range(3)], 1))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "equation, left, right",
+    [("bkgd,bksd->bkgs", (1, 4, 2, 16), (1, 4, 9, 16)), ("bkgs,bksd->bkgd", (1, 4, 2, 9), (1, 4, 9, 16)),
+     ("bhn,hnr->bhr", (1, 8, 16), (8, 16, 32)), ("bhc,bsc->bhs", (2, 3, 40), (2, 7, 40)), ("ij,jk->ki", (3, 5), (5, 4))],
+)
+def test_contract_is_einsum(equation, left, right):
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(left, generator=gen), torch.randn(right, generator=gen)
+    got = contract(equation, a, b)
+    want = torch.einsum(equation, a, b)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss", "deepseek_v3"))

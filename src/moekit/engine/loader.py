@@ -214,6 +214,10 @@ def load_engine(
         from moekit.model.int8 import quantize_decoder
 
         notes.append(quantize_decoder(decoder, experts_only=weights == "int8-experts"))
+    if plan is None and dev.type == "cpu":
+        from moekit.model.huge_pages import move_to_huge_pages
+
+        move_to_huge_pages(decoder)  # every decode step streams these: 2 MB pages, not 4 KB ones
     if compile:
         notes.append(_compile_decode(decoder, plan is not None))
     store = None

@@ -14,7 +14,9 @@ step compiles into one graph of a few dozen kernels:
     path and the reference use);
   - the KV cache is the Decoder's own, one tensor for all layers (KVCache.stack, whose views the
     eager layers use), written in place with one index_put_ on it per k / v at each row's slot;
-    attention runs over slots 0..end-1 only (end is a dynamic size, not a recompile). One tensor,
+    attention runs over slots 0..end-1 only (end is a dynamic size, not a recompile); in the
+    batch-1 graph its products are `contract` (broadcast and sum, fused by Inductor with the mask
+    and softmax), in a batch's graph einsum's bmm. One tensor,
     not one per layer: each input's length would be a dynamic size of its own, passed and checked
     every step.
 It reads the Decoder's parameters in the Hub layout (the decoder is prepared with
@@ -62,6 +64,28 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
+
+
+def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum(equation, a, b) for two operands, written as a broadcast product summed over
+    the contracted letters, which Inductor fuses with the ops around it into one loop nest.
+    The batch-1 graph's attention uses it: at batch 1 the bmm calls einsum becomes cost ~10 µs each
+    for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache."""
+    inputs, out = equation.replace(" ", "").split("->")
+    left, right = inputs.split(",")
+    letters = out + "".join(sorted(set(left + right) - set(out)))  # kept letters first, then summed
+    a, b = _lift(a, left, letters), _lift(b, right, letters)
+    return (a * b).sum(dim=tuple(range(len(out), len(letters))))
+
+
+def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:
+    """t, whose dims are named by `have`, as a view with one dim per letter, in letters' order
+    (size 1 where t has no such letter)."""
+    t = t.permute([have.index(c) for c in letters if c in have])
+    for i, c in enumerate(letters):
+        if c not in have:
+            t = t.unsqueeze(i)
+    return t
 
 
 def _has_gemv() -> bool:
@@ -153,14 +177,15 @@ def _attention(attn: Attention, x, stack, at, slot, cos, sin_signed, visible) ->
         allowed = visible & (back < attn.window)
     keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
     grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
-    logits = torch.einsum("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
+    product = contract if b == 1 else torch.einsum
+    logits = product("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
     if attn.sinks is not None:
         sink = attn.sinks.float().view(1, hkv, h // hkv, 1).expand(b, hkv, h // hkv, 1)
         probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
+    out = product("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
     return linear_rows(out.reshape(b, h * hd), attn.o_proj.weight, attn.o_proj.bias)
 
 
@@ -182,13 +207,14 @@ def _latent_attention(attn: MLAttention, x, stack, at, slot, cos, sin_signed, vi
     rows = torch.arange(b, device=x.device)
     stack.index_put_((torch.full_like(rows, at), rows, slot), new)
     cached = stack[at, :b, : visible.shape[1]].float()  # [B, S, R+Rr]
-    absorbed = torch.einsum("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
+    product = contract if b == 1 else torch.einsum
+    absorbed = product("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
     query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
-    scores = torch.einsum("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
+    scores = product("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhs,bsr->bhr", probs, cached[..., :r]).to(x.dtype)  # [B, H, R]
-    out = torch.einsum("bhr,hrv->bhv", out, attn.w_uv_t)  # [B, H, Dv]
+    out = product("bhs,bsr->bhr", probs, cached[..., :r]).to(x.dtype)  # [B, H, R]
+    out = product("bhr,hrv->bhv", out, attn.w_uv_t)  # [B, H, Dv]
     return linear_rows(out.reshape(b, h * attn.v_dim), attn.o_proj.weight, attn.o_proj.bias)
 
 

@@ -1,0 +1,118 @@
+"""This tree's compiled decode step against another version of src/moekit/model/compiled_step.py,
+in one process: four engines of one checkpoint placed this, other, other, this, timed in
+alternating rounds (the VM drifts by ~20% within an hour, and the first engine loaded tends to
+time differently from the later ones; the placement cancels both).
+
+    git show 2a3f1e0:src/moekit/model/compiled_step.py > /tmp/step_before.py
+    .venv/bin/python benchmarks/compiled_step_ab.py bench-out/ckpt/qwen3_moe-150m --against /tmp/step_before.py
+
+--hollow swaps the gemv operators for ones that only allocate their outputs, in both versions, so
+the times are everything in a step but its products (the graph's other kernels, Dynamo, the caller).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from moekit.engine.loader import load_engine
+
+HERE = Path(__file__).resolve().parents[1] / "src/moekit/model/compiled_step.py"
+
+HOLLOW = r"""
+#include <torch/extension.h>
+torch::Tensor rows(torch::Tensor x, torch::Tensor w) { return torch::empty({x.size(0), w.size(0)}, x.options()); }
+torch::Tensor experts(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+    return torch::empty({x.size(0), ids.size(1), w.size(1)}, x.options());
+}
+TORCH_LIBRARY(hollow, m) {
+    m.def("rows_gemv(Tensor x, Tensor w) -> Tensor");
+    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(hollow, CPU, m) { m.impl("rows_gemv", &rows); m.impl("experts_gemv", &experts); }
+"""
+
+
+def hollow_operators() -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    load_inline(name="bench_hollow_gemv", cpp_sources=HOLLOW, is_python_module=False, extra_cflags=["-O2"])
+    torch.library.register_fake("hollow::rows_gemv")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
+    torch.library.register_fake("hollow::experts_gemv")(
+        lambda x, w, ids: x.new_empty((x.shape[0], ids.shape[1], w.shape[1])))
+
+
+def step_module(path: Path, name: str, hollow: bool):
+    """compiled_step.py at `path` as a module of its own (hollow: calling the hollow operators)."""
+    source = path.read_text()
+    if hollow:
+        source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")
+        source = source.replace("torch.ops.moekit.experts_gemv", "torch.ops.hollow.experts_gemv")
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    exec(compile(source, str(path), "exec"), module.__dict__)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--against", type=Path, required=True, help="another compiled_step.py")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=16, help="cache slots filled before the timed steps")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--hollow", action="store_true", help="time everything but the products")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.hollow:
+        hollow_operators()
+    versions = {"this": step_module(HERE, "step_this", args.hollow),
+                "other": step_module(args.against, "step_other", args.hollow)}
+    placement = ["this", "other", "other", "this"]
+    decoders = []
+    for name in placement:
+        decoder = load_engine(args.checkpoint, dtype=args.dtype, compile=True).decoder
+        decoder.compiled = versions[name].CompiledStep(decoder)
+        decoders.append(decoder)
+    b, lo, hi = args.batch, args.context, args.context + args.steps
+    caches = [d.new_cache(b, hi) for d in decoders]
+    tokens = torch.randint(0, 1000, (hi, b, 1), generator=torch.Generator().manual_seed(0))
+
+    def decode(i: int, first: int, last: int) -> list[torch.Tensor]:
+        dec, cache, out = decoders[i], caches[i], []
+        for s in range(first, last):
+            slot = torch.full((b,), s)
+            out.append(dec.compiled(tokens[s], cache, slot, slot, cache.key_mask[:, : s + 1]).logits)
+        return out
+
+    with torch.inference_mode():
+        logits = [decode(i, 0, hi) for i in range(4)]  # compiles; fills the cache
+        if not args.hollow:
+            diff = max((x - y).abs().max().item() for x, y in zip(logits[0], logits[1]))
+            print(f"largest logit difference, this vs other: {diff:.3g}")
+        times: list[list[float]] = [[] for _ in placement]
+        for r in range(args.rounds):
+            for i in range(4) if r % 2 == 0 else reversed(range(4)):
+                began = time.perf_counter()
+                decode(i, lo, hi)
+                times[i].append((time.perf_counter() - began) / args.steps * 1e3)
+    med = [statistics.median(t) for t in times]
+    this, other = (med[0] * med[3]) ** 0.5, (med[1] * med[2]) ** 0.5
+    what = "a step without its products" if args.hollow else "a step"
+    print(f"{args.checkpoint} {args.dtype} batch {b}, context {lo}, {args.threads} threads, {what}: "
+          f"this {this:.3f} ms, other {other:.3f} ms, this / other = {this / other:.3f} "
+          f"(medians of {args.rounds} rounds of {args.steps} steps)")
+
+
+if __name__ == "__main__":
+    main()

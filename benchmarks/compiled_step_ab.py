@@ -3,7 +3,7 @@ in one process: four engines of one checkpoint placed this, other, other, this, 
 alternating rounds (the VM drifts by ~20% within an hour, and the first engine loaded tends to
 time differently from the later ones; the placement cancels both).
 
-    git show 2a3f1e0:src/moekit/model/compiled_step.py > /tmp/step_before.py
+    git show 9b7951b:src/moekit/model/compiled_step.py > /tmp/step_before.py
     .venv/bin/python benchmarks/compiled_step_ab.py bench-out/ckpt/qwen3_moe-150m --against /tmp/step_before.py
 
 --hollow swaps the gemv operators for ones that only allocate their outputs, in both versions, so

@@ -1,7 +1,5 @@
 """This tree's compiled decode step against another version of src/moekit/model/compiled_step.py,
-in one process: four engines of one checkpoint placed this, other, other, this, timed in
-alternating rounds (the VM drifts by ~20% within an hour, and the first engine loaded tends to
-time differently from the later ones; the placement cancels both).
+in one process: four engines of one checkpoint placed this, other, other, this (benchmarks/abba.py).
 
     git show 9b7951b:src/moekit/model/compiled_step.py > /tmp/step_before.py
     .venv/bin/python benchmarks/compiled_step_ab.py bench-out/ckpt/qwen3_moe-150m --against /tmp/step_before.py
@@ -14,13 +12,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from abba import PLACEMENT, abba_ms, timed_ms  # benchmarks/, on sys.path as the script's folder
 from moekit.engine.loader import load_engine
 
 HERE = Path(__file__).resolve().parents[1] / "src/moekit/model/compiled_step.py"
@@ -78,11 +75,10 @@ def main() -> None:
         hollow_operators()
     versions = {"this": step_module(HERE, "step_this", args.hollow),
                 "other": step_module(args.against, "step_other", args.hollow)}
-    placement = ["this", "other", "other", "this"]
     decoders = []
-    for name in placement:
+    for side in PLACEMENT:  # A: this tree's step, B: the other
         decoder = load_engine(args.checkpoint, dtype=args.dtype, compile=True).decoder
-        decoder.compiled = versions[name].CompiledStep(decoder)
+        decoder.compiled = versions["this" if side == "a" else "other"].CompiledStep(decoder)
         decoders.append(decoder)
     b, lo, hi = args.batch, args.context, args.context + args.steps
     caches = [d.new_cache(b, hi) for d in decoders]
@@ -100,14 +96,7 @@ def main() -> None:
         if not args.hollow:
             diff = max((x - y).abs().max().item() for x, y in zip(logits[0], logits[1]))
             print(f"largest logit difference, this vs other: {diff:.3g}")
-        times: list[list[float]] = [[] for _ in placement]
-        for r in range(args.rounds):
-            for i in range(4) if r % 2 == 0 else reversed(range(4)):
-                began = time.perf_counter()
-                decode(i, lo, hi)
-                times[i].append((time.perf_counter() - began) / args.steps * 1e3)
-    med = [statistics.median(t) for t in times]
-    this, other = (med[0] * med[3]) ** 0.5, (med[1] * med[2]) ** 0.5
+        this, other = abba_ms(lambda i: timed_ms(lambda: decode(i, lo, hi), args.steps), args.rounds)
     what = "a step without its products" if args.hollow else "a step"
     print(f"{args.checkpoint} {args.dtype} batch {b}, context {lo}, {args.threads} threads, {what}: "
           f"this {this:.3f} ms, other {other:.3f} ms, this / other = {this / other:.3f} "

@@ -1,7 +1,6 @@
 """The compiled decode step with its weights in 2 MB pages (what load_engine does) against the same
-weights in 4 KB pages, in one process: four engines of one checkpoint placed huge, 4 KB, 4 KB, huge,
-timed in alternating rounds (the VM's speed drifts by ~20% within an hour, so only a same-run ratio
-means anything; the placement cancels any effect of load order).
+weights in 4 KB pages, in one process: four engines of one checkpoint placed huge, 4 KB, 4 KB, huge
+(benchmarks/abba.py).
 
     .venv/bin/python benchmarks/huge_pages_ab.py bench-out/ckpt/qwen3_moe-150m --dtype float32
 """
@@ -10,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import statistics
-import time
 
 import torch
 
+from abba import PLACEMENT, abba_ms, timed_ms  # benchmarks/, on sys.path as the script's folder
 from moekit.engine.loader import load_engine
 from moekit.model.huge_pages import move_to_huge_pages
 
@@ -30,9 +28,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engines = []
-    for huge in (True, False, False, True):
+    for side in PLACEMENT:  # A: 2 MB pages, B: 4 KB pages
         engine = load_engine(args.checkpoint, dtype=args.dtype, weights=args.weights, compile=True)
-        if not huge:  # load_engine advised huge pages; copy the weights back into 4 KB pages
+        if side == "b":  # load_engine advised huge pages; copy the weights back into 4 KB pages
             move_to_huge_pages(engine.decoder, advice=mmap.MADV_NOHUGEPAGE)
         engines.append(engine.decoder)
     span = args.steps + 16
@@ -49,14 +47,7 @@ def main() -> None:
     with torch.inference_mode():
         first = [decode(i, 0, 16) for i in range(4)]  # compiles, fills the caches' first 16 slots
         assert all(torch.equal(a, b) for row in first[1:] for a, b in zip(row, first[0])), "the copies disagree"
-        times: list[list[float]] = [[] for _ in engines]
-        for r in range(args.rounds):
-            for i in range(4) if r % 2 == 0 else reversed(range(4)):
-                began = time.perf_counter()
-                decode(i, 16, span)
-                times[i].append((time.perf_counter() - began) / args.steps * 1e3)
-    med = [statistics.median(t) for t in times]
-    huge, small = (med[0] * med[3]) ** 0.5, (med[1] * med[2]) ** 0.5
+        huge, small = abba_ms(lambda i: timed_ms(lambda: decode(i, 16, span), args.steps), args.rounds)
     print(f"{args.checkpoint} {args.dtype} weights={args.weights}, {args.threads} threads: "
           f"2 MB pages {huge:.3f} ms a step, 4 KB pages {small:.3f} ms; 4 KB / 2 MB = {small / huge:.3f} "
           f"(medians of {args.rounds} rounds of {args.steps} steps)")

@@ -1,5 +1,6 @@
 """moekit::rows_gemv / experts_gemv against F.linear, and rows_q8 / experts_q8 against the int8
-reference (the q8_0 weight dequantized, F.linear in fp32), on the same weights."""
+reference (x rounded to int16 per block, the q8_0 weight dequantized, F.linear in fp32), on the same
+weights."""
 
 from __future__ import annotations
 

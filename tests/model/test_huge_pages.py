@@ -70,6 +70,17 @@ def test_a_storage_held_outside_the_model_stays_where_it_is():
     assert m.stack.untyped_storage().nbytes() >= MIN_BYTES and moved.storages == 2
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_a_onednn_packed_weight_stays_in_onednn_and_the_rest_moves():
+    """oneDNN's packed weights (the bf16 kernel where it measures fastest) have no storage to move."""
+    m = Holder()
+    m.onednn = torch.randn(256, 256).to_mkldnn()
+    want = m.onednn.to_dense()
+    moved = move_to_huge_pages(m)
+    assert moved.storages == 3 and m.onednn.is_mkldnn
+    assert torch.equal(m.onednn.to_dense(), want)
+
+
 @pytest.mark.parametrize("family", ("qwen3_moe", "deepseek_v3"))
 @pytest.mark.parametrize("weights", ("dtype", "int8"))
 def test_a_loaded_engine_decodes_the_same_after_a_second_move(tmp_path, family, weights):

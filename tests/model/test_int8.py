@@ -1,5 +1,5 @@
-"""Weight-only int8 (q8_0 blocks): the quantizer's arithmetic, the fast operator against the
-dequantize-and-matmul reference, exact layout round trips, and an int8 engine end to end."""
+"""int8 weights (q8_0 blocks): the quantizer's arithmetic, the activations' int16 rounding, the fast
+operator against the dequantize-and-matmul reference, exact layout round trips, and an int8 engine end to end."""
 
 from __future__ import annotations
 
@@ -43,6 +43,31 @@ def test_dequantized_weight_is_within_half_a_step_of_the_original(in_f):
     padded = torch.nn.functional.pad(w, (0, -in_f % 32)).view(40, -1, 32)
     step = (padded.abs().amax(-1) / 127).repeat_interleave(32, dim=1)[:, :in_f]
     assert ((got - w).abs() <= step * (0.5 + 127 * 2**-11) + 1e-7).all()
+
+
+@pytest.mark.parametrize("in_f", [64, 52], ids=["whole-blocks", "padded"])
+def test_activations_are_rounded_within_half_a_q16_step_per_block(in_f):
+    x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, in_f)
+    x[1, :32] = 0  # a zero block stays zero (scale 0, no division)
+    got = int8.round_to_q16(x)
+    assert got.shape == x.shape and torch.equal(got[1, :32], torch.zeros(32))
+    padded = torch.nn.functional.pad(x, (0, -in_f % 32)).view(5, -1, 32)
+    step = (padded.abs().amax(-1) / 32767).repeat_interleave(32, dim=1)[:, :in_f]
+    assert ((got - x).abs() <= step * 0.5 * (1 + 2**-20)).all()
+    assert ((got - x).abs() <= 2**-16 * padded.abs().amax(-1).repeat_interleave(32, dim=1)[:, :in_f]).all()
+
+
+def test_the_operator_rounds_activations_exactly_as_the_reference():
+    """A weight that is the identity with scale 1 makes each output one rounded input: the
+    operator's rounding, bit for bit, against round_to_q16."""
+    k = 96
+    codes = torch.eye(k).view(k, k // 32, 32).to(torch.int8)
+    packed = torch.empty(k, k // 32, 34, dtype=torch.uint8)
+    packed[..., :2] = torch.ones(k, k // 32, 1, dtype=torch.float16).view(torch.uint8)
+    packed[..., 2:] = codes.view(torch.uint8)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(4)) * 10
+    got = int8.int8_gemv(x, packed.view(k, -1))
+    assert torch.equal(got, int8.round_to_q16(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

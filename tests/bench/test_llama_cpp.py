@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from moekit.bench import llama_cpp
+from moekit.bench.child import ChildCrashed
 from moekit.bench.llama_cpp import LlamaCppBaseline, LlamaCppBuild, find_build, gguf_type, worker_command
 from moekit.bench.llama_cpp_worker import context_cells, parse_rows
 from moekit.errors import MoekitError
@@ -90,7 +92,7 @@ def test_the_baseline_runs_every_batch_and_answers_one_token_list_per_prompt_row
     torch = pytest.importorskip("torch")
     asked = []
 
-    def fake_run(build, gguf, rows, new_tokens, threads, warmup=1):
+    def fake_run(build, gguf, rows, new_tokens, threads, warmup=1, repack=True):
         asked.append((rows, warmup))
         return {"tokens_per_s": 10.0, "token_ids": [[row[0]] * (new_tokens + 1) for row in rows]}
 
@@ -102,6 +104,43 @@ def test_the_baseline_runs_every_batch_and_answers_one_token_list_per_prompt_row
     assert baseline.tokens(prompts, 4) == [[3] * 4, [5] * 4, [7] * 4]
     assert asked == [(((3, 4), (5, 6), (7, 8)), 1)]  # the timed run's tokens, no second child
     assert baseline.tokens(prompts[:1], 4) == [[3] * 4] and asked[-1] == (((3, 4),), 0)
+
+
+def test_a_crash_with_repacked_weights_is_retried_once_without_and_said(tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    asked = []
+
+    def crashes_when_repacked(build, gguf, rows, new_tokens, threads, warmup=1, repack=True):
+        asked.append(repack)
+        if repack:
+            raise ChildCrashed("the llama.cpp baseline crashed (signal 11)")
+        return {"tokens_per_s": 10.0, "token_ids": [[1] * (new_tokens + 1) for _ in rows]}
+
+    monkeypatch.setattr(llama_cpp, "run_llama_cpp", crashes_when_repacked)
+    baseline = LlamaCppBaseline(LlamaCppBuild(tmp_path), tmp_path / "m.gguf", threads=2)
+    assert baseline.timer(torch.tensor([[3, 4]]), 4)() == 10.0
+    assert baseline.timer(torch.tensor([[5, 6]]), 4)() == 10.0
+    assert asked == [True, False, False]  # one crash, then never repacked again
+    info = baseline.info()
+    assert info["repack"] is False and "signal 11" in info["note"] and "without repacking" in info["note"]
+
+
+def test_a_crash_without_repacking_is_an_error():
+    def always_crashes(*args, **kwargs):
+        raise ChildCrashed("the llama.cpp baseline crashed (signal 11)")
+
+    baseline = LlamaCppBaseline(LlamaCppBuild(Path("/nonexistent")), Path("m.gguf"), threads=1)
+    baseline.repack = False
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llama_cpp, "run_llama_cpp", always_crashes)
+        with pytest.raises(ChildCrashed):
+            baseline._run(((1, 2),), 4)
+
+
+def test_no_repack_reaches_the_worker_only_when_asked(tmp_path):
+    build = LlamaCppBuild(tmp_path)
+    assert "--no-repack" not in worker_command(build, tmp_path / "m.gguf", [[1, 2]], new_tokens=4, threads=1)
+    assert worker_command(build, tmp_path / "m.gguf", [[1, 2]], new_tokens=4, threads=1, repack=False)[-1] == "--no-repack"
 
 
 def test_a_worker_answer_with_the_wrong_number_of_rows_is_one_error():

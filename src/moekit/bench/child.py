@@ -14,6 +14,10 @@ from typing import Callable, Optional
 from moekit.errors import MoekitError
 
 
+class ChildCrashed(MoekitError):
+    """The child died by a signal (a segfault in a baseline's native code, say)."""
+
+
 def parse_ids(text: str) -> list[int]:
     """'1,2,3' → [1, 2, 3]: the --prompt-ids of a child's command line."""
     try:
@@ -46,6 +50,8 @@ def run_json_child(argv: list[str], what: str, timeout_s: Optional[float] = None
         done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise MoekitError(f"{what} did not finish within {timeout_s} s") from None
+    if done.returncode < 0:  # killed by a signal: a crash, not an error the child reported
+        raise ChildCrashed(f"{what} crashed (signal {-done.returncode})")
     if done.returncode != 0:
         raise MoekitError(f"{what} failed: {_last_line(done.stderr) or f'exit status {done.returncode}'}")
     try:

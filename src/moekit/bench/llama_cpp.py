@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from moekit.bench.child import run_json_child
+from moekit.bench.child import ChildCrashed, run_json_child
 from moekit.errors import MoekitError
 
 VERSION = "0.3.36"
@@ -155,13 +155,13 @@ def prompt_ids_arg(rows: Sequence[Sequence[int]]) -> str:
 
 
 def worker_command(build: LlamaCppBuild, gguf: Path, rows: Sequence[Sequence[int]], new_tokens: int,
-                   threads: int, warmup: int = 1) -> list[str]:
+                   threads: int, warmup: int = 1, repack: bool = True) -> list[str]:
     ids = prompt_ids_arg(rows)
     if new_tokens < 2 or threads < 1 or warmup < 0:
         raise MoekitError("new tokens must be at least 2, threads at least 1, warm-up runs at least 0")
     return [str(build.python), "-m", "moekit.bench.llama_cpp_worker", "--gguf", str(gguf),
             "--prompt-ids", ids, "--new-tokens", str(int(new_tokens)),
-            "--threads", str(int(threads)), "--warmup", str(int(warmup))]
+            "--threads", str(int(threads)), "--warmup", str(int(warmup))] + ([] if repack else ["--no-repack"])
 
 
 def worker_env() -> dict[str, str]:
@@ -178,9 +178,9 @@ def token_rows(run: dict, batch: int) -> list[list[int]]:
 
 
 def run_llama_cpp(build: LlamaCppBuild, gguf: Path, rows: Sequence[Sequence[int]], new_tokens: int, threads: int,
-                  warmup: int = 1, timeout_s: float = 600.0) -> dict:
+                  warmup: int = 1, timeout_s: float = 600.0, repack: bool = True) -> dict:
     """One child: tokens_per_s (decode, B x (N - 1) tokens), token_ids ([B, N]), prefill_s, decode_s, threads."""
-    argv = worker_command(build, gguf, rows, new_tokens, threads, warmup)
+    argv = worker_command(build, gguf, rows, new_tokens, threads, warmup, repack)
     return run_json_child(argv, "the llama.cpp baseline", timeout_s, env=worker_env())
 
 
@@ -192,6 +192,20 @@ class LlamaCppBaseline:
     def __init__(self, build: LlamaCppBuild, gguf: Path, threads: int):
         self.build, self.gguf, self.threads = build, Path(gguf), threads
         self.last: dict[Rows, list[list[int]]] = {}  # prompt rows → [B, N] tokens of their latest timed run
+        self.repack = True
+        self.note: Optional[str] = None
+
+    def _run(self, rows: Rows, new_tokens: int, warmup: int = 1) -> dict:
+        """A run; if llama.cpp crashes with its weights repacked (its AMX q8_0 path segfaulted on one
+        Intel machine here), this and every later run go without repacking, and info() says so."""
+        try:
+            return run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads, warmup, repack=self.repack)
+        except ChildCrashed as crash:
+            if not self.repack:
+                raise
+            self.repack = False
+            self.note = f"{crash} with its weights repacked; timed without repacking (use_extra_bufts off)"
+            return run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads, warmup, repack=False)
 
     def supports(self, batch: int) -> bool:
         return batch >= 1
@@ -200,18 +214,19 @@ class LlamaCppBaseline:
         rows = prompt_rows(prompts)
 
         def once() -> float:
-            run = run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads)
+            run = self._run(rows, new_tokens)
             self.last[rows] = token_rows(run, len(rows))
             return run["tokens_per_s"]
 
         return once
 
     def info(self) -> dict:
-        return {"llama_cpp_python": VERSION, "gguf": str(self.gguf), "threads": self.threads}
+        return {"llama_cpp_python": VERSION, "gguf": str(self.gguf), "threads": self.threads, "repack": self.repack,
+                "note": self.note}
 
     def tokens(self, prompts, new_tokens: int) -> list[list[int]]:
         rows = prompt_rows(prompts)
         if rows not in self.last:
-            run = run_llama_cpp(self.build, self.gguf, rows, new_tokens, self.threads, warmup=0)
+            run = self._run(rows, new_tokens, warmup=0)
             self.last[rows] = token_rows(run, len(rows))
         return [row[:new_tokens] for row in self.last[rows]]

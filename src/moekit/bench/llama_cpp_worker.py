@@ -89,9 +89,11 @@ def batched_greedy(llama_cpp, ctx, batch, n_vocab: int, rows: list[list[int]],
     return out, prefilled - start, time.perf_counter() - prefilled
 
 
-def open_context(llama_cpp, gguf: str, batch: int, prompt_len: int, new_tokens: int, threads: int):
+def open_context(llama_cpp, gguf: str, batch: int, prompt_len: int, new_tokens: int, threads: int,
+                 repack: bool = True):
     """(model, context, llama_batch) with the settings `llama_cpp.Llama(verbose=False)` uses (weights
-    memory-mapped, CPU, no flash attention, f16 KV cache) and n_seq_max = B, one KV stream each."""
+    memory-mapped, CPU, no flash attention, f16 KV cache) and n_seq_max = B, one KV stream each.
+    repack=False: no extra buffer types (llama.cpp's weight repacking, AMX's included)."""
     from llama_cpp import _internals
     from llama_cpp._logger import set_verbose
 
@@ -103,6 +105,7 @@ def open_context(llama_cpp, gguf: str, batch: int, prompt_len: int, new_tokens: 
     model_params = llama_cpp.llama_model_default_params()
     model_params.n_gpu_layers = 0
     model_params.load_mode = llama_cpp.LLAMA_LOAD_MODE_MMAP
+    model_params.use_extra_bufts = repack
     model = _internals.LlamaModel(path_model=gguf, params=model_params, verbose=False)
 
     n_batch = batch_size(batch, prompt_len)
@@ -122,12 +125,12 @@ def open_context(llama_cpp, gguf: str, batch: int, prompt_len: int, new_tokens: 
     return model, ctx, cells
 
 
-def run(gguf: str, rows: list[list[int]], new_tokens: int, threads: int, warmup: int) -> dict:
+def run(gguf: str, rows: list[list[int]], new_tokens: int, threads: int, warmup: int, repack: bool = True) -> dict:
     try:
         import llama_cpp
     except ImportError:
         raise MoekitError(f"llama_cpp is not importable by {sys.executable}: run benchmarks/build_llama_cpp.sh") from None
-    model, ctx, batch = open_context(llama_cpp, gguf, len(rows), len(rows[0]), new_tokens, threads)
+    model, ctx, batch = open_context(llama_cpp, gguf, len(rows), len(rows[0]), new_tokens, threads, repack)
     n_vocab = model.n_vocab()
     for _ in range(warmup):
         batched_greedy(llama_cpp, ctx, batch, n_vocab, rows, new_tokens)
@@ -139,6 +142,7 @@ def run(gguf: str, rows: list[list[int]], new_tokens: int, threads: int, warmup:
         "prefill_s": prefill_s,
         "decode_s": decode_s,
         "threads": threads,
+        "repack": repack,
         "gguf": gguf,
         "llama_cpp_python": llama_cpp.__version__,
     }
@@ -152,8 +156,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-repack", action="store_true", help="no weight repacking (llama.cpp's extra buffer types)")
     args = parser.parse_args(argv)
-    return json_main(lambda: run(args.gguf, parse_rows(args.prompt_ids), args.new_tokens, args.threads, args.warmup))
+    return json_main(lambda: run(args.gguf, parse_rows(args.prompt_ids), args.new_tokens, args.threads, args.warmup,
+                                 not args.no_repack))
 
 
 if __name__ == "__main__":

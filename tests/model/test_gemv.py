@@ -96,3 +96,22 @@ def test_a_row_of_a_q8_batch_is_its_solo_product_bit_for_bit(ops, rows):
     batch, experts = ops.rows_q8(x, packed), ops.experts_q8(x[:, None], stack, ids)[:, 0]
     solo = torch.cat([ops.rows_q8(x[i : i + 1], packed) for i in range(rows)])
     assert torch.equal(batch, solo) and torch.equal(experts, solo)
+
+
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])
+def test_a_weight_row_gets_the_same_float_in_a_group_as_alone(ops, kind):
+    """At batch 1 the operators multiply a few consecutive weight rows at once (more streams from
+    memory in flight); each row's arithmetic stays the one-row order, bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    width, out = 3 * 64 + 16 + 3, 13  # the vector loop, its one-vector tail and a scalar tail; 13 rows: groups and leftovers
+    w = torch.randn(out, width, generator=gen)
+    if kind == "q8_0":
+        x, w, op = torch.randn(1, width, generator=gen), quantize_q8_0(w), ops.rows_q8
+    else:
+        dtype = getattr(torch, kind)
+        x, w, op = torch.randn(1, width, generator=gen).to(dtype), w.to(dtype), ops.rows_gemv
+    together = op(x, w)
+    alone = torch.cat([op(x, w[n : n + 1]) for n in range(out)], dim=1)
+    assert torch.equal(together, alone)
+    stack = w[None].expand(2, *w.shape).contiguous()  # the experts' path: rows of expert 1
+    assert torch.equal(getattr(ops, "experts_q8" if kind == "q8_0" else "experts_gemv")(x[:, None], stack, torch.tensor([[1]]))[:, 0], together)

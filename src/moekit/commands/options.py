@@ -5,8 +5,8 @@ NO_VERIFY = ("Skip checking the weights against the crc32s of moekit-experts.jso
              "whenever that file is beside the checkpoint; `moekit checksum` writes it).")
 
 # --weights, on run and serve (moekit.model.int8).
-WEIGHTS = ("dtype (the checkpoint's, at --dtype), int8 (every projection weight-only int8, one scale per 32 "
-           "inputs) or int8-experts (routed experts only).")
+WEIGHTS = ("dtype (the checkpoint's, at --dtype), int8 (every projection's weight int8, one scale per 32 "
+           "inputs; activations rounded to int16 per 32 inside the products) or int8-experts (routed experts only).")
 
 # --compile, on run, serve and bench decode (moekit.model.compiled_step).
 COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "

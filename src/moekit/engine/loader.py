@@ -161,8 +161,8 @@ def load_engine(
 ) -> Engine:
     """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
     (None: every weight resident). progress(done, total) reports a first-run checksum manifest.
-    weights: "dtype" (the checkpoint's, at dtype), "int8" (every projection weight-only int8, one
-    scale per 32 inputs, quantized once here) or "int8-experts" (the routed experts only).
+    weights: "dtype" (the checkpoint's, at dtype), "int8" (every projection's weight int8, one
+    scale per 32 inputs, quantized once here; activations rounded to int16 per 32 in the products) or "int8-experts" (the routed experts only).
     verify: check every weight read against moekit-experts.json when one is beside the checkpoint
     (moekit.weights.checkpoint; the resident load never writes one); False skips it, said in notes.
     A first paged run writes the manifest even then: it is the store's map of where experts are.

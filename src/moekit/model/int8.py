@@ -1,4 +1,4 @@
-"""Weight-only int8 with one scale per 32 inputs: GGUF's q8_0 block, quantized once at load.
+"""int8 weights with one scale per 32 inputs: GGUF's q8_0 block, quantized once at load.
 
 A weight [out, in] becomes bytes [out, nb * 34], nb = ceil(in / 32): per row, nb blocks of a
 float16 scale d then 32 int8 q, as llama.cpp lays q8_0 out (the last block of a row whose `in` is

@@ -14,8 +14,9 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
   onednn      bf16 on CPU: oneDNN's blocked layout (`_reorder_linear_weight`) and its packed GEMM,
               1.4–1.8× F.linear in bf16 at every shape measured, and bit for bit the same result
               (F.linear is oneDNN too).
-  int8        weight-only int8 in q8_0 blocks (moekit.model.int8), by request only (`--weights int8`):
-              its reference dequantizes and runs F.linear in fp32; int8-gemv is a compiled operator
+  int8        int8 weights in q8_0 blocks (moekit.model.int8), by request only (`--weights int8`),
+              the activations rounded to int16 per block of 32 inside the product: its reference
+              rounds them, dequantizes the weight and runs F.linear in fp32; int8-gemv is a compiled operator
               for few rows, chosen per shape by measuring which of the two is faster here.
   int4        weight-only 4-bit in q4_0 blocks (moekit.model.int4): dequantize + F.linear in fp32;
               written by `moekit pack --precision int4` (or a profile's cold experts) only.

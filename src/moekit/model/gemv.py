@@ -5,8 +5,12 @@ Why: at batch 1 a decode step is ~40 matrix-vector products. Inductor's reductio
 here: ~2.2 G weights/s either way, so bf16 moves half the bytes per second), and MKL's / oneDNN's
 one-row GEMMs stay below it. These two operators read each weight row once for all M rows of x,
 convert bf16 with a shift, and accumulate in fp32 with FMA over four independent chains (one row
-of x), or multiply each chunk of a weight row, loaded and converted once, with up to four rows of
-x at a time (a batch, where those loads and not the bytes bound the products):
+of x; consecutive weight rows taken in groups, 4 with AVX-512 and 2 with AVX2, so that several
+streams from memory are in flight, each row's arithmetic unchanged), or multiply each chunk of a
+weight row, loaded and converted once, with up to four rows of x at a time (a batch, where those
+loads and not the bytes bound the products). With AVX512-BF16, a bf16 weight and a bf16 x are
+multiplied as bf16 pairs, without widening. The vector width is the build machine's (AVX-512,
+else AVX2):
   moekit::rows_gemv(x [M, K], w [N, K]) -> [M, N]                     a projection, Hub layout
   moekit::experts_gemv(x [B, X, K], w [E, N, K], ids [B, C]) -> [B, C, N]
       row b's C chosen experts, each on x[b, 0] (X = 1, gate_up) or on x[b, c] (X = C, down),

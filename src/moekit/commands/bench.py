@@ -98,7 +98,7 @@ def decode(
     bandwidth, source = local_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),
                               settings, vs if baseline is not None else None, lambda line: typer.echo(line, err=True))
-    note = (baseline.info() or {}).get("note") if baseline is not None else None
+    note = baseline.info().get("note") if baseline is not None else None
     if note:
         typer.echo(f"{vs}: {note}", err=True)
 

@@ -24,13 +24,13 @@ HERE = Path(__file__).resolve().parents[1] / "src/moekit/model/compiled_step.py"
 
 HOLLOW = r"""
 #include <torch/extension.h>
-torch::Tensor rows(torch::Tensor x, torch::Tensor w) { return torch::empty({x.size(0), w.size(0)}, x.options()); }
-torch::Tensor experts(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+torch::Tensor rows(torch::Tensor x, torch::Tensor w, bool grouped) { return torch::empty({x.size(0), w.size(0)}, x.options()); }
+torch::Tensor experts(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bool grouped) {
     return torch::empty({x.size(0), ids.size(1), w.size(1)}, x.options());
 }
 TORCH_LIBRARY(hollow, m) {
-    m.def("rows_gemv(Tensor x, Tensor w) -> Tensor");
-    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids) -> Tensor");
+    m.def("rows_gemv(Tensor x, Tensor w, bool grouped=False) -> Tensor");
+    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(hollow, CPU, m) { m.impl("rows_gemv", &rows); m.impl("experts_gemv", &experts); }
 """
@@ -40,17 +40,21 @@ def hollow_operators() -> None:
     from torch.utils.cpp_extension import load_inline
 
     load_inline(name="bench_hollow_gemv", cpp_sources=HOLLOW, is_python_module=False, extra_cflags=["-O2"])
-    torch.library.register_fake("hollow::rows_gemv")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
+    torch.library.register_fake("hollow::rows_gemv")(lambda x, w, grouped=False: x.new_empty((x.shape[0], w.shape[0])))
     torch.library.register_fake("hollow::experts_gemv")(
-        lambda x, w, ids: x.new_empty((x.shape[0], ids.shape[1], w.shape[1])))
+        lambda x, w, ids, grouped=False: x.new_empty((x.shape[0], ids.shape[1], w.shape[1])))
 
 
 def step_module(path: Path, name: str, hollow: bool):
     """compiled_step.py at `path` as a module of its own (hollow: calling the hollow operators)."""
     source = path.read_text()
     if hollow:
-        source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")
+        chooser = "return getattr(torch.ops, _namespace(gemv.kind_of(weight)))"  # this tree's one call site
+        source = source.replace(chooser, "return torch.ops.hollow")
+        source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")  # older versions
         source = source.replace("torch.ops.moekit.experts_gemv", "torch.ops.hollow.experts_gemv")
+        if "torch.ops.hollow" not in source:
+            raise SystemExit(f"{path}: found no gemv call to hollow out")
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses look their module up

@@ -42,6 +42,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--against", type=Path, help="another gemv.py to time beside this one")
+    parser.add_argument("--grouped", action="store_true",
+                        help="this tree's operators with their weight rows in groups (older versions have no choice)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     here = Path(__file__).resolve().parents[1] / "src/moekit/model/gemv.py"
@@ -58,11 +60,12 @@ def main() -> None:
     ids = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(b)]) for _ in range(64)]
 
     def step(ops, i: int) -> None:
+        extra = (True,) if args.grouped and ops is variants["this"] else ()
         for j, (qkv, o, router, gate_up, down) in enumerate(layers):
             chosen = ids[(i * LAYERS + j) % len(ids)]
-            ops.rows_gemv(x, qkv), ops.rows_gemv(x, o), ops.rows_gemv(x, router)
-            ops.experts_gemv(x[:, None], gate_up, chosen), ops.experts_gemv(h, down, chosen)
-        ops.rows_gemv(x, head)
+            ops.rows_gemv(x, qkv, *extra), ops.rows_gemv(x, o, *extra), ops.rows_gemv(x, router, *extra)
+            ops.experts_gemv(x[:, None], gate_up, chosen, *extra), ops.experts_gemv(h, down, chosen, *extra)
+        ops.rows_gemv(x, head, *extra)
 
     times = {name: [] for name in variants}
     for _ in range(args.rounds):

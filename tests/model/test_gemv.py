@@ -8,15 +8,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import operators, status
+from moekit.model.gemv import KINDS, NARROW, Variant, kind_of, namespaces, operators, status, variant
 from moekit.model.int8 import int8_reference, quantize_q8_0
 
 
-@pytest.fixture(scope="module")
-def ops():
-    built = operators()
-    assert built is not None, status()  # the set-up installs a compiler: a missing one is a failure here
-    return built
+@pytest.fixture(scope="module", params=["moekit", NARROW])
+def ops(request):
+    """Each build of the operators: the machine's widest vectors, and on an AVX-512 machine the AVX2 one."""
+    assert operators() is not None, status()  # the set-up installs a compiler: a missing one is a failure here
+    if request.param not in namespaces():
+        assert not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), status()
+        pytest.skip("an AVX2-only machine builds the operators once")
+    return getattr(torch.ops, request.param)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -110,8 +113,20 @@ def test_a_weight_row_gets_the_same_float_in_a_group_as_alone(ops, kind):
     else:
         dtype = getattr(torch, kind)
         x, w, op = torch.randn(1, width, generator=gen).to(dtype), w.to(dtype), ops.rows_gemv
-    together = op(x, w)
-    alone = torch.cat([op(x, w[n : n + 1]) for n in range(out)], dim=1)
-    assert torch.equal(together, alone)
+    together = op(x, w, True)
+    alone = torch.cat([op(x, w[n : n + 1], True) for n in range(out)], dim=1)  # one row: no group
+    assert torch.equal(together, alone) and torch.equal(op(x, w, False), together)
     stack = w[None].expand(2, *w.shape).contiguous()  # the experts' path: rows of expert 1
-    assert torch.equal(getattr(ops, "experts_q8" if kind == "q8_0" else "experts_gemv")(x[:, None], stack, torch.tensor([[1]]))[:, 0], together)
+    experts = getattr(ops, "experts_q8" if kind == "q8_0" else "experts_gemv")
+    for grouped in (True, False):
+        assert torch.equal(experts(x[:, None], stack, torch.tensor([[1]]), grouped)[:, 0], together)
+
+
+def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default():
+    """The choice is a measurement on this machine, so only its form is checked: one of the builds
+    here, grouped or not, per kind the operators know; the default for any other (and, above, every
+    build agrees with its reference, grouped or not)."""
+    assert operators() is not None, status()
+    assert all(variant(kind).namespace in namespaces() and isinstance(variant(kind).grouped, bool) for kind in KINDS)
+    assert variant("float16") == Variant()
+    assert [kind_of(t) for t in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8))] == list(KINDS)

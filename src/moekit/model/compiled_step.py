@@ -58,9 +58,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
     int8`): moekit::rows_q8, the eager int8 kernel's own operator."""
     if weight.dtype == torch.uint8:
-        y = torch.ops.moekit.rows_q8(x, weight)
+        y = _ops(weight).rows_q8(x, weight, _grouped(gemv.kind_of(weight)))
     elif _has_gemv():
-        y = torch.ops.moekit.rows_gemv(x, weight)
+        y = _ops(weight).rows_gemv(x, weight, _grouped(gemv.kind_of(weight)))
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
@@ -88,6 +88,23 @@ def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:
     return t
 
 
+# Which build of the operators runs each kind of weight here, and whether in groups: gemv.variant,
+# measured once per process before tracing (CompiledStep.__init__). Dynamo calls these two while it
+# traces and bakes their answers into the graph as constants.
+@torch._dynamo.assume_constant_result
+def _namespace(kind: str) -> str:
+    return gemv.variant(kind).namespace
+
+
+@torch._dynamo.assume_constant_result
+def _grouped(kind: str) -> bool:
+    return gemv.variant(kind).grouped
+
+
+def _ops(weight: torch.Tensor):
+    return getattr(torch.ops, _namespace(gemv.kind_of(weight)))
+
+
 def _has_gemv() -> bool:
     # Read while Dynamo traces (a constant in the graph): whether moekit.model.gemv registered its ops.
     return hasattr(torch.ops.moekit, "rows_gemv")
@@ -105,14 +122,14 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
     if ex.int8_stacks is not None:
         return _int8_experts(ex, x, ids, w)
     if _has_gemv():
-        h = torch.ops.moekit.experts_gemv(x[:, None, :], ex.gate_up, ids)  # [B, K, 2F]
+        h = _ops(ex.gate_up).experts_gemv(x[:, None, :], ex.gate_up, ids, _grouped(gemv.kind_of(ex.gate_up)))  # [B, K, 2F]
     else:
         h = (x[:, None, None, :] * ex.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
     if ex.gate_up_bias is not None:
         h = h + ex.gate_up_bias[ids]
     a = ex.act(h)  # [B, K, F]
     if _has_gemv():
-        y = torch.ops.moekit.experts_gemv(a, ex.down, ids)  # [B, K, D]
+        y = _ops(ex.down).experts_gemv(a, ex.down, ids, _grouped(gemv.kind_of(ex.down)))  # [B, K, D]
     else:
         y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
     if ex.down_bias is not None:
@@ -123,10 +140,11 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
 def _int8_experts(ex: RoutedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """_experts with q8_0 expert stacks (moekit::experts_q8); biases are at the engine dtype."""
     gate_up, down = ex.int8_stacks
-    h = torch.ops.moekit.experts_q8(x[:, None, :], gate_up, ids)  # [B, K, 2F]
+    ops, grouped = _ops(gate_up), _grouped("q8_0")
+    h = ops.experts_q8(x[:, None, :], gate_up, ids, grouped)  # [B, K, 2F]
     if ex.gate_up_bias is not None:
         h = h + ex.gate_up_bias[ids]
-    y = torch.ops.moekit.experts_q8(ex.act(h), down, ids)  # [B, K, D]
+    y = ops.experts_q8(ex.act(h), down, ids, grouped)  # [B, K, D]
     if ex.down_bias is not None:
         y = y + ex.down_bias[ids]
     return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
@@ -345,6 +363,8 @@ class CompiledStep:
         self.decoder = decoder
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
+        for kind in gemv.KINDS:
+            gemv.variant(kind)  # measured now, not while Dynamo traces
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         self._marked = None  # a weak reference to the cache stack last marked (_held)
         # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph

@@ -5,14 +5,14 @@ Why: at batch 1 a decode step is ~40 matrix-vector products. Inductor's reductio
 here: ~2.2 G weights/s either way, so bf16 moves half the bytes per second), and MKL's / oneDNN's
 one-row GEMMs stay below it. These two operators read each weight row once for all M rows of x,
 convert bf16 with a shift, and accumulate in fp32 with FMA over four independent chains (one row
-of x; consecutive weight rows taken in groups, 4 with AVX-512 and 2 with AVX2, so that several
-streams from memory are in flight, each row's arithmetic unchanged), or multiply each chunk of a
+of x; where `grouped`, consecutive weight rows taken in groups, 4 with AVX-512 and 2 with AVX2, so
+that several streams from memory are in flight, each row's arithmetic unchanged), or multiply each chunk of a
 weight row, loaded and converted once, with up to four rows of x at a time (a batch, where those
 loads and not the bytes bound the products). With AVX512-BF16, a bf16 weight and a bf16 x are
 multiplied as bf16 pairs, without widening. The vector width is the build machine's (AVX-512,
 else AVX2):
-  moekit::rows_gemv(x [M, K], w [N, K]) -> [M, N]                     a projection, Hub layout
-  moekit::experts_gemv(x [B, X, K], w [E, N, K], ids [B, C]) -> [B, C, N]
+  moekit::rows_gemv(x [M, K], w [N, K], grouped) -> [M, N]            a projection, Hub layout
+  moekit::experts_gemv(x [B, X, K], w [E, N, K], ids [B, C], grouped) -> [B, C, N]
       row b's C chosen experts, each on x[b, 0] (X = 1, gate_up) or on x[b, c] (X = C, down),
       read in place from the stacked weights (no gather copy), each chosen expert once per call
   moekit::rows_q8 / moekit::experts_q8: the same two with q8_0 weights (uint8 [.., N, nb · 34]:
@@ -21,7 +21,12 @@ else AVX2):
 x and w are fp32 or bf16 (w's dtype decides the load; x is read as fp32, a bf16 x widened inside
 the operator); the output has x's dtype. A q8_0 batch widens each block's codes once for up to 4 rows
 and keeps the one-row order of operations, so a row's int8 product is the same float solo or batched.
-A call on under 64 KB of weight per thread stays on one thread.
+A call on under 64 KB of weight per thread stays on one thread. What is fastest is the machine's:
+on an Intel Xeon the groups took a bf16 step's products 12% faster and AVX-512 beat AVX2; on an AMD
+EPYC (Zen 4) the groups were 1.7x slower and AVX2 streamed ~20% faster. So an AVX-512 machine builds
+the operators twice (torch.ops.moekit and, for AVX2 only, torch.ops.moekit_avx2), `variant(kind)`
+measures which build, grouped or not, is fastest for each kind of weight once per process, and the
+callers use what it says.
 The eager int8 kernel (moekit.model.int8.int8_gemv) is rows_q8 too, so the compiled step's int8
 products are the eager ones, bit for bit.
 They are registered as dispatcher operators with shape functions, so torch.compile calls them as
@@ -32,6 +37,9 @@ tests/model/test_gemv.py holds both to F.linear on the same inputs.
 
 from __future__ import annotations
 
+import statistics
+import time
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -401,16 +409,17 @@ static constexpr int64_t MIN_THREAD_BYTES = 64 * 1024;
 
 // y[m, n] = weight row n · x row m for M x rows (xrow(m) → its floats) and N weight rows of
 // row_bytes each, threads over N; row_dots(n, xs, R, out) multiplies weight row n with R x rows,
-// group_dots(n, x, out) weight rows n .. n + GROUP - 1 with one x row.
+// group_dots(n, x, out) weight rows n .. n + GROUP - 1 with one x row (batch 1, where `grouped`).
 template <typename XRow, typename RowDots, typename GroupDots>
 static void rows_loop(float* y, int64_t M, int64_t N, int64_t row_bytes, XRow xrow, RowDots row_dots,
-                      GroupDots group_dots) {
+                      GroupDots group_dots, bool grouped) {
     const int64_t grain = std::max<int64_t>(16, MIN_THREAD_BYTES / std::max<int64_t>(1, row_bytes));
-    if (M == 1) {  // batch 1: straight into y, nothing to allocate; GROUP rows at a time
+    if (M == 1) {  // batch 1: straight into y, nothing to allocate; GROUP rows at a time where grouped
         const auto x0 = xrow(0);
         at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
             int64_t n = begin;
-            for (; n + GROUP <= end; n += GROUP) group_dots(n, x0, y + n);
+            if (grouped)
+                for (; n + GROUP <= end; n += GROUP) group_dots(n, x0, y + n);
             for (; n < end; ++n) row_dots(n, &x0, 1, y + n);
         });
         return;
@@ -430,10 +439,10 @@ static void rows_loop(float* y, int64_t M, int64_t N, int64_t row_bytes, XRow xr
 // x[b, 0] (X = 1) or x[b, c] (X = C). The pairs are grouped by expert: each chosen expert's weight
 // rows are read once for all the pairs that chose it (a batch reads the union of its experts), and
 // expert_dots(e, n, xs, R, out) multiplies one of them with all those pairs' x rows at once, and
-// expert_group(e, n, x, out) rows n .. n + GROUP - 1 of expert e with one x row.
+// expert_group(e, n, x, out) rows n .. n + GROUP - 1 of expert e with one x row (where `grouped`).
 template <typename XRow, typename ExpertDots, typename ExpertGroup>
 static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int64_t C, int64_t E, int64_t N,
-                         XRow xrow, ExpertDots expert_dots, ExpertGroup expert_group) {
+                         XRow xrow, ExpertDots expert_dots, ExpertGroup expert_group, bool grouped) {
     const int64_t P = B * C;
     // The pairs in expert order (a counting sort): expert e's are order[first[e] .. first[e + 1]).
     std::vector<int64_t> first(E + 1, 0), order(P);
@@ -461,7 +470,8 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
                 const int64_t j = first[e];
                 float* yj = y + order[j] * N;
                 int64_t n = blk * 16;
-                for (; n + GROUP <= n_end; n += GROUP) expert_group(e, n, xs[j], yj + n);
+                if (grouped)
+                    for (; n + GROUP <= n_end; n += GROUP) expert_group(e, n, xs[j], yj + n);
                 for (; n < n_end; ++n) expert_dots(e, n, xs.data() + j, 1, yj + n);
                 continue;
             }
@@ -549,7 +559,7 @@ static void with_x_rows(const torch::Tensor& x, int64_t K, bool bf16_weight, Fn 
     fn([xp, K](int64_t r) { return xp + r * K; });
 }
 
-torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w) {
+torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w, bool grouped) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_gemv: x [M, K], w [N, K]");
     const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
     auto wc = w.contiguous();
@@ -559,17 +569,17 @@ torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w) {
         if (bf16) {
             const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
             rows_loop(y.data, M, N, K * 2, xrow, [&](int64_t n, auto xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); },
-                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); });
+                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); }, grouped);
         } else if constexpr (std::is_same_v<decltype(xrow(0)), const float*>) {  // fp32 weights: fp32 rows
             const float* wp = wc.data_ptr<float>();
             rows_loop(y.data, M, N, K * 4, xrow, [&](int64_t n, auto xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); },
-                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); });
+                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); }, grouped);
         }
     });
     return y.finish();
 }
 
-torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bool grouped) {
     TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && x.size(2) == w.size(2),
                 "experts_gemv: x [B, X, K], w [E, N, K], ids [B, C]");
     const int64_t B = x.size(0), X = x.size(1), K = x.size(2), E = w.size(0), N = w.size(1), C = ids.size(1);
@@ -583,19 +593,19 @@ torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids) 
             const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
             experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, xrow,
                          [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots(wp + (e * N + n) * K, xs, R, K, out); },
-                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); });
+                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); }, grouped);
         } else if constexpr (std::is_same_v<decltype(xrow(0)), const float*>) {
             const float* wp = wc.data_ptr<float>();
             experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, xrow,
                          [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots(wp + (e * N + n) * K, xs, R, K, out); },
-                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); });
+                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); }, grouped);
         }
     });
     return y.finish();
 }
 
 // q8_0 weights: w [N, nb * 34] (one projection) or [E, N, nb * 34] (stacked experts), uint8.
-torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w) {
+torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w, bool grouped) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % 34 == 0,
                 "rows_q8: x [M, K], w uint8 [N, nb * 34]");
     const int64_t M = x.size(0), N = w.size(0), nb = w.size(1) / 34;
@@ -605,11 +615,11 @@ torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w) {
     const uint8_t* wp = wc.data_ptr<uint8_t>();
     rows_loop(y.data, M, N, nb * 34, [&](int64_t m) { return xq.row(m, nb); },
               [&](int64_t n, const Q16Row* xs, int64_t R, float* out) { q8_dots(wp + n * nb * 34, xs, R, nb, out); },
-              [&](int64_t n, Q16Row x1, float* out) { q8_group(wp + n * nb * 34, nb * 34, x1, nb, out); });
+              [&](int64_t n, Q16Row x1, float* out) { q8_group(wp + n * nb * 34, nb * 34, x1, nb, out); }, grouped);
     return y.finish();
 }
 
-torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bool grouped) {
     TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && w.scalar_type() == torch::kByte && w.size(2) % 34 == 0,
                 "experts_q8: x [B, X, K], w uint8 [E, N, nb * 34], ids [B, C]");
     const int64_t B = x.size(0), X = x.size(1), E = w.size(0), N = w.size(1), nb = w.size(2) / 34, C = ids.size(1);
@@ -622,15 +632,15 @@ torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
     experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, [&](int64_t r) { return xq.row(r, nb); },
                  [&](int64_t e, int64_t n, const Q16Row* xs, int64_t R, float* out) {
                      q8_dots(wp + (e * N + n) * nb * 34, xs, R, nb, out); },
-                 [&](int64_t e, int64_t n, Q16Row x1, float* out) { q8_group(wp + (e * N + n) * nb * 34, nb * 34, x1, nb, out); });
+                 [&](int64_t e, int64_t n, Q16Row x1, float* out) { q8_group(wp + (e * N + n) * nb * 34, nb * 34, x1, nb, out); }, grouped);
     return y.finish();
 }
 
 TORCH_LIBRARY(moekit, m) {
-    m.def("rows_gemv(Tensor x, Tensor w) -> Tensor");
-    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids) -> Tensor");
-    m.def("rows_q8(Tensor x, Tensor w) -> Tensor");
-    m.def("experts_q8(Tensor x, Tensor w, Tensor ids) -> Tensor");
+    m.def("rows_gemv(Tensor x, Tensor w, bool grouped=False) -> Tensor");
+    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
+    m.def("rows_q8(Tensor x, Tensor w, bool grouped=False) -> Tensor");
+    m.def("experts_q8(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(moekit, CPU, m) {
     m.impl("rows_gemv", &rows_gemv);
@@ -641,37 +651,117 @@ TORCH_LIBRARY_IMPL(moekit, CPU, m) {
 """
 
 _STATUS: dict[str, str] = {}
+NARROW = "moekit_avx2"  # the same operators built for AVX2 only, beside the AVX-512 build
 
 
 @lru_cache(maxsize=1)
 def operators():
-    """torch.ops.moekit once the operators are built and registered, else None (see `status`)."""
+    """torch.ops.moekit once the operators are built and registered, else None (see `status`).
+    On an AVX-512 machine the same source is built a second time for AVX2 only, as torch.ops.moekit_avx2
+    (`namespaces()`): on an AMD EPYC (Zen 4) those kernels streamed a weight ~20% faster (fp32: 28
+    against 23 GB/s, 2 threads), on an Intel Xeon the AVX-512 ones were faster; `variant` measures."""
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
-        # already loaded, so there is one thread pool, not two.
-        load_inline(name="moekit_gemv_v14", cpp_sources=_SOURCE, is_python_module=False,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
+        _build("moekit", [])
     except Exception as err:  # a missing compiler or headers: the compiled step keeps its reductions
         _STATUS["gemv"] = f"the gemv operators could not be built ({type(err).__name__}: {str(err)[:120]})"
         return None
-    _register_shapes()
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        try:
+            _build(NARROW, ["-mno-avx512f"])
+        except Exception as err:  # the AVX-512 build serves alone
+            _STATUS["narrow"] = f"the AVX2 build failed ({type(err).__name__}: {str(err)[:120]})"
     return torch.ops.moekit
 
 
-def _register_shapes() -> None:
+def _build(namespace: str, flags: list[str]) -> None:
+    from torch.utils.cpp_extension import load_inline
+
+    source = _SOURCE.replace("TORCH_LIBRARY(moekit, m)", f"TORCH_LIBRARY({namespace}, m)")
+    source = source.replace("TORCH_LIBRARY_IMPL(moekit,", f"TORCH_LIBRARY_IMPL({namespace},")
+    # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
+    # already loaded, so there is one thread pool, not two.
+    load_inline(name=f"{namespace}_gemv_v15", cpp_sources=source, is_python_module=False,
+                extra_cflags=["-O3", "-march=native", *flags, "-fopenmp"], verbose=False)
+    _register_shapes(namespace)
+
+
+def namespaces() -> tuple[str, ...]:
+    """The torch.ops namespaces the operators are built under here (none where they cannot be)."""
+    if operators() is None:
+        return ()
+    return ("moekit", NARROW) if hasattr(torch.ops, NARROW) and hasattr(getattr(torch.ops, NARROW), "rows_gemv") else ("moekit",)
+
+
+def _register_shapes(namespace: str) -> None:
     """Shape functions, so that torch.compile can trace through the operators."""
 
-    def rows(x, w):  # [M, K] · [N, K (or nb · 34 bytes)] → [M, N]
+    def rows(x, w, grouped=False):  # [M, K] · [N, K (or nb · 34 bytes)] → [M, N]
         return x.new_empty((x.shape[0], w.shape[0]))
 
-    def experts(x, w, ids):  # [B, X, K] · [E, N, ...] at ids [B, C] → [B, C, N]
+    def experts(x, w, ids, grouped=False):  # [B, X, K] · [E, N, ...] at ids [B, C] → [B, C, N]
         return x.new_empty((x.shape[0], ids.shape[1], w.shape[1]))
 
     for name, shape in (("rows_gemv", rows), ("experts_gemv", experts), ("rows_q8", rows), ("experts_q8", experts)):
-        torch.library.register_fake(f"moekit::{name}")(shape)
+        torch.library.register_fake(f"{namespace}::{name}")(shape)
 
 
 def status() -> str:
     return _STATUS.get("gemv", "built")
+
+
+KINDS = ("float32", "bfloat16", "q8_0")
+PROBE_BYTES = 128 << 20  # past the last-level cache of the machines measured (32 MB on the AMD EPYC)
+
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Which build of the operators (a torch.ops namespace) runs one kind of weight, and whether its
+    one-row products take the weight rows in groups."""
+
+    namespace: str = "moekit"
+    grouped: bool = False
+
+
+def kind_of(weight: torch.Tensor) -> str:
+    """The operators' name for a weight's kind: its dtype, or "q8_0" for the uint8 blocks."""
+    return "q8_0" if weight.dtype == torch.uint8 else str(weight.dtype).removeprefix("torch.")
+
+
+@lru_cache(maxsize=None)
+def variant(kind: str) -> Variant:
+    """The fastest Variant here for one-row products on this kind of weight (KINDS): each build
+    (`namespaces()`), rows grouped or not, timed on a PROBE_BYTES weight, 5 alternating rounds after
+    one to warm up, at the current thread count; measured once per process. The variants differ only
+    in the order a row's vector lanes are summed (AVX2 8 lanes, AVX-512 16), and one process uses
+    one variant per kind throughout, so within a process the choice is speed alone. The default
+    Variant where the operators are not built or the kind is not theirs.
+    A known blind spot: on the AMD EPYC (Zen 4) the probe has the two builds within 0-20% of each
+    other in bf16 and mostly picks AVX-512, yet inside a compiled step that build's bf16 products
+    took ~2x as long as the AVX2 build's (qwen3_moe-150m, one process: 2.7 against 1.5 ms of a
+    step's projections; standalone on the same weights they are equal; cause not found)."""
+    spaces = namespaces()
+    if not spaces or kind not in KINDS:
+        return Variant()
+    x, w = _probe(kind)
+    candidates = [Variant(space, way) for space in spaces for way in (False, True)]
+    times: dict[Variant, list[float]] = {v: [] for v in candidates}
+    for _ in range(6):
+        for v in candidates:
+            ops = getattr(torch.ops, v.namespace)
+            began = time.perf_counter()
+            (ops.rows_q8 if kind == "q8_0" else ops.rows_gemv)(x, w, v.grouped)
+            times[v].append(time.perf_counter() - began)
+    return min(candidates, key=lambda v: statistics.median(times[v][1:]))
+
+
+def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """One x row and a PROBE_BYTES weight of this kind (constant values: their speed is any values')."""
+    if kind == "q8_0":
+        from moekit.model.int8 import quantize_q8_0
+
+        row = quantize_q8_0(torch.full((1, width), 0.01))
+        return torch.full((1, width), 0.5), row.expand(PROBE_BYTES // row.shape[1], -1).contiguous()
+    dtype = getattr(torch, kind)
+    rows = PROBE_BYTES // (width * torch.finfo(dtype).bits // 8)
+    return torch.full((1, width), 0.5, dtype=dtype), torch.full((rows, width), 0.01, dtype=dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def build(tag: str, path: Path):
     """The operators of `path`'s _SOURCE, registered under the namespace `tag`."""
     spec = importlib.util.spec_from_file_location(tag, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[tag] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     source = module._SOURCE.replace("TORCH_LIBRARY(moekit, m)", f"TORCH_LIBRARY({tag}, m)")
     source = source.replace("TORCH_LIBRARY_IMPL(moekit,", f"TORCH_LIBRARY_IMPL({tag},")

@@ -689,7 +689,7 @@ def namespaces() -> tuple[str, ...]:
     """The torch.ops namespaces the operators are built under here (none where they cannot be)."""
     if operators() is None:
         return ()
-    return ("moekit", NARROW) if hasattr(torch.ops, NARROW) and hasattr(getattr(torch.ops, NARROW), "rows_gemv") else ("moekit",)
+    return tuple(space for space in ("moekit", NARROW) if hasattr(getattr(torch.ops, space), "rows_gemv"))
 
 
 def _register_shapes(namespace: str) -> None:
@@ -711,7 +711,6 @@ def status() -> str:
 
 KINDS = ("float32", "bfloat16", "q8_0")
 PROBE_BYTES = 128 << 20  # past the last-level cache of the machines measured (32 MB on the AMD EPYC)
-
 
 
 @dataclass(frozen=True)

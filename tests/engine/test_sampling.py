@@ -29,6 +29,15 @@ def test_greedy_picks_the_largest_logit():
     assert next_tokens(logits, SamplingParams(), None).tolist() == logits.argmax(-1).tolist()
 
 
+def test_greedy_is_torch_argmax_with_the_operators_registered_too():
+    from moekit.model import gemv
+
+    assert gemv.operators() is not None, gemv.status()  # from here greedy takes moekit::rows_argmax
+    logits = torch.cat((_logits(1, vocab=32000), torch.zeros(1, 32000)))  # the last row: all tied
+    logits[1, 7] = float("nan")
+    assert next_tokens(logits, SamplingParams(), None).tolist() == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("k", [1, 3, 17, 50, 80])
 def test_top_k_keeps_what_transformers_keeps(k):
     logits = _logits(k)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import KINDS, NARROW, Variant, kind_of, namespaces, operators, status, variant
+from moekit.model.gemv import KINDS, NARROW, Variant, kind_of, namespaces, operators, rows_argmax, status, variant
 from moekit.model.int8 import int8_reference, quantize_q8_0
 
 
@@ -130,3 +130,34 @@ def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default():
     assert all(variant(kind).namespace in namespaces() and isinstance(variant(kind).grouped, bool) for kind in KINDS)
     assert variant("float16") == Variant()
     assert [kind_of(t) for t in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8))] == list(KINDS)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 1), (1, 7), (3, 16), (2, 17), (8, 1000), (1, 32000)])
+def test_rows_argmax_is_torch_argmax(ops, rows, width):
+    gen = torch.Generator().manual_seed(rows * width)
+    x = torch.randn(rows, width, generator=gen)
+    assert torch.equal(ops.rows_argmax(x), x.argmax(-1))
+    ties = torch.randint(0, 3, (rows, width), generator=gen).float()  # many equal maxima: the first wins
+    assert torch.equal(ops.rows_argmax(ties), ties.argmax(-1))
+
+
+def test_rows_argmax_ranks_nan_first_and_handles_all_minus_inf(ops):
+    x = torch.randn(4, 40)
+    x[0, 33] = float("nan")  # a NaN after the max
+    x[1, 2] = x[1, 39] = float("nan")  # the first of two NaNs
+    x[2] = float("-inf")  # a row that masked everything
+    x[3, 5] = x[3, 25] = float("inf")
+    want = x.argmax(-1)
+    assert want.tolist() == [33, 2, 0, 5]
+    assert torch.equal(ops.rows_argmax(x), want)
+    assert torch.equal(ops.rows_argmax(x[:, ::2]), x[:, ::2].argmax(-1))  # a strided view
+
+
+def test_rows_argmax_helper_falls_back_to_torch_where_the_operator_does_not_apply():
+    operators()
+    for x in (torch.randn(3, 50, dtype=torch.bfloat16), torch.randn(50), torch.randn(2, 3, 50)):
+        assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
+    x = torch.randn(2, 50)
+    assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="V > 0"):
+        torch.ops.moekit.rows_argmax(torch.empty(2, 0))

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from moekit.errors import MoekitError
+from moekit.model import gemv
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,9 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> Option
 
 
 def greedy(logits: Tensor) -> Tensor:
-    """[B, V] -> [B] int64; ties go to the lowest id, as torch.argmax (and transformers) does."""
-    return logits.argmax(dim=-1)
+    """[B, V] -> [B] int64; ties go to the lowest id, as torch.argmax (and transformers) does
+    (moekit.model.gemv.rows_argmax: torch.argmax's indices, faster where the operators are built)."""
+    return gemv.rows_argmax(logits)
 
 
 def filter_top_k(logits: Tensor, k: int) -> Tensor:

@@ -49,8 +49,10 @@ def step_module(path: Path, name: str, hollow: bool):
     """compiled_step.py at `path` as a module of its own (hollow: calling the hollow operators)."""
     source = path.read_text()
     if hollow:
-        chooser = "return getattr(torch.ops, _namespace(gemv.kind_of(weight)))"  # this tree's one call site
+        chooser = "return getattr(torch.ops, _namespace(gemv.kind_of(weight)))"  # older versions' one call site
         source = source.replace(chooser, "return torch.ops.hollow")
+        chooser = "return gemv.op(_namespace(gemv.kind_of(weight)), name)"  # this tree's
+        source = source.replace(chooser, "return getattr(torch.ops.hollow, name)")
         source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")  # older versions
         source = source.replace("torch.ops.moekit.experts_gemv", "torch.ops.hollow.experts_gemv")
         if "torch.ops.hollow" not in source:

@@ -32,6 +32,7 @@ def build(tag: str, path: Path):
     spec.loader.exec_module(module)
     source = module._SOURCE.replace("TORCH_LIBRARY(moekit, m)", f"TORCH_LIBRARY({tag}, m)")
     source = source.replace("TORCH_LIBRARY_IMPL(moekit,", f"TORCH_LIBRARY_IMPL({tag},")
+    source = source.replace("@S@", "")  # the operators' plain names (a build's suffix, where the source has one)
     load_inline(name=f"bench_{tag}", cpp_sources=source, is_python_module=False,
                 extra_cflags=["-O3", "-march=native", "-fopenmp"])
     return getattr(torch.ops, tag)

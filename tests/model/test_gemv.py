@@ -4,12 +4,18 @@ weights."""
 
 from __future__ import annotations
 
+import ctypes
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import KINDS, NARROW, Variant, kind_of, namespaces, operators, rows_argmax, status, variant
+from moekit.model.gemv import (KINDS, NARROW, Variant, c_shims, kind_of, namespaces, op, operators, rows_argmax, status,
+                               suffix, variant)
 from moekit.model.int8 import int8_reference, quantize_q8_0
+
+OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax")
 
 
 @pytest.fixture(scope="module", params=["moekit", NARROW])
@@ -19,7 +25,7 @@ def ops(request):
     if request.param not in namespaces():
         assert not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), status()
         pytest.skip("an AVX2-only machine builds the operators once")
-    return getattr(torch.ops, request.param)
+    return types.SimpleNamespace(**{name: op(request.param, name) for name in OPERATORS})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -161,3 +167,17 @@ def test_rows_argmax_helper_falls_back_to_torch_where_the_operator_does_not_appl
     assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="V > 0"):
         torch.ops.moekit.rows_argmax(torch.empty(2, 0))
+
+
+def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
+    """The compiled step's generated C++ calls these symbols by name (gemv.c_shims): each must be
+    declared for its own build's operator and be visible process-wide."""
+    operators()
+    shims = c_shims()
+    assert len(shims) == 4 * len(namespaces())
+    process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
+    for overload, (declaration,) in shims.items():
+        name = declaration.split("(")[0].split()[-1]
+        space, op_name = overload.name().split("::")
+        assert name == f"aoti_torch_cpu_{op_name}" and op_name.endswith(suffix(space))
+        assert getattr(process, name) is not None

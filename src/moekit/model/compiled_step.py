@@ -58,9 +58,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
     int8`): moekit::rows_q8, the eager int8 kernel's own operator."""
     if weight.dtype == torch.uint8:
-        y = _ops(weight).rows_q8(x, weight, _grouped(gemv.kind_of(weight)))
+        y = _op(weight, "rows_q8")(x, weight, _grouped(gemv.kind_of(weight)))
     elif _has_gemv():
-        y = _ops(weight).rows_gemv(x, weight, _grouped(gemv.kind_of(weight)))
+        y = _op(weight, "rows_gemv")(x, weight, _grouped(gemv.kind_of(weight)))
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
@@ -101,8 +101,9 @@ def _grouped(kind: str) -> bool:
     return gemv.variant(kind).grouped
 
 
-def _ops(weight: torch.Tensor):
-    return getattr(torch.ops, _namespace(gemv.kind_of(weight)))
+def _op(weight: torch.Tensor, name: str):
+    """The operator `name` of the build chosen for this kind of weight."""
+    return gemv.op(_namespace(gemv.kind_of(weight)), name)
 
 
 def _has_gemv() -> bool:
@@ -122,14 +123,14 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
     if ex.int8_stacks is not None:
         return _int8_experts(ex, x, ids, w)
     if _has_gemv():
-        h = _ops(ex.gate_up).experts_gemv(x[:, None, :], ex.gate_up, ids, _grouped(gemv.kind_of(ex.gate_up)))  # [B, K, 2F]
+        h = _op(ex.gate_up, "experts_gemv")(x[:, None, :], ex.gate_up, ids, _grouped(gemv.kind_of(ex.gate_up)))  # [B, K, 2F]
     else:
         h = (x[:, None, None, :] * ex.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
     if ex.gate_up_bias is not None:
         h = h + ex.gate_up_bias[ids]
     a = ex.act(h)  # [B, K, F]
     if _has_gemv():
-        y = _ops(ex.down).experts_gemv(a, ex.down, ids, _grouped(gemv.kind_of(ex.down)))  # [B, K, D]
+        y = _op(ex.down, "experts_gemv")(a, ex.down, ids, _grouped(gemv.kind_of(ex.down)))  # [B, K, D]
     else:
         y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
     if ex.down_bias is not None:
@@ -140,11 +141,11 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
 def _int8_experts(ex: RoutedExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """_experts with q8_0 expert stacks (moekit::experts_q8); biases are at the engine dtype."""
     gate_up, down = ex.int8_stacks
-    ops, grouped = _ops(gate_up), _grouped("q8_0")
-    h = ops.experts_q8(x[:, None, :], gate_up, ids, grouped)  # [B, K, 2F]
+    experts_q8, grouped = _op(gate_up, "experts_q8"), _grouped("q8_0")
+    h = experts_q8(x[:, None, :], gate_up, ids, grouped)  # [B, K, 2F]
     if ex.gate_up_bias is not None:
         h = h + ex.gate_up_bias[ids]
-    y = ops.experts_q8(ex.act(h), down, ids, grouped)  # [B, K, D]
+    y = experts_q8(ex.act(h), down, ids, grouped)  # [B, K, D]
     if ex.down_bias is not None:
         y = y + ex.down_bias[ids]
     return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
@@ -377,6 +378,8 @@ class CompiledStep:
         # parameters' modules on every call cost ~0.7 ms a step here, and nothing replaces a module or
         # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": cpp_wrapper}
+        if cpp_wrapper:  # the C++ calls the operators' C entry points, not the boxed dispatcher
+            options["aot_inductor.custom_ops_to_c_shims"] = gemv.c_shims()
         self._fn = torch.compile(own, fullgraph=True, dynamic=False, options=options)
 
     def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:

@@ -97,7 +97,7 @@ def gemv_operator():
         _STATUS["gemv"] = gemv.status().replace("gemv operators", "q8 operator")
         return None
     chosen = gemv.variant("q8_0")
-    return partial(getattr(torch.ops, chosen.namespace).rows_q8, grouped=chosen.grouped)
+    return partial(gemv.op(chosen.namespace, "rows_q8"), grouped=chosen.grouped)
 
 
 _STATUS: dict[str, str] = {}

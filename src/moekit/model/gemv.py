@@ -871,37 +871,61 @@ def kind_of(weight: torch.Tensor) -> str:
 @lru_cache(maxsize=None)
 def variant(kind: str) -> Variant:
     """The fastest Variant here for one-row products on this kind of weight (KINDS): each build
-    (`namespaces()`), rows grouped or not, timed on a PROBE_BYTES weight, 5 alternating rounds after
-    one to warm up, at the current thread count; measured once per process. The variants differ only
-    in the order a row's vector lanes are summed (AVX2 8 lanes, AVX-512 16), and one process uses
-    one variant per kind throughout, so within a process the choice is speed alone. The default
-    Variant where the operators are not built or the kind is not theirs.
-    A known blind spot: on the AMD EPYC (Zen 4) the probe has the two builds within 0-20% of each
-    other in bf16 and mostly picks AVX-512, yet inside a compiled step that build's bf16 products
-    took ~2x as long as the AVX2 build's (qwen3_moe-150m, one process: 2.7 against 1.5 ms of a
-    step's projections; standalone on the same weights they are equal; cause not found)."""
+    (`namespaces()`), rows grouped or not, timed on what a decode step does most: one row's 4 chosen
+    experts of 32 read from distinct stacks of this kind (_probe, PROBE_BYTES in all, so from memory),
+    7 alternating rounds after one to warm up, at the current thread count; measured once per process.
+    The variants differ only in the order a row's vector lanes are summed (AVX2 8 lanes, AVX-512 16),
+    and one process uses one variant per kind throughout, so within a process the choice is speed
+    alone. The default Variant where the operators are not built or the kind is not theirs.
+    Why experts, not one large weight: on the AMD EPYC (Zen 4) a single 128 MB weight had the two
+    builds within noise, and the choice flipped from process to process (bf16 took the AVX2 build in
+    6 of 8 processes, fp32 the AVX-512 one in 2 of 8), while inside a compiled step the AVX-512
+    build's bf16 step was 11% faster and its fp32 step 22-28% slower (qwen3_moe-150m, one process,
+    alternating). With the experts probe fp32 took the AVX2 build in 10 of 10 processes (17-27%
+    faster there), as the step wants; bf16 still swung (the AVX2 build 16% faster to 4% slower on
+    the probe). So for bf16 the build that multiplies bf16 pairs (AVX512-BF16, the default build on
+    such a CPU) is kept unless another variant beats it on the probe by more than BF16_MARGIN."""
     spaces = namespaces()
     if not spaces or kind not in KINDS:
         return Variant()
-    x, w = _probe(kind)
+    x, stacks, chosen = _probe(kind)
     candidates = [Variant(space, way) for space in spaces for way in (False, True)]
     times: dict[Variant, list[float]] = {v: [] for v in candidates}
-    for _ in range(6):
+    for _ in range(8):
         for v in candidates:
-            product = op(v.namespace, "rows_q8" if kind == "q8_0" else "rows_gemv")
+            product = op(v.namespace, "experts_q8" if kind == "q8_0" else "experts_gemv")
             began = time.perf_counter()
-            product(x, w, v.grouped)
+            for stack in stacks:
+                for ids in chosen:
+                    product(x, stack, ids, v.grouped)
             times[v].append(time.perf_counter() - began)
-    return min(candidates, key=lambda v: statistics.median(times[v][1:]))
+    median = {v: statistics.median(t[1:]) for v, t in times.items()}
+    best = min(candidates, key=median.get)
+    if kind == "bfloat16" and torch.cpu._is_avx512_bf16_supported() and median[best] * (1 + BF16_MARGIN) > median[Variant()]:
+        return Variant()
+    return best
 
 
-def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
-    """One x row and a PROBE_BYTES weight of this kind (constant values: their speed is any values')."""
+BF16_MARGIN = 0.2  # past the probe's spread between processes for bf16 here (up to 16%, measured)
+
+
+PROBE_EXPERTS, PROBE_CHOSEN = 32, 4
+
+
+def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """x [1, 1, width]; distinct expert stacks [PROBE_EXPERTS, width, width] of this kind, PROBE_BYTES
+    in all; and the experts the calls choose ([1, PROBE_CHOSEN] each), which read every expert of a
+    stack once. Constant values: their speed is any values'."""
     if kind == "q8_0":
         from moekit.model.int8 import quantize_q8_0
 
-        row = quantize_q8_0(torch.full((1, width), 0.01))
-        return torch.full((1, width), 0.5), row.expand(PROBE_BYTES // row.shape[1], -1).contiguous()
-    dtype = getattr(torch, kind)
-    rows = PROBE_BYTES // (width * torch.finfo(dtype).bits // 8)
-    return torch.full((1, width), 0.5, dtype=dtype), torch.full((rows, width), 0.01, dtype=dtype)
+        row = quantize_q8_0(torch.full((1, width), 0.01))  # [1, nb * 34]
+        stack = row.expand(PROBE_EXPERTS * width, -1).reshape(PROBE_EXPERTS, width, -1).contiguous()
+        x = torch.full((1, 1, width), 0.5)
+    else:
+        dtype = getattr(torch, kind)
+        stack = torch.full((PROBE_EXPERTS, width, width), 0.01, dtype=dtype)
+        x = torch.full((1, 1, width), 0.5, dtype=dtype)
+    stacks = [stack] + [stack.clone() for _ in range(max(0, PROBE_BYTES // stack.nbytes - 1))]
+    chosen = [torch.arange(first, first + PROBE_CHOSEN)[None] for first in range(0, PROBE_EXPERTS, PROBE_CHOSEN)]
+    return x, stacks, chosen

@@ -4,8 +4,10 @@ in one process: four engines of one checkpoint placed this, other, other, this (
     git show 9b7951b:src/moekit/model/compiled_step.py > /tmp/step_before.py
     .venv/bin/python benchmarks/compiled_step_ab.py bench-out/ckpt/qwen3_moe-150m --against /tmp/step_before.py
 
---hollow swaps the gemv operators for ones that only allocate their outputs, in both versions, so
-the times are everything in a step but its products (the graph's other kernels, Dynamo, the caller).
+--this puts another file on the A side (two edited copies against each other, e.g. each forcing
+one build of the operators). --hollow swaps the gemv operators for ones that only allocate their
+outputs, in both versions, so the times are everything in a step but its products (the graph's
+other kernels, Dynamo, the caller).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint")
     parser.add_argument("--against", type=Path, required=True, help="another compiled_step.py")
+    parser.add_argument("--this", type=Path, default=HERE, help="the A side (default: this tree's compiled_step.py)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=16, help="cache slots filled before the timed steps")
@@ -79,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.hollow:
         hollow_operators()
-    versions = {"this": step_module(HERE, "step_this", args.hollow),
+    versions = {"this": step_module(args.this, "step_this", args.hollow),
                 "other": step_module(args.against, "step_other", args.hollow)}
     decoders = []
     for side in PLACEMENT:  # A: this tree's step, B: the other

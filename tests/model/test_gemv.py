@@ -11,11 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import (KINDS, NARROW, Variant, c_shims, kind_of, namespaces, op, operators, rows_argmax, status,
-                               suffix, variant)
+from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, kind_of, namespaces, op, operators, rows_argmax,
+                               status, suffix, variant)
 from moekit.model.int8 import int8_reference, quantize_q8_0
-
-OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax")
 
 
 @pytest.fixture(scope="module", params=["moekit", NARROW])

@@ -790,9 +790,12 @@ def suffix(namespace: str) -> str:
     return "" if namespace == "moekit" else "_" + namespace.removeprefix("moekit_")
 
 
+OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax")  # their plain names
+
+
 def op(namespace: str, name: str):
-    """One build's operator by its plain name (rows_gemv, experts_gemv, rows_q8, experts_q8,
-    rows_argmax): torch.ops.moekit.rows_gemv, torch.ops.moekit_avx2.rows_gemv_avx2, ..."""
+    """One build's operator by its plain name (OPERATORS): torch.ops.moekit.rows_gemv,
+    torch.ops.moekit_avx2.rows_gemv_avx2, ..."""
     return getattr(getattr(torch.ops, namespace), name + suffix(namespace))
 
 
@@ -842,7 +845,7 @@ def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
     this), else by torch. Greedy decoding's token: 3.6 against 33 µs for one row of 32k here (measured)."""
     if (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
             and not logits.requires_grad and hasattr(torch.ops.moekit, "rows_argmax")):
-        return torch.ops.moekit.rows_argmax(logits)
+        return op("moekit", "rows_argmax")(logits)
     return logits.argmax(dim=-1)
 
 
@@ -852,6 +855,8 @@ def status() -> str:
 
 KINDS = ("float32", "bfloat16", "q8_0")
 PROBE_BYTES = 128 << 20  # past the last-level cache of the machines measured (32 MB on the AMD EPYC)
+PROBE_EXPERTS, PROBE_CHOSEN = 32, 4  # a stack's experts, and those one row's call reads
+BF16_MARGIN = 0.2  # past the probe's spread between processes for bf16 here (up to 16%, measured)
 
 
 @dataclass(frozen=True)
@@ -904,12 +909,6 @@ def variant(kind: str) -> Variant:
     if kind == "bfloat16" and torch.cpu._is_avx512_bf16_supported() and median[best] * (1 + BF16_MARGIN) > median[Variant()]:
         return Variant()
     return best
-
-
-BF16_MARGIN = 0.2  # past the probe's spread between processes for bf16 here (up to 16%, measured)
-
-
-PROBE_EXPERTS, PROBE_CHOSEN = 32, 4
 
 
 def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, kind_of, namespaces, op, operators, rows_argmax,
+from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, kind_of, namespaces, op, operators, rows_argmax,
                                status, suffix, variant)
 from moekit.model.int8 import int8_reference, quantize_q8_0
 
@@ -133,6 +133,7 @@ def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default():
     assert operators() is not None, status()
     assert all(variant(kind).namespace in namespaces() and isinstance(variant(kind).grouped, bool) for kind in KINDS)
     assert variant("float16") == Variant()
+    assert chosen() == {kind: variant(kind).label for kind in KINDS}  # what a benchmark records
     assert [kind_of(t) for t in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8))] == list(KINDS)
 
 

@@ -32,14 +32,6 @@ def _batches(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def local_bandwidth() -> tuple[float, str]:
-    """(bytes/s, how it was known): the calculator's `local` entry, measured now by its probe."""
-    from moekit.calc.hardware import get_hardware
-
-    hw = get_hardware("local")
-    return hw.bandwidth, "measured by the local probe"
-
-
 def _threads() -> int:
     import torch
 
@@ -72,10 +64,12 @@ def decode(
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for both sides (default: torch's)."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
 ) -> None:
+    from moekit.bench.bandwidth import roofline_bandwidth
     from moekit.bench.decode import BASELINES, BenchSettings, bench_decode, decode_baseline
     from moekit.commands.bench_view import decode_in_steps
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
+    from moekit.model import gemv
 
     if vs not in (None, *BASELINES):
         raise MoekitError(f"--vs {vs}: the baselines are {', '.join(BASELINES)}")
@@ -95,9 +89,12 @@ def decode(
     for note in engine.notes:
         typer.echo(note, err=True)
     baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
-    bandwidth, source = local_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
+    bandwidth, source = roofline_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),
                               settings, vs if baseline is not None else None, lambda line: typer.echo(line, err=True))
+    kernels = gemv.chosen()
+    if kernels:
+        typer.echo("gemv operators: " + "; ".join(f"{kind} → {v}" for kind, v in kernels.items()), err=True)
     note = baseline.info().get("note") if baseline is not None else None
     if note:
         typer.echo(f"{vs}: {note}", err=True)
@@ -119,6 +116,7 @@ def decode(
                     "threads": _threads(),
                     "bandwidth_bytes_s": bandwidth,
                     "bandwidth_source": source,
+                    "gemv": kernels,
                     "results": [r.as_dict() for r in results],
                 }
             )

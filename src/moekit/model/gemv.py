@@ -867,6 +867,10 @@ class Variant:
     namespace: str = "moekit"
     grouped: bool = False
 
+    @property
+    def label(self) -> str:
+        return self.namespace + (", grouped" if self.grouped else "")
+
 
 def kind_of(weight: torch.Tensor) -> str:
     """The operators' name for a weight's kind: its dtype, or "q8_0" for the uint8 blocks."""
@@ -909,6 +913,16 @@ def variant(kind: str) -> Variant:
     if kind == "bfloat16" and torch.cpu._is_avx512_bf16_supported() and median[best] * (1 + BF16_MARGIN) > median[Variant()]:
         return Variant()
     return best
+
+
+def chosen() -> dict[str, str]:
+    """kind → the Variant variant() chooses for it in this process, as "namespace" or "namespace,
+    grouped": a benchmark's record of which build ran (the choice moved a step's time by 11-28%,
+    measured). Empty where this process has not registered the operators (an eager engine), so
+    asking never builds them."""
+    if not hasattr(torch.ops.moekit, "rows_gemv"):
+        return {}
+    return {kind: variant(kind).label for kind in KINDS}
 
 
 def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:

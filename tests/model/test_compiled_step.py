@@ -49,6 +49,8 @@ def test_compiled_step_matches_eager(engines, family):
         want = eager.generate(batch, max_new_tokens=12, stop_ids=()).token_ids
         got = compiled.generate(batch, max_new_tokens=12, stop_ids=()).token_ids
         assert got == want, f"{family}: batch of {len(batch)}"
+    # After the first step of each graph, steps call the graph Inductor made without Dynamo.
+    assert compiled.decoder.compiled.direct_steps >= 2 * 12 - 4
     # Logits of decode steps, through the same cache positions on both sides.
     outs = []
     for engine in (eager, compiled):
@@ -71,6 +73,36 @@ def test_compiled_step_matches_eager(engines, family):
             dec(torch.tensor([prompts[0]]), cache, torch.arange(8)[None])
             outs.append(torch.cat([dec(torch.tensor([[17 + s]]), cache, torch.tensor([[8 + s]])) for s in range(3)], 1))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_full_caches_last_step_gets_a_graph_of_its_own_and_matches_eager(engines):
+    """The step that fills the cache's last slot is outside the steady graph's shape guards (the
+    visible length equals the cache's): it must not run that graph directly, and still decode right."""
+    eager, compiled = engines("qwen3_moe")
+    outs = []
+    for engine in (eager, compiled):
+        dec, prompt = engine.decoder, [5, 9, 33, 7]
+        cache = dec.new_cache(1, 8)
+        with torch.inference_mode():
+            dec(torch.tensor([prompt]), cache, torch.arange(4)[None])
+            outs.append(torch.cat([dec(torch.tensor([[17 + s]]), cache, torch.tensor([[4 + s]])) for s in range(4)], 1))
+        assert cache.length == cache.max_len
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    step = compiled.decoder.compiled
+    full, roomy = _full_step_inputs(compiled.decoder), _full_step_inputs(compiled.decoder, full=False)
+    takes_full = [g for g in step._graphs if g.accepts(full)]
+    takes_roomy = [g for g in step._graphs if g.accepts(roomy)]
+    assert len(takes_full) == 1 and len(takes_roomy) == 1 and takes_full[0] is not takes_roomy[0]
+
+
+def _full_step_inputs(dec, full: bool = True):
+    """The inputs CompiledStep passes its graphs for batch 1 writing slot 7 of an 8-slot cache
+    (full) or of a 16-slot one."""
+    cache = dec.new_cache(1, 8 if full else 16)
+    with torch.inference_mode():
+        tables = dec.compiled._held(cache.stack, dec.rope)
+        small = [torch.zeros(1, dtype=torch.int64), torch.full((1,), 7), torch.full((1,), 7), cache.key_mask[:, :8].clone()]
+    return (*small, cache.stack, *tables)
 
 
 @pytest.mark.parametrize(

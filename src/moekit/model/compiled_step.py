@@ -19,6 +19,9 @@ step compiles into one graph of a few dozen kernels:
     and softmax), in a batch's graph einsum's bmm. One tensor,
     not one per layer: each input's length would be a dynamic size of its own, passed and checked
     every step.
+Dynamo traces and Inductor compiles each graph once; the steps after it call the generated code
+directly (moekit.model.direct_graph: the graph's own shape guards, no Dynamo frame that fetches
+~80 weights through the modules again each token), ~0.1-0.2 ms less a step on a CPU.
 It reads the Decoder's parameters in the Hub layout (the decoder is prepared with
 `kernels=False`), so it costs no second copy of the weights, and the eager forward of the same
 decoder stays the reference: tests/model/test_compiled_step.py holds the two to identical greedy
@@ -43,6 +46,7 @@ import torch
 
 from moekit.model import gemv
 from moekit.model.attention import Attention
+from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import INT8, INT8_GEMV, PLAIN, Linear
 from moekit.model.mla import MLAttention
@@ -377,10 +381,28 @@ class CompiledStep:
         # Guards on the decoder's modules are skipped (tensor inputs keep theirs): checking ~100
         # parameters' modules on every call cost ~0.7 ms a step here, and nothing replaces a module or
         # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "cpp_wrapper": cpp_wrapper}
+        self._inductor = {"cpp_wrapper": cpp_wrapper}
         if cpp_wrapper:  # the C++ calls the operators' C entry points, not the boxed dispatcher
-            options["aot_inductor.custom_ops_to_c_shims"] = gemv.c_shims()
-        self._fn = torch.compile(own, fullgraph=True, dynamic=False, options=options)
+            self._inductor["aot_inductor.custom_ops_to_c_shims"] = gemv.c_shims()
+        # Inductor compiles each graph through _compile_graph, which also records how to call it
+        # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
+        # graph's guards call it directly, the rest go through Dynamo.
+        self._graphs: list[DirectGraph] = []
+        self._tracing: Optional[tuple] = None  # the per-call inputs of the call Dynamo may be compiling
+        self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self._fn = torch.compile(own, backend=self._compile_graph, fullgraph=True, dynamic=False, options=options)
+
+    def _compile_graph(self, gm, example_inputs):
+        """The Dynamo backend: Inductor, as torch.compile's default, and the graph recorded."""
+        from torch._inductor.compile_fx import compile_fx
+
+        run = compile_fx(gm, example_inputs, config_patches=self._inductor)
+        if self._tracing is not None:
+            graph = direct_graph(gm, example_inputs, run, self._tracing, held_tensors(self.decoder), outputs=3)
+            if graph is not None:
+                self._graphs.append(graph)
+        return run
 
     def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
@@ -395,8 +417,21 @@ class CompiledStep:
         with torch.inference_mode():
             tables = self._held(cache.stack, rope)
             ids, slot, positions, key_mask = (t.clone() for t in (ids[:, 0], slot, positions, key_mask))  # ids [B]
-            _mark_step(ids, slot, positions, key_mask)
-            logits, chosen, weights = self._fn(self.decoder, ids, slot, positions, key_mask, cache.stack, *tables)
+            inputs = (ids, slot, positions, key_mask, cache.stack, *tables)
+            graph = next((g for g in self._graphs if g.accepts(inputs)), None)
+            if graph is not None:
+                if graph is not self._graphs[0]:  # the graph of the last call is tried first
+                    self._graphs.remove(graph)
+                    self._graphs.insert(0, graph)
+                logits, chosen, weights = graph(inputs)
+                self.direct_steps += 1
+            else:
+                _mark_step(ids, slot, positions, key_mask)
+                self._tracing = inputs
+                try:
+                    logits, chosen, weights = self._fn(self.decoder, *inputs)
+                finally:
+                    self._tracing = None
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers)
 
     def _held(self, stack, rope) -> tuple:

@@ -1,0 +1,156 @@
+"""A graph that torch.compile made, called again without Dynamo: the compiled decode step's entry.
+
+Why: each call of a Dynamo-compiled function first checks the function's guards, then fetches every
+graph input anew through Python objects (for the decode step, ~80 weights through the decoder's
+modules), then calls the code Inductor generated. For a ~140M model that is ~0.2 ms of a 2.4 ms
+bf16 step on a CPU (measured), paid on every token. The step's weights keep their identity for the
+decoder's life (a hot swap writes into them in place), so where each input comes from can be
+worked out once, while Dynamo compiles, and the generated code called with the same arguments.
+
+What stands in for Dynamo's guards, so that a graph only ever runs inputs it was compiled for:
+- the graph's shape guards, over the per-call inputs, as Inductor's own FX-graph cache checks them
+  (`ShapeEnv.produce_guards_expression` with `ignore_static=False`: every static size and stride
+  too, and the relations between dynamic sizes, e.g. a cache that is full gets a graph of its own);
+- each input's dtype, device and whether it is an inference tensor (what Dynamo's tensor guards
+  check besides shapes).
+Inputs that pass none of a step's direct graphs go through Dynamo, which may compile a new graph
+(and record it here). A graph whose inputs cannot all be traced to a held tensor or a per-call
+input, or whose guards cannot be written, is not recorded: Dynamo keeps running it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import CodeType
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+HELD, INPUT, SIZE, STRIDE = "held", "input", "size", "stride"
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one flat argument of the generated code comes from on each call."""
+
+    kind: str  # HELD: the same tensor every call; INPUT: per-call input `index`; SIZE / STRIDE: its dim
+    tensor: Optional[torch.Tensor] = None  # HELD only
+    index: int = 0
+    dim: int = 0
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return t.dtype, t.device, t.is_inference(), t.requires_grad
+
+
+@dataclass(frozen=True)
+class DirectGraph:
+    """One compiled graph and how to call it from the per-call inputs alone."""
+
+    run: Callable  # what the backend returned to Dynamo: the compiled graph, flat arguments
+    sources: tuple[Source, ...]
+    guards: Optional[CodeType]  # the shape guards over inputs t0, t1, ...; None: there are none
+    kinds: tuple  # _kind() of each per-call input
+
+    def __post_init__(self):
+        # A call copies the held tensors' list and fills in the rest (~80 arguments, ~10 per call).
+        object.__setattr__(self, "_template", [s.tensor for s in self.sources])
+        object.__setattr__(self, "_fills", [(at, s.kind, s.index, s.dim) for at, s in enumerate(self.sources)
+                                            if s.kind != HELD])
+
+    def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
+        if len(inputs) != len(self.kinds) or any(_kind(t) != k for t, k in zip(inputs, self.kinds)):
+            return False
+        if self.guards is None:
+            return True
+        return bool(eval(self.guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list:
+        """The traced function's results on `inputs` (which accepts() passed), as a list."""
+        args = list(self._template)
+        for at, kind, index, dim in self._fills:
+            t = inputs[index]
+            args[at] = t if kind == INPUT else t.size(dim) if kind == SIZE else t.stride(dim)
+        return self.run(*args)
+
+
+def held_tensors(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """Every tensor the module tree holds (parameters, buffers, plain tensor attributes and tuples or
+    lists of them), by id: the only tensors a direct graph may keep between calls."""
+    held = {}
+    for m in module.modules():
+        for value in list(m.__dict__.values()) + list(m._parameters.values()) + list(m._buffers.values()):
+            for t in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    held[id(t)] = t
+    return held
+
+
+def direct_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, run: Callable,
+                 inputs: Sequence[torch.Tensor], held: dict[int, torch.Tensor], outputs: int) -> Optional[DirectGraph]:
+    """The DirectGraph of `run` (compiled from gm, whose placeholders Dynamo filled with
+    example_inputs, the tensors of the call being traced), or None where it cannot be built safely.
+    inputs: that call's per-call tensors, in the order DirectGraph.accepts will be given them;
+    outputs: how many tensors the traced function returns (a flat tuple of them), which the graph
+    must return as they are, in that order: then its list of results is the function's."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs) or not _returns(gm, outputs):
+        return None
+    position = {id(t): i for i, t in enumerate(inputs)}
+    fakes: dict[int, object] = {}  # input index → its fake tensor in the graph
+    for node, example in zip(placeholders, example_inputs):
+        if isinstance(example, torch.Tensor) and id(example) in position:
+            fakes[position[id(example)]] = node.meta.get("example_value")
+    if len(fakes) != len(inputs) or any(f is None for f in fakes.values()):
+        return None
+    sources = []
+    for node, example in zip(placeholders, example_inputs):
+        if isinstance(example, torch.Tensor):
+            if id(example) in position:
+                sources.append(Source(INPUT, index=position[id(example)]))
+            elif id(example) in held:
+                sources.append(Source(HELD, tensor=held[id(example)]))
+            else:
+                return None
+        else:
+            found = _symbol_source(node.meta.get("example_value"), fakes)
+            if found is None:
+                return None
+            sources.append(found)
+    guards = _guards([fakes[i] for i in range(len(inputs))])
+    if guards is False:
+        return None
+    return DirectGraph(run, tuple(sources), guards, tuple(_kind(t) for t in inputs))
+
+
+def _returns(gm: torch.fx.GraphModule, outputs: int) -> bool:
+    """Whether gm returns `outputs` distinct values it computes (none of them an input as it is,
+    which Dynamo would return from outside the graph)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    values = list(out) if isinstance(out, (tuple, list)) else [out]
+    return (len(values) == outputs and len({id(v) for v in values}) == outputs
+            and all(isinstance(v, torch.fx.Node) and v.op != "placeholder" for v in values))
+
+
+def _symbol_source(value, fakes: dict[int, object]) -> Optional[Source]:
+    """A size placeholder's source: the first input size or stride that is the same symbol."""
+    if not isinstance(value, torch.SymInt):
+        return None
+    symbol = value.node.expr
+    for index, fake in sorted(fakes.items()):
+        for kind, dims in ((SIZE, fake.shape), (STRIDE, fake.stride())):
+            for dim, s in enumerate(dims):
+                if isinstance(s, torch.SymInt) and s.node.expr == symbol:
+                    return Source(kind, index=index, dim=dim)
+    return None
+
+
+def _guards(fakes: list) -> CodeType | None | bool:
+    """The shape guards over the inputs' fake tensors, compiled; None where there are none; False
+    where no shape environment can be found (then the graph is not called directly)."""
+    mode = torch._guards.detect_fake_mode()
+    if mode is None or mode.shape_env is None:
+        return False
+    code = mode.shape_env.produce_guards_expression(fakes, ignore_static=False)
+    return None if code is None else compile(code, "<direct graph guards>", "eval")

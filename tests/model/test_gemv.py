@@ -55,6 +55,27 @@ def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_rows_floats_do_not_depend_on_the_batch_around_them(ops, dtype):
+    """A batch's products take weight rows and x rows in blocks, each (weight row, x row) pair on
+    chains of its own: a row's floats are the same bit for bit in a batch of 2 as in one of 9,
+    whether a weight row falls in a block or among the rows left over, and for an expert's rows."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 515, generator=gen).to(dtype)
+    w = torch.randn(37, 515, generator=gen).to(dtype)
+    full = ops.rows_gemv(x, w)
+    for r in range(2, 9):
+        assert torch.equal(ops.rows_gemv(x[:r], w), full[:r]), r
+    assert torch.equal(ops.rows_gemv(x, w[1:]), full[:, 1:])  # every weight row at another place in its block
+    stacks = torch.randn(3, 37, 515, generator=gen).to(dtype)
+    ids = torch.tensor([[0, 2]] * 6)  # experts 0 and 2 get 6 rows each
+    experts = ops.experts_gemv(x[:6, None], stacks, ids)
+    for r in range(2, 6):
+        assert torch.equal(ops.experts_gemv(x[:r, None], stacks, ids[:r]), experts[:r]), r
+    assert torch.equal(experts[:, 0], ops.rows_gemv(x[:6], stacks[0]))
+    assert torch.equal(experts[:, 1], ops.rows_gemv(x[:6], stacks[2]))
+
+
 def test_an_expert_id_out_of_range_is_an_error_not_a_wild_read(ops):
     w = torch.randn(4, 8, 16)
     with pytest.raises(RuntimeError, match="expert id out of range"):

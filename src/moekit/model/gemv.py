@@ -308,6 +308,115 @@ static inline float half_to_float(const uint8_t* p) {
 #endif
 }
 
+// A batch's products: G weight rows (stride apart) × R x rows at once, out[g * ldo + r]. Each
+// (weight row, x row) pair keeps its own chains in exactly dot_rows' order, so its float is the
+// same whatever block it falls in; what the block adds is G · R independent chains. One weight row
+// at a time (dots) left the FMA units waiting on its few chains: at batch 8 the products ran at a
+// third of batch 1's bytes per second, bound by latency, not memory (measured on an Intel Xeon).
+// A block does R times a lone row's arithmetic per weight byte, and the hardware prefetcher falls
+// behind (as with q8_0 rows, below): each step asks for its bytes BLOCK_PREFETCH ahead.
+static constexpr int64_t BLOCK_PREFETCH = 2048;
+static inline void block_prefetch(const void* at, int64_t bytes) {
+#ifdef MK_AVX2
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(at) + BLOCK_PREFETCH + b, _MM_HINT_T0);
+#endif
+}
+
+template <int G, int R, typename W>
+static inline void dot_block(const W* w, int64_t stride, const float* const* xs, int64_t K, float* out, int64_t ldo) {
+#ifdef MK_WIDE
+    constexpr int L = MK_WIDE;
+    VF a[G][R][2];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) a[g][r][0] = a[g][r][1] = vzero();
+    int64_t k = 0;
+    for (; k + 2 * L <= K; k += 2 * L) {
+        VF w0[G], w1[G];
+        for (int g = 0; g < G; ++g) {
+            block_prefetch(w + g * stride + k, 2 * L * sizeof(W));
+            w0[g] = vload(w + g * stride + k);
+            w1[g] = vload(w + g * stride + k + L);
+        }
+        for (int r = 0; r < R; ++r) {
+            const VF x0 = vload(xs[r] + k), x1 = vload(xs[r] + k + L);
+            for (int g = 0; g < G; ++g) {
+                a[g][r][0] = vfma(w0[g], x0, a[g][r][0]);
+                a[g][r][1] = vfma(w1[g], x1, a[g][r][1]);
+            }
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) {
+            float acc = vsum(vadd(a[g][r][0], a[g][r][1]));
+            for (int64_t j = k; j < K; ++j) acc += float(w[g * stride + j]) * xs[r][j];
+            out[g * ldo + r] = acc;
+        }
+#else
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) out[g * ldo + r] = dot(w + g * stride, xs[r], K);
+#endif
+}
+
+#ifdef MK_DPBF16
+// The bf16 × bf16 dot_rows in blocks, the same way (one chain per pair, as there).
+template <int G, int R>
+static inline void dot_block(const c10::BFloat16* w, int64_t stride, const c10::BFloat16* const* xs, int64_t K,
+                             float* out, int64_t ldo) {
+    VF a[G][R];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) a[g][r] = vzero();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv[G];
+        for (int g = 0; g < G; ++g) {
+            block_prefetch(w + g * stride + k, 64);
+            wv[g] = (__m512bh)_mm512_loadu_si512(w + g * stride + k);
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xs[r] + k);
+            for (int g = 0; g < G; ++g) a[g][r] = _mm512_dpbf16_ps(a[g][r], wv[g], xv);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < R; ++r) {
+            float acc = vsum(a[g][r]);
+            for (int64_t j = k; j < K; ++j) acc += float(w[g * stride + j]) * float(xs[r][j]);
+            out[g * ldo + r] = acc;
+        }
+}
+#endif
+
+// How many weight rows (G) and x rows (R) a block takes: G · R · chains accumulators, within the
+// vector registers (32 with AVX-512, 16 with AVX2) beside the G weight vectors.
+template <typename W, typename X>
+struct Block {
+#if MK_WIDE == 16
+    static constexpr int G = 2, R = 4;  // 2 · 4 · 2 chains = 16
+#elif defined(MK_WIDE)
+    static constexpr int G = 2, R = 2;  // 2 · 2 · 2 chains = 8
+#else
+    static constexpr int G = 1, R = 1;
+#endif
+};
+#ifdef MK_DPBF16
+template <>
+struct Block<c10::BFloat16, c10::BFloat16> {
+    static constexpr int G = 4, R = 4;  // one chain per pair: 16
+};
+#endif
+
+// out[g * ldo + r] = weight row g · xs[r] for Block's G weight rows and any R x rows.
+template <typename W, typename X>
+static inline void dots_block(const W* w, int64_t stride, const X* const* xs, int64_t R, int64_t K, float* out,
+                              int64_t ldo) {
+    constexpr int G = Block<W, X>::G, RB = Block<W, X>::R;
+    int64_t r = 0;
+    for (; r + RB <= R; r += RB) dot_block<G, RB>(w, stride, xs + r, K, out + r, ldo);
+    if constexpr (RB > 3) if (R - r == 3) dot_block<G, 3>(w, stride, xs + r, K, out + r, ldo);
+    if constexpr (RB > 2) if (R - r == 2) dot_block<G, 2>(w, stride, xs + r, K, out + r, ldo);
+    if constexpr (RB > 1) if (R - r == 1) dot_block<G, 1>(w, stride, xs + r, K, out + r, ldo);
+}
+
 // A q8_0 product's x: each row's blocks of 32 rounded to int16 with one float scale per block,
 // s = max|x| / 32767 and q = x / s rounded to nearest even (relative error <= 2^-16 of the block's
 // largest |x|, 128 times finer than bf16). A block's 32 products are then integer sums: each int32
@@ -461,9 +570,11 @@ static constexpr int64_t MIN_THREAD_BYTES = 64 * 1024;
 // y[m, n] = weight row n · x row m for M x rows (xrow(m) → its floats) and N weight rows of
 // row_bytes each, threads over N; row_dots(n, xs, R, out) multiplies weight row n with R x rows,
 // group_dots(n, x, out) weight rows n .. n + GROUP - 1 with one x row (batch 1, where `grouped`).
-template <typename XRow, typename RowDots, typename GroupDots>
+// block_dots(n, xs, R, out) multiplies weight rows n .. n + BG - 1 with R x rows into out[g * R + r]
+// (a batch's dots_block; BG = 0: no blocks, each weight row on its own).
+template <int BG, typename XRow, typename RowDots, typename GroupDots, typename BlockDots>
 static void rows_loop(float* y, int64_t M, int64_t N, int64_t row_bytes, XRow xrow, RowDots row_dots,
-                      GroupDots group_dots, bool grouped) {
+                      GroupDots group_dots, BlockDots block_dots, bool grouped) {
     const int64_t grain = std::max<int64_t>(16, MIN_THREAD_BYTES / std::max<int64_t>(1, row_bytes));
     if (M == 1) {  // batch 1: straight into y, nothing to allocate; GROUP rows at a time where grouped
         const auto x0 = xrow(0);
@@ -478,8 +589,15 @@ static void rows_loop(float* y, int64_t M, int64_t N, int64_t row_bytes, XRow xr
     std::vector<decltype(xrow(0))> xs(M);
     for (int64_t m = 0; m < M; ++m) xs[m] = xrow(m);
     at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
-        std::vector<float> out(M);
-        for (int64_t n = begin; n < end; ++n) {
+        std::vector<float> out(M * std::max(BG, 1));
+        int64_t n = begin;
+        if constexpr (BG > 0)
+            for (; n + BG <= end; n += BG) {
+                block_dots(n, xs.data(), M, out.data());
+                for (int g = 0; g < BG; ++g)
+                    for (int64_t m = 0; m < M; ++m) y[m * N + n + g] = out[g * M + m];
+            }
+        for (; n < end; ++n) {
             row_dots(n, xs.data(), M, out.data());
             for (int64_t m = 0; m < M; ++m) y[m * N + n] = out[m];
         }
@@ -491,9 +609,12 @@ static void rows_loop(float* y, int64_t M, int64_t N, int64_t row_bytes, XRow xr
 // rows are read once for all the pairs that chose it (a batch reads the union of its experts), and
 // expert_dots(e, n, xs, R, out) multiplies one of them with all those pairs' x rows at once, and
 // expert_group(e, n, x, out) rows n .. n + GROUP - 1 of expert e with one x row (where `grouped`).
-template <typename XRow, typename ExpertDots, typename ExpertGroup>
+// expert_block(e, n, xs, R, out): rows n .. n + BG - 1 of expert e with R x rows into out[g * R + r]
+// (BG = 0: none; BG divides 16).
+template <int BG, typename XRow, typename ExpertDots, typename ExpertGroup, typename ExpertBlock>
 static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int64_t C, int64_t E, int64_t N,
-                         XRow xrow, ExpertDots expert_dots, ExpertGroup expert_group, bool grouped) {
+                         XRow xrow, ExpertDots expert_dots, ExpertGroup expert_group, ExpertBlock expert_block,
+                         bool grouped) {
     const int64_t P = B * C;
     // The pairs in expert order (a counting sort): expert e's are order[first[e] .. first[e + 1]).
     std::vector<int64_t> first(E + 1, 0), order(P);
@@ -513,7 +634,7 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
         if (first[e + 1] > first[e])
             for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
     at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
-        float out[64];
+        float out[64 * 4];
         for (int64_t i = begin; i < end; ++i) {
             const int64_t e = items[i] / blocks, blk = items[i] % blocks;
             const int64_t n_end = std::min(N, (blk + 1) * 16);
@@ -526,7 +647,16 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
                 for (; n < n_end; ++n) expert_dots(e, n, xs.data() + j, 1, yj + n);
                 continue;
             }
-            for (int64_t n = blk * 16; n < n_end; ++n)
+            int64_t n = blk * 16;
+            if constexpr (BG > 0)
+                for (; n + BG <= n_end; n += BG)
+                    for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += 64) {
+                        const int64_t R = std::min<int64_t>(64, first[e + 1] - j0);
+                        expert_block(e, n, xs.data() + j0, R, out);
+                        for (int g = 0; g < BG; ++g)
+                            for (int64_t j = 0; j < R; ++j) y[order[j0 + j] * N + n + g] = out[g * R + j];
+                    }
+            for (; n < n_end; ++n)
                 for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += 64) {  // at most 64 rows at a time
                     const int64_t R = std::min<int64_t>(64, first[e + 1] - j0);
                     expert_dots(e, n, xs.data() + j0, R, out);
@@ -617,15 +747,17 @@ torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w, bool grouped) {
     Output y({M, N}, x);
     const bool bf16 = wc.scalar_type() == torch::kBFloat16;
     with_x_rows(x, K, bf16, [&](auto xrow) {
-        if (bf16) {
-            const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
-            rows_loop(y.data, M, N, K * 2, xrow, [&](int64_t n, auto xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); },
-                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); }, grouped);
-        } else if constexpr (std::is_same_v<decltype(xrow(0)), const float*>) {  // fp32 weights: fp32 rows
-            const float* wp = wc.data_ptr<float>();
-            rows_loop(y.data, M, N, K * 4, xrow, [&](int64_t n, auto xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); },
-                      [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); }, grouped);
-        }
+        using X = std::remove_const_t<std::remove_pointer_t<decltype(xrow(0))>>;
+        auto run = [&](auto wp) {
+            using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+            rows_loop<Block<W, X>::G>(
+                y.data, M, N, K * (int64_t)sizeof(W), xrow,
+                [&](int64_t n, auto xs, int64_t R, float* out) { dots(wp + n * K, xs, R, K, out); },
+                [&](int64_t n, auto x1, float* out) { dot_group(wp + n * K, K, x1, K, out); },
+                [&](int64_t n, auto xs, int64_t R, float* out) { dots_block(wp + n * K, K, xs, R, K, out, R); }, grouped);
+        };
+        if (bf16) run(static_cast<const c10::BFloat16*>(wc.data_ptr<c10::BFloat16>()));
+        else if constexpr (std::is_same_v<X, float>) run(static_cast<const float*>(wc.data_ptr<float>()));  // fp32 rows
     });
     return y.finish();
 }
@@ -640,17 +772,18 @@ torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids, 
     Output y({B, C, N}, x);
     const bool bf16 = wc.scalar_type() == torch::kBFloat16;
     with_x_rows(x, K, bf16, [&](auto xrow) {
-        if (bf16) {
-            const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
-            experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, xrow,
-                         [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots(wp + (e * N + n) * K, xs, R, K, out); },
-                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); }, grouped);
-        } else if constexpr (std::is_same_v<decltype(xrow(0)), const float*>) {
-            const float* wp = wc.data_ptr<float>();
-            experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, xrow,
-                         [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots(wp + (e * N + n) * K, xs, R, K, out); },
-                         [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); }, grouped);
-        }
+        using XT = std::remove_const_t<std::remove_pointer_t<decltype(xrow(0))>>;
+        auto run = [&](auto wp) {
+            using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+            experts_loop<Block<W, XT>::G>(
+                ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, xrow,
+                [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots(wp + (e * N + n) * K, xs, R, K, out); },
+                [&](int64_t e, int64_t n, auto x1, float* out) { dot_group(wp + (e * N + n) * K, K, x1, K, out); },
+                [&](int64_t e, int64_t n, auto xs, int64_t R, float* out) { dots_block(wp + (e * N + n) * K, K, xs, R, K, out, R); },
+                grouped);
+        };
+        if (bf16) run(static_cast<const c10::BFloat16*>(wc.data_ptr<c10::BFloat16>()));
+        else if constexpr (std::is_same_v<XT, float>) run(static_cast<const float*>(wc.data_ptr<float>()));
     });
     return y.finish();
 }
@@ -664,9 +797,10 @@ torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w, bool grouped) {
     auto wc = w.contiguous();
     Output y({M, N}, x);
     const uint8_t* wp = wc.data_ptr<uint8_t>();
-    rows_loop(y.data, M, N, nb * 34, [&](int64_t m) { return xq.row(m, nb); },
+    rows_loop<0>(y.data, M, N, nb * 34, [&](int64_t m) { return xq.row(m, nb); },
               [&](int64_t n, const Q16Row* xs, int64_t R, float* out) { q8_dots(wp + n * nb * 34, xs, R, nb, out); },
-              [&](int64_t n, Q16Row x1, float* out) { q8_group(wp + n * nb * 34, nb * 34, x1, nb, out); }, grouped);
+              [&](int64_t n, Q16Row x1, float* out) { q8_group(wp + n * nb * 34, nb * 34, x1, nb, out); },
+              [](int64_t, const Q16Row*, int64_t, float*) {}, grouped);
     return y.finish();
 }
 
@@ -680,10 +814,11 @@ torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bo
     auto ic = ids.to(torch::kLong).contiguous();
     Output y({B, C, N}, x);
     const uint8_t* wp = wc.data_ptr<uint8_t>();
-    experts_loop(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, [&](int64_t r) { return xq.row(r, nb); },
+    experts_loop<0>(ic.data_ptr<int64_t>(), y.data, B, X, C, E, N, [&](int64_t r) { return xq.row(r, nb); },
                  [&](int64_t e, int64_t n, const Q16Row* xs, int64_t R, float* out) {
                      q8_dots(wp + (e * N + n) * nb * 34, xs, R, nb, out); },
-                 [&](int64_t e, int64_t n, Q16Row x1, float* out) { q8_group(wp + (e * N + n) * nb * 34, nb * 34, x1, nb, out); }, grouped);
+                 [&](int64_t e, int64_t n, Q16Row x1, float* out) { q8_group(wp + (e * N + n) * nb * 34, nb * 34, x1, nb, out); },
+                 [](int64_t, int64_t, const Q16Row*, int64_t, float*) {}, grouped);
     return y.finish();
 }
 
@@ -806,7 +941,7 @@ def _build(namespace: str, flags: list[str]) -> None:
     # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
     # already loaded, so there is one thread pool, not two. Hidden visibility: of the two builds'
     # same-named C++ functions each library calls its own once both are global (below).
-    path = load_inline(name=f"{namespace}_gemv_v16", cpp_sources=source, is_python_module=False,
+    path = load_inline(name=f"{namespace}_gemv_v17", cpp_sources=source, is_python_module=False,
                        extra_cflags=["-O3", "-march=native", *flags, "-fopenmp", "-fvisibility=hidden"], verbose=False)
     # Made global, so that the compiled step's generated library finds the C entry points.
     ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)

@@ -8,6 +8,9 @@ run yet must say so and stay eager.
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -196,6 +199,20 @@ def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
     after = [_step_logits(engine, prompt) for engine in engines]
     assert not torch.allclose(after[1], before)
     torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_compiled_decoder_is_freed_with_its_engine(tmp_path):
+    """Dynamo keeps every backend it is given for the life of the process: the step's backend must
+    not keep the decoder, and with it every weight, alive after the engine is gone."""
+    folder = write_checkpoint("qwen3_moe", tmp_path / "q")
+    engine = load_engine(folder, compile=True)
+    engine.decoder.compile_decode(cpp_wrapper=False)
+    engine.generate([[5, 9, 33, 7]], max_new_tokens=4, stop_ids=())
+    assert engine.decoder.compiled.direct_steps > 0
+    decoder = weakref.ref(engine.decoder)
+    del engine
+    gc.collect()
+    assert decoder() is None
 
 
 def test_paged_engines_stay_eager(tmp_path):

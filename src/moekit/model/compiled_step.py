@@ -339,6 +339,25 @@ def _mark_held(stack, tables) -> None:
     mark(stack, 2 if stack.dim() == 4 else 3)  # the slots: MLA's [N, B, S, R+Rr], attention's [N, B, Hkv, S, hd]
 
 
+class _Recorder:
+    """The step's Dynamo backend: Inductor, as torch.compile's default, with each graph handed to the
+    step to record. It holds the step weakly: Dynamo keeps every backend it was given for the life of
+    the process (torch._dynamo.eval_frame.cached_backends), and the step holds its decoder's weights."""
+
+    def __init__(self, step: "CompiledStep"):
+        self._step = weakref.ref(step)
+        self._inductor = step._inductor
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        run = compile_fx(gm, example_inputs, config_patches=self._inductor)
+        step = self._step()
+        if step is not None:
+            step._record(gm, example_inputs, run)
+        return run
+
+
 @dataclass
 class StepResult:
     logits: torch.Tensor  # [B, 1, V] fp32
@@ -391,18 +410,14 @@ class CompiledStep:
         self._tracing: Optional[tuple] = None  # the per-call inputs of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._fn = torch.compile(own, backend=self._compile_graph, fullgraph=True, dynamic=False, options=options)
+        self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
 
-    def _compile_graph(self, gm, example_inputs):
-        """The Dynamo backend: Inductor, as torch.compile's default, and the graph recorded."""
-        from torch._inductor.compile_fx import compile_fx
-
-        run = compile_fx(gm, example_inputs, config_patches=self._inductor)
+    def _record(self, gm, example_inputs, run) -> None:
+        """Keep how to call `run` (just compiled from gm) without Dynamo, where that can be done."""
         if self._tracing is not None:
             graph = direct_graph(gm, example_inputs, run, self._tracing, held_tensors(self.decoder), outputs=3)
             if graph is not None:
                 self._graphs.append(graph)
-        return run
 
     def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position

@@ -7,6 +7,9 @@ operators built from another version of that file, alternating in one process.
     .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8
     git show 0460671:src/moekit/model/gemv.py > /tmp/gemv_before.py
     .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8 --against /tmp/gemv_before.py
+
+--dtype q8_0 times moekit::rows_q8 / experts_q8 on the same shapes quantized to q8_0 blocks (x fp32).
+With --against, it also says whether both versions' outputs are equal.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.cpp_extension import load_inline
+
+from moekit.model.int8 import quantize_q8_0
 
 LAYERS, D, F, E, K, V = 8, 512, 256, 32, 4, 32000
 
@@ -40,7 +45,7 @@ def build(tag: str, path: Path):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "q8_0"])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=9)
@@ -53,22 +58,34 @@ def main() -> None:
     variants = {"this": build("gemv_this", here)}
     if args.against:
         variants["against"] = build("gemv_against", args.against)
-    dt, b = getattr(torch, args.dtype), args.batch
+    q8, b = args.dtype == "q8_0", args.batch
+    dt = torch.float32 if q8 else getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    layers = [[torch.randn(n, D, generator=gen).to(dt) for n in (1536, 512, E)]
-              + [torch.randn(E, 2 * F, D, generator=gen).to(dt), torch.randn(E, D, F, generator=gen).to(dt)]
-              for _ in range(LAYERS)]
-    head = torch.randn(V, D, generator=gen).to(dt)
+
+    def weight(*shape: int) -> torch.Tensor:
+        w = torch.randn(*shape, generator=gen)
+        return quantize_q8_0(w.reshape(-1, shape[-1])).reshape(*shape[:-1], -1) if q8 else w.to(dt)
+
+    layers = [[weight(n, D) for n in (1536, 512, E)] + [weight(E, 2 * F, D), weight(E, D, F)] for _ in range(LAYERS)]
+    head = weight(V, D)
     x, h = torch.randn(b, D, generator=gen).to(dt), torch.randn(b, K, F, generator=gen).to(dt)
     ids = [torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(b)]) for _ in range(64)]
 
+    def products(ops):
+        return (ops.rows_q8, ops.experts_q8) if q8 else (ops.rows_gemv, ops.experts_gemv)
+
     def step(ops, i: int) -> None:
         extra = (True,) if args.grouped and ops is variants["this"] else ()
+        rows, experts = products(ops)
         for j, (qkv, o, router, gate_up, down) in enumerate(layers):
             chosen = ids[(i * LAYERS + j) % len(ids)]
-            ops.rows_gemv(x, qkv, *extra), ops.rows_gemv(x, o, *extra), ops.rows_gemv(x, router, *extra)
-            ops.experts_gemv(x[:, None], gate_up, chosen, *extra), ops.experts_gemv(h, down, chosen, *extra)
-        ops.rows_gemv(x, head, *extra)
+            rows(x, qkv, *extra), rows(x, o, *extra), rows(x, router, *extra)
+            experts(x[:, None], gate_up, chosen, *extra), experts(h, down, chosen, *extra)
+        rows(x, head, *extra)
+
+    if args.against:  # the same floats? the head and one layer's down projection, both versions
+        outs = [(products(ops)[0](x, head), products(ops)[1](h, layers[0][4], ids[0])) for ops in variants.values()]
+        print("outputs equal:", all(torch.equal(a, c) for a, c in zip(*outs)))
 
     times = {name: [] for name in variants}
     for _ in range(args.rounds):

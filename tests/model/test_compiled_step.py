@@ -201,6 +201,25 @@ def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
     torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
 
 
+def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path):
+    """bf16 runs other kernels than the eager reference (bf16 pairs, or a batch widened to fp32 where
+    gemv.widen_batch measured that faster here), so logits agree to bf16's rounding, not to 1e-4."""
+    folder = write_checkpoint("qwen3_moe", tmp_path / "q")
+    outs = []
+    for compile in (False, True):
+        engine = load_engine(folder, dtype="bfloat16", compile=compile)
+        if compile:
+            engine.decoder.compile_decode(cpp_wrapper=False)
+        dec, cache = engine.decoder, engine.decoder.new_cache(2, 16)
+        prompts = torch.tensor([[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41, 2, 7, 8, 9, 10]])
+        with torch.inference_mode():
+            dec(prompts, cache, torch.arange(8)[None].expand(2, 8))
+            outs.append(torch.cat([dec(torch.tensor([[17 + s], [23 + s]]), cache, torch.full((2, 1), 8 + s))
+                                   for s in range(3)], 1))
+    assert outs[0].abs().max() > 0.5  # logits of some size, so that the bound below means something
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.06)
+
+
 def test_a_compiled_decoder_is_freed_with_its_engine(tmp_path):
     """Dynamo keeps every backend it is given for the life of the process: the step's backend must
     not keep the decoder, and with it every weight, alive after the engine is gone."""

@@ -64,7 +64,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if weight.dtype == torch.uint8:
         y = _op(weight, "rows_q8")(x, weight, _grouped(gemv.kind_of(weight)))
     elif _has_gemv():
-        y = _op(weight, "rows_gemv")(x, weight, _grouped(gemv.kind_of(weight)))
+        kind = gemv.kind_of(weight)
+        y = _op(weight, "rows_gemv")(_widened(x, kind), weight, _grouped(kind)).to(x.dtype)
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
@@ -105,6 +106,18 @@ def _grouped(kind: str) -> bool:
     return gemv.variant(kind).grouped
 
 
+@torch._dynamo.assume_constant_result
+def _widen_batch(kind: str) -> bool:
+    return gemv.widen_batch(kind)
+
+
+def _widened(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x as a product on this kind of weight takes it: a batch's rows widened to fp32 where that
+    measured faster here than bf16 pairs (gemv.widen_batch; the product is cast back to x's dtype,
+    so the rounding points stay where they are), else x itself. A lone row keeps the pairs."""
+    return x.float() if x.shape[0] != 1 and _widen_batch(kind) else x
+
+
 def _op(weight: torch.Tensor, name: str):
     """The operator `name` of the build chosen for this kind of weight."""
     return gemv.op(_namespace(gemv.kind_of(weight)), name)
@@ -127,14 +140,16 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
     if ex.int8_stacks is not None:
         return _int8_experts(ex, x, ids, w)
     if _has_gemv():
-        h = _op(ex.gate_up, "experts_gemv")(x[:, None, :], ex.gate_up, ids, _grouped(gemv.kind_of(ex.gate_up)))  # [B, K, 2F]
+        kind = gemv.kind_of(ex.gate_up)
+        h = _op(ex.gate_up, "experts_gemv")(_widened(x, kind)[:, None, :], ex.gate_up, ids, _grouped(kind)).to(x.dtype)  # [B, K, 2F]
     else:
         h = (x[:, None, None, :] * ex.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
     if ex.gate_up_bias is not None:
         h = h + ex.gate_up_bias[ids]
     a = ex.act(h)  # [B, K, F]
     if _has_gemv():
-        y = _op(ex.down, "experts_gemv")(a, ex.down, ids, _grouped(gemv.kind_of(ex.down)))  # [B, K, D]
+        kind = gemv.kind_of(ex.down)
+        y = _op(ex.down, "experts_gemv")(_widened(a, kind), ex.down, ids, _grouped(kind)).to(a.dtype)  # [B, K, D]
     else:
         y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
     if ex.down_bias is not None:
@@ -389,6 +404,7 @@ class CompiledStep:
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         for kind in gemv.KINDS:
             gemv.variant(kind)  # measured now, not while Dynamo traces
+            gemv.widen_batch(kind)
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         self._marked = None  # a weak reference to the cache stack last marked (_held)
         # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph

@@ -1078,6 +1078,38 @@ def variant(kind: str) -> Variant:
     return best
 
 
+BATCH_PROBE_ROWS = 8  # the batch the issue's targets name
+WIDEN_MARGIN = 0.1  # a batch's bf16 products are widened only where that is clearly faster
+
+
+@lru_cache(maxsize=None)
+def widen_batch(kind: str) -> bool:
+    """Whether a batch's products on bf16 weights run faster here with the batch's rows widened to
+    fp32 (fp32 FMAs on the widened weight) than as bf16 pairs (AVX512-BF16): both timed with the
+    chosen build's rows_gemv on BATCH_PROBE_ROWS rows against distinct [2048, 512] bf16 weights,
+    PROBE_BYTES in all (from memory), alternating, once per process; widening must win by
+    WIDEN_MARGIN. Measured on an Intel Xeon (2 threads, 64 MB of weights, 8 rows): 4.0 ms widened
+    against 7.2 ms in pairs, while in cache both multiplied ~70 G MAC/s, and at one row the pairs
+    were as fast or faster. False for other kinds, or where the operators are not built."""
+    if kind != "bfloat16" or not namespaces():
+        return False
+    width = 512
+    weight = torch.full((4 * width, width), 0.01, dtype=torch.bfloat16)
+    weights = [weight] + [weight.clone() for _ in range(max(0, PROBE_BYTES // weight.nbytes - 1))]
+    rows = op(variant(kind).namespace, "rows_gemv")
+    sides = {"pairs": torch.full((BATCH_PROBE_ROWS, width), 0.5, dtype=torch.bfloat16),
+             "widened": torch.full((BATCH_PROBE_ROWS, width), 0.5)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(6):
+        for name, x in sides.items():
+            began = time.perf_counter()
+            for w in weights:
+                rows(x, w, False)
+            times[name].append(time.perf_counter() - began)
+    median = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return median["widened"] * (1 + WIDEN_MARGIN) < median["pairs"]
+
+
 def chosen() -> dict[str, str]:
     """kind → the Variant variant() chooses for it in this process, as "namespace" or "namespace,
     grouped": a benchmark's record of which build ran (the choice moved a step's time by 11-28%,
@@ -1085,7 +1117,7 @@ def chosen() -> dict[str, str]:
     asking never builds them."""
     if not hasattr(torch.ops.moekit, "rows_gemv"):
         return {}
-    return {kind: variant(kind).label for kind in KINDS}
+    return {kind: variant(kind).label + (", batch widened to fp32" if widen_batch(kind) else "") for kind in KINDS}
 
 
 def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:

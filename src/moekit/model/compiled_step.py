@@ -419,7 +419,7 @@ class CompiledStep:
         self._inductor = {"cpp_wrapper": cpp_wrapper}
         if cpp_wrapper:  # the C++ calls the operators' C entry points, not the boxed dispatcher
             self._inductor["aot_inductor.custom_ops_to_c_shims"] = gemv.c_shims()
-        # Inductor compiles each graph through _compile_graph, which also records how to call it
+        # Inductor compiles each graph through _Recorder, which hands it to _record to keep how to call it
         # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
         # graph's guards call it directly, the rest go through Dynamo.
         self._graphs: list[DirectGraph] = []

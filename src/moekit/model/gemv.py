@@ -634,7 +634,7 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
         if (first[e + 1] > first[e])
             for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
     at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
-        float out[64 * 4];
+        float out[64 * 4];  // up to 64 rows × a block's weight rows (Block's G is at most 4)
         for (int64_t i = begin; i < end; ++i) {
             const int64_t e = items[i] / blocks, blk = items[i] % blocks;
             const int64_t n_end = std::min(N, (blk + 1) * 16);
@@ -1062,16 +1062,15 @@ def variant(kind: str) -> Variant:
         return Variant()
     x, stacks, chosen = _probe(kind)
     candidates = [Variant(space, way) for space in spaces for way in (False, True)]
-    times: dict[Variant, list[float]] = {v: [] for v in candidates}
-    for _ in range(8):
-        for v in candidates:
-            product = op(v.namespace, "experts_q8" if kind == "q8_0" else "experts_gemv")
-            began = time.perf_counter()
-            for stack in stacks:
-                for ids in chosen:
-                    product(x, stack, ids, v.grouped)
-            times[v].append(time.perf_counter() - began)
-    median = {v: statistics.median(t[1:]) for v, t in times.items()}
+    name = "experts_q8" if kind == "q8_0" else "experts_gemv"
+
+    def run(v: Variant) -> None:
+        product = op(v.namespace, name)
+        for stack in stacks:
+            for ids in chosen:
+                product(x, stack, ids, v.grouped)
+
+    median = _alternating_medians({v: (lambda v=v: run(v)) for v in candidates}, rounds=8)
     best = min(candidates, key=median.get)
     if kind == "bfloat16" and torch.cpu._is_avx512_bf16_supported() and median[best] * (1 + BF16_MARGIN) > median[Variant()]:
         return Variant()
@@ -1094,20 +1093,33 @@ def widen_batch(kind: str) -> bool:
     if kind != "bfloat16" or not namespaces():
         return False
     width = 512
-    weight = torch.full((4 * width, width), 0.01, dtype=torch.bfloat16)
-    weights = [weight] + [weight.clone() for _ in range(max(0, PROBE_BYTES // weight.nbytes - 1))]
+    weights = _distinct(torch.full((4 * width, width), 0.01, dtype=torch.bfloat16))
     rows = op(variant(kind).namespace, "rows_gemv")
-    sides = {"pairs": torch.full((BATCH_PROBE_ROWS, width), 0.5, dtype=torch.bfloat16),
-             "widened": torch.full((BATCH_PROBE_ROWS, width), 0.5)}
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for _ in range(6):
-        for name, x in sides.items():
-            began = time.perf_counter()
-            for w in weights:
-                rows(x, w, False)
-            times[name].append(time.perf_counter() - began)
-    median = {name: statistics.median(t[1:]) for name, t in times.items()}
+
+    def run(x: torch.Tensor) -> None:
+        for w in weights:
+            rows(x, w, False)
+
+    pairs, widened = torch.full((BATCH_PROBE_ROWS, width), 0.5, dtype=torch.bfloat16), torch.full((BATCH_PROBE_ROWS, width), 0.5)
+    median = _alternating_medians({"pairs": lambda: run(pairs), "widened": lambda: run(widened)}, rounds=6)
     return median["widened"] * (1 + WIDEN_MARGIN) < median["pairs"]
+
+
+def _alternating_medians(sides: dict, rounds: int) -> dict:
+    """name → the median seconds of its call over `rounds` rounds, the sides taking turns (a noisy
+    neighbour slows all alike), the first round a warm-up left out."""
+    times: dict = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, call in sides.items():
+            began = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - began)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+def _distinct(t: torch.Tensor) -> list[torch.Tensor]:
+    """t and copies of it, PROBE_BYTES in all: a probe that reads them all reads from memory."""
+    return [t] + [t.clone() for _ in range(max(0, PROBE_BYTES // t.nbytes - 1))]
 
 
 def chosen() -> dict[str, str]:
@@ -1134,6 +1146,6 @@ def _probe(kind: str, width: int = 512) -> tuple[torch.Tensor, list[torch.Tensor
         dtype = getattr(torch, kind)
         stack = torch.full((PROBE_EXPERTS, width, width), 0.01, dtype=dtype)
         x = torch.full((1, 1, width), 0.5, dtype=dtype)
-    stacks = [stack] + [stack.clone() for _ in range(max(0, PROBE_BYTES // stack.nbytes - 1))]
+    stacks = _distinct(stack)
     chosen = [torch.arange(first, first + PROBE_CHOSEN)[None] for first in range(0, PROBE_EXPERTS, PROBE_CHOSEN)]
     return x, stacks, chosen

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moekit.engine.loader import load_engine
-from moekit.model.huge_pages import MIN_BYTES, module_tensors, move_to_huge_pages
+from moekit.model.huge_pages import HUGE_PAGE, MIN_BYTES, huge_page_arena, module_tensors, move_to_huge_pages
 from tests.engine.hf_tiny import write_checkpoint
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this platform")
@@ -92,3 +92,12 @@ def test_a_loaded_engine_decodes_the_same_after_a_second_move(tmp_path, family, 
     moved = move_to_huge_pages(engine.decoder)
     assert moved.kept == []
     assert engine.generate(prompt, max_new_tokens=6, stop_ids=()).token_ids == want
+
+
+def test_an_arena_starts_on_a_huge_page_and_holds_what_is_written():
+    arena = huge_page_arena(3 * HUGE_PAGE + 100)
+    assert arena.numel() == 3 * HUGE_PAGE + 100 and arena.dtype == torch.uint8
+    assert arena.data_ptr() % HUGE_PAGE == 0
+    assert int(arena.max()) == 0  # anonymous memory: zeros until written
+    arena[-100:] = 7
+    assert int(arena.sum()) == 700

@@ -72,3 +72,16 @@ def test_linear_prepare_drops_the_hub_layout(kernel, dtype):
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="twice"):
         layer.prepare(kernel)
+
+
+@pytest.mark.parametrize("kernel", [TRANSPOSED, PLAIN], ids=["transposed", "plain"])
+@pytest.mark.parametrize("stored", [torch.bfloat16, torch.float32], ids=["from-bf16", "from-fp32"])
+def test_a_copy_of_the_layout_view_is_the_prepared_weight(kernel, stored):
+    # The expert store writes layout(w) into a slot it owns, casting as it copies: that slot must be
+    # bit for bit what prepare would have made of the weight cast first.
+    w, _ = _weights(48, 64, False, stored, seed=5)
+    slot = torch.full(kernel.prepare(w).shape, float("nan"))
+    slot.copy_(kernel.layout(w))
+    want = kernel.prepare(w.float())
+    assert slot.is_contiguous() and torch.equal(slot, want)
+    assert ONEDNN.layout is None  # a blocked layout is no view of the Hub weight

@@ -51,12 +51,17 @@ def _assert_reads_equal_resident(folder, dtype):
     spec = load_spec(str(folder))
     stacks = _resident_stacks(folder, dtype)
     with ExpertReader(folder, load_or_build_manifest(folder, spec), dtype) as reader:
+        scratch = torch.full((reader.read_size(),), 0xFF, dtype=torch.uint8)
         for layer, experts in stacks.items():
             for e in range(experts.num_experts):
                 gate_up, down = reader.read(layer, e)
                 assert gate_up.dtype == down.dtype == dtype
                 assert torch.equal(gate_up, experts.gate_up[e]), (layer, e)
                 assert torch.equal(down, experts.down[e]), (layer, e)
+                # As stored, read into a reused buffer: the same values once cast (the store's path).
+                gate_up, down = reader.read(layer, e, cast=False, scratch=scratch)
+                assert torch.equal(gate_up.to(dtype), experts.gate_up[e]), (layer, e)
+                assert torch.equal(down.to(dtype), experts.down[e]), (layer, e)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

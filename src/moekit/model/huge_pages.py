@@ -79,6 +79,18 @@ def _repoint(t: torch.Tensor, storage, offset: int) -> None:
         t.set_(storage, offset, t.size(), t.stride())
 
 
+def huge_page_arena(nbytes: int, advice: Optional[int] = None) -> torch.Tensor:
+    """nbytes of zeroed memory, uint8, starting on a huge page boundary, from one anonymous mapping
+    advised MADV_HUGEPAGE (or `advice`; none where the platform has no such flag). Pages are
+    only backed as they are first written, so RSS grows with what is used, not with nbytes."""
+    area = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if advice is not None or supported():
+        area.madvise(mmap.MADV_HUGEPAGE if advice is None else advice)
+    whole = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` mapped while any view lives
+    at = (-whole.data_ptr()) % HUGE_PAGE
+    return whole[at : at + nbytes]
+
+
 def move_to_huge_pages(module: torch.nn.Module, advice: Optional[int] = None) -> Moved:
     """Move the module's large CPU weight storages into one mapping advised MADV_HUGEPAGE (see the
     module docstring); returns what moved and what stayed. advice: another madvise flag for the
@@ -91,19 +103,16 @@ def move_to_huge_pages(module: torch.nn.Module, advice: Optional[int] = None) ->
     if not groups:
         return moved
     sizes = {key: ts[0].untyped_storage().nbytes() for key, ts in groups.items()}
-    total = sum(-(-n // ALIGN) * ALIGN for n in sizes.values()) + HUGE_PAGE
-    area = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    area.madvise(mmap.MADV_HUGEPAGE if advice is None else advice)
-    arena = torch.frombuffer(area, dtype=torch.uint8)  # keeps `area` mapped while any view lives
-    at = (-arena.data_ptr()) % HUGE_PAGE  # the first weight on a huge page boundary
-    target = arena.untyped_storage()
+    arena = huge_page_arena(sum(-(-n // ALIGN) * ALIGN for n in sizes.values()), advice)
+    at = 0
+    target, base = arena.untyped_storage(), arena.storage_offset()  # the mapping's start is not the arena's
     for key, tensors in groups.items():
         old = tensors[0].untyped_storage()
         n = sizes[key]
         arena[at : at + n].copy_(torch.empty(0, dtype=torch.uint8).set_(old, 0, (n,), (1,)))
         offsets = [t.storage_offset() for t in tensors]
         for t, offset in zip(tensors, offsets):
-            _repoint(t, target, at // t.element_size() + offset)
+            _repoint(t, target, (base + at) // t.element_size() + offset)
         # Our `old` is one reference; any other means a holder outside the modules (a view, a
         # store): put the tensors back so that it still shares their memory.
         if torch._C._storage_Use_Count(old._cdata) > 1:

@@ -83,10 +83,14 @@ class Kernel:
     prepare: Callable[[Tensor], Tensor]  # Hub weight [out, in] → the layout `apply` reads
     apply: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor]  # (x [.., in], prepared, bias) → [.., out]
     hub: Callable[[Tensor, int], Tensor] = lambda w, in_features: w  # (prepared, in) → Hub weight [out, in]
+    # The prepared layout as a view of the Hub weight, where one exists: `prepare` is then a
+    # contiguous copy of it, which a caller may instead write into a buffer it owns, casting as it
+    # copies (the expert store's slots).
+    layout: Optional[Callable[[Tensor], Tensor]] = None
 
 
-PLAIN = Kernel("plain", lambda w: w, linear_reference)
-TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed, lambda w, in_features: w.t())
+PLAIN = Kernel("plain", lambda w: w, linear_reference, layout=lambda w: w)
+TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed, lambda w, in_features: w.t(), layout=lambda w: w.t())
 ONEDNN = Kernel("onednn", _pack, _apply_packed, _unpack)
 
 

@@ -176,13 +176,19 @@ class ExpertReader:
         except KeyError:
             raise MoekitError(f"{self.folder}: layer {layer} expert {e} is not a routed expert of this model") from None
 
-    def read_bytes(self, layer: int, e: int, verify: bool = True) -> torch.Tensor:
-        """The expert's extents read into one uint8 buffer, checked against their crc32s (`verify`)."""
+    def read_size(self) -> int:
+        """Bytes of the largest buffer read_bytes fills (a scratch buffer this size fits any expert)."""
+        return max((plan.size for plan in self._plans.values()), default=0)
+
+    def read_bytes(self, layer: int, e: int, verify: bool = True, scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The expert's extents read into one uint8 buffer, checked against their crc32s (`verify`).
+        scratch: a uint8 buffer of at least read_size() bytes to read into instead of a fresh one
+        (whose first touch costs a page fault per 4 KB); what comes back is then a view of it."""
         ex = self._experts(layer, e)
         if not self._fds:
             raise MoekitError(f"{self.folder}: the expert reader is closed (layer {layer} expert {e} requested)")
         plan = self._plans[layer, e]
-        buf = torch.empty(plan.size, dtype=torch.uint8)
+        buf = scratch[: plan.size] if scratch is not None else torch.empty(plan.size, dtype=torch.uint8)
         arr = buf.numpy()  # shares memory: preadv writes straight into the tensor
         for span in plan.spans:
             self._pread(arr[span.at : span.at + span.length], span, layer, e)
@@ -219,10 +225,15 @@ class ExpertReader:
                 )
             done += n
 
-    def read(self, layer: int, e: int, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's dtype."""
+    def read(self, layer: int, e: int, verify: bool = True, cast: bool = True,
+             scratch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's
+        dtype; cast=False leaves float parts in their stored dtype (views of the read where they
+        lie so), for a caller that casts as it copies them into place. With `scratch` (read_bytes)
+        the result may be views of it: good only until the scratch is read into again."""
         ex = self._experts(layer, e)
-        buf = self.read_bytes(layer, e, verify)
+        dtype = self.dtype if cast else None
+        buf = self.read_bytes(layer, e, verify, scratch)
         at = self._plans[layer, e].at
         if ex.layout == "mxfp4":
             return self._mxfp4(buf, at, ex)
@@ -233,24 +244,24 @@ class ExpertReader:
         if ex.layout == "rows_transposed_down":
             (dx,) = ex.down
             dn = _view(buf, at[n], dx.length, dx.dtype, dx.shape)  # [F, D], applied x @ W
-            down = self._empty(down_shape, dn.dtype)
+            down = torch.empty(down_shape, dtype=dtype or dn.dtype)
             down.copy_(dn.t())
-            return self._rows(buf, at[:n], ex.gate_up, up_shape), down
+            return _rows(buf, at[:n], ex.gate_up, up_shape, dtype), down
         if ex.layout in ("interleaved_transposed", "transposed"):
             (gx,), (dx,) = ex.gate_up, ex.down
             gu = _view(buf, at[0], gx.length, gx.dtype, gx.shape)  # [D, 2F]: gate/up interleaved, or halves (llama4)
             dn = _view(buf, at[1], dx.length, dx.dtype, dx.shape)  # [F, D]
             f = up_shape[0] // 2
-            gate_up = self._empty(up_shape, gu.dtype)
+            gate_up = torch.empty(up_shape, dtype=dtype or gu.dtype)
             if ex.layout == "transposed":
                 gate_up.copy_(gu.t())
             else:
                 gate_up[:f].copy_(gu[:, 0::2].t())
                 gate_up[f:].copy_(gu[:, 1::2].t())
-            down = self._empty(down_shape, dn.dtype)
+            down = torch.empty(down_shape, dtype=dtype or dn.dtype)
             down.copy_(dn.t())
             return gate_up, down
-        return self._rows(buf, at[:n], ex.gate_up, up_shape), self._rows(buf, at[n:], ex.down, down_shape)
+        return _rows(buf, at[:n], ex.gate_up, up_shape, dtype), _rows(buf, at[n:], ex.down, down_shape, dtype)
 
     def _pieces(self, buf: torch.Tensor, at, extents) -> list[torch.Tensor]:
         return [_view(buf, a, x.length, x.dtype, x.shape) for a, x in zip(at, extents)]
@@ -274,36 +285,38 @@ class ExpertReader:
         *gate_up, down = rows
         return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
 
-    def _dequantized(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
-        """K-quant parts dequantized by gguf-py, the function the resident GGUF load uses
-        (moekit.weights.gguf_checkpoint.dequantize), then cast: the resident weights' values."""
-        from moekit.weights.gguf_checkpoint import dequantize_as
 
-        out = self._empty(shape, torch.float32)
-        begin = 0
-        for a, x in zip(at, extents):
-            piece = _view(buf, a, x.length, x.dtype, x.shape)
-            if x.dtype in DEQUANTIZED:
-                piece = dequantize_as(x.dtype, piece.numpy())
-            out[begin : begin + x.shape[0]].copy_(piece)
-            begin += x.shape[0]
-        return out
+def _dequantized(buf: torch.Tensor, at, extents, shape, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """K-quant parts dequantized by gguf-py, the function the resident GGUF load uses
+    (moekit.weights.gguf_checkpoint.dequantize), then cast to dtype (None: left fp32): the
+    resident weights' values."""
+    from moekit.weights.gguf_checkpoint import dequantize_as
 
-    def _empty(self, shape, stored: torch.dtype) -> torch.Tensor:
-        return torch.empty(shape, dtype=self.dtype or stored)
+    out = torch.empty(shape, dtype=dtype or torch.float32)
+    begin = 0
+    for a, x in zip(at, extents):
+        piece = _view(buf, a, x.length, x.dtype, x.shape)
+        if x.dtype in DEQUANTIZED:
+            piece = dequantize_as(x.dtype, piece.numpy())
+        out[begin : begin + x.shape[0]].copy_(piece)
+        begin += x.shape[0]
+    return out
 
-    def _rows(self, buf: torch.Tensor, at, extents, shape) -> torch.Tensor:
-        """Parts stacked row-wise: one view of the buffer when they already lie so in it."""
-        if any(x.dtype in DEQUANTIZED for x in extents):
-            return self._dequantized(buf, at, extents, shape)
-        dtype = extents[0].dtype
-        total = sum(x.length for x in extents)
-        if all(x.dtype == dtype for x in extents) and all(a + x.length == b for a, b, x in zip(at, at[1:], extents)):
-            t = _view(buf, at[0], total, dtype, shape)
-            return t if self.dtype in (None, t.dtype) or is_quantized(dtype) else t.to(self.dtype)
-        out = torch.empty(shape, dtype=torch.uint8) if is_quantized(dtype) else self._empty(shape, TORCH_DTYPES[dtype])
-        begin = 0
-        for a, x in zip(at, extents):
-            out[begin : begin + x.shape[0]].copy_(_view(buf, a, x.length, x.dtype, x.shape))
-            begin += x.shape[0]
-        return out
+
+def _rows(buf: torch.Tensor, at, extents, shape, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """Parts stacked row-wise, cast to dtype (None: as stored): one view of the buffer when they
+    already lie so in it and need no cast."""
+    if any(x.dtype in DEQUANTIZED for x in extents):
+        return _dequantized(buf, at, extents, shape, dtype)
+    stored = extents[0].dtype
+    total = sum(x.length for x in extents)
+    if all(x.dtype == stored for x in extents) and all(a + x.length == b for a, b, x in zip(at, at[1:], extents)):
+        t = _view(buf, at[0], total, stored, shape)
+        return t if dtype in (None, t.dtype) or is_quantized(stored) else t.to(dtype)
+    quantized = is_quantized(stored)
+    out = torch.empty(shape, dtype=torch.uint8 if quantized else dtype or TORCH_DTYPES[stored])
+    begin = 0
+    for a, x in zip(at, extents):
+        out[begin : begin + x.shape[0]].copy_(_view(buf, a, x.length, x.dtype, x.shape))
+        begin += x.shape[0]
+    return out

@@ -87,12 +87,14 @@ class LayerStore:
         self,
         layer: int,
         cache: SlotCache,
-        load: Callable[[int, int], Weights],  # (layer, expert) → prepared weights; runs on a worker
+        # (layer, expert, spare weights to write into or None) → prepared weights; runs on a worker
+        load: Callable[[int, int, Optional[Weights]], Weights],
         disk_bytes: Sequence[int],  # per expert: bytes its load reads
         memory_bytes: Sequence[int],  # per expert: bytes it holds once loaded
         pool: ThreadPoolExecutor,
         clock: StoreClock,
         retain: bool = True,  # False: the "no cache" baseline, every use reads the expert again
+        slots: Sequence[Weights] = (),  # memory for the resident experts, loads write into it
     ):
         self.layer = layer
         self.retain = retain
@@ -107,6 +109,17 @@ class LayerStore:
         self._prediction: Optional[set[int]] = None
         self.stats = LayerStats()
         self.last_misses: set[int] = set()  # the experts the last forward had to read
+        # Free slots, and the weights of evicted experts: the next load writes into one, so a miss
+        # allocates nothing. An expert of the forward under way (_in_use) returns its weights only
+        # when that forward ends (_deferred): a token's experts are all fetched before the first runs.
+        self._spare: list[Weights] = list(slots)
+        self._handed: dict[int, Optional[Weights]] = {}  # expert → the spare its load was given
+        self._in_use: frozenset[int] = frozenset()
+        self._deferred: list[tuple[Future, Optional[Weights]]] = []
+        # Without slots (experts held as read: blocks, packed rows) a dropped expert is freed.
+        self._recycles = bool(slots)
+        self._slot_count = len(slots)
+        self._slot_ptrs = frozenset(w[0].data_ptr() for w in slots)
 
     # --- residency -----------------------------------------------------------------------------
 
@@ -116,14 +129,45 @@ class LayerStore:
         self.stats.loads += 1
         self.stats.disk_bytes += self._disk_bytes[e]
         self._clock.hold(1, self.memory_bytes[e])
-        self._weights[e] = self._pool.submit(self._load, self.layer, e) if background else self._inline(e)
+        into = self._spare.pop() if self._spare else None
+        self._handed[e] = into
+        if background:
+            self._weights[e] = self._pool.submit(self._load, self.layer, e, into)
+        else:
+            self._weights[e] = self._inline(e, into)
 
     def _drop(self, e: Optional[int]) -> None:
         if e is None:
             return
-        if self._weights.pop(e, None) is not None:
+        future = self._weights.pop(e, None)
+        if future is not None:
             self._clock.hold(-1, -self.memory_bytes[e])
+            handed = self._handed.pop(e, None)
+            if self._recycles and e in self._in_use:
+                self._deferred.append((future, handed))
+            elif self._recycles:
+                self._recycle(future, handed)
         self._prefetched.discard(e)
+
+    def _recycle(self, future: Future, handed: Optional[Weights]) -> None:
+        """A dropped expert's weights (or, if its load failed or never ran, the spare it was given)
+        back to the spares, once no load writes into them any more."""
+
+        def back(done: Future) -> None:
+            ok = not done.cancelled() and done.exception() is None
+            weights = done.result() if ok else handed
+            if weights is None:
+                return
+            # A slot always comes back. Weights allocated while every slot was taken (a token
+            # whose experts outnumber the slots pins leave) are kept only while fewer than the
+            # slots are in use, so memory returns to the slots'.
+            if weights[0].data_ptr() in self._slot_ptrs or len(self._spare) + len(self._weights) < self._slot_count:
+                self._spare.append(weights)  # atomic under the GIL: a worker may run this
+
+        if future.done():
+            back(future)
+        else:
+            future.add_done_callback(back)
 
     def load_pinned(self) -> None:
         """Read the pinned experts now, at start, and wait for them (errors surface here)."""
@@ -139,7 +183,7 @@ class LayerStore:
             return future.result()
         if future.cancel():
             # Still queued behind other guesses: read it here and now rather than wait for them.
-            self._weights[e] = future = self._inline(e)
+            self._weights[e] = future = self._inline(e, self._handed.get(e))
             return future.result()
         began = time.perf_counter()
         try:
@@ -147,12 +191,12 @@ class LayerStore:
         finally:
             self._clock.stall_s += time.perf_counter() - began
 
-    def _inline(self, e: int) -> Future:
+    def _inline(self, e: int, into: Optional[Weights] = None) -> Future:
         """Load e on this thread into a finished Future (its error kept in it); the time is stall."""
         future: Future = Future()
         began = time.perf_counter()
         try:
-            future.set_result(self._load(self.layer, e))
+            future.set_result(self._load(self.layer, e, into))
         except BaseException as err:  # kept in the future: _result raises it like a worker's
             future.set_exception(err)
         finally:
@@ -162,12 +206,12 @@ class LayerStore:
     def _acquire(self, e: int, access) -> Weights:
         """Expert e's weights after the SlotCache's access (hit or miss, and any victim) for it."""
         self.stats.accesses += 1
-        if not access.hit:
-            self.last_misses.add(e)  # this forward's misses: a batch charges each row its own
         if access.hit:
             self.stats.hits += 1
             if e in self._prefetched:
                 self.stats.prefetch_hits += 1
+        else:
+            self.last_misses.add(e)  # this forward's misses: a batch charges each row its own
         self._prefetched.discard(e)
         self._drop(access.evicted)
         if e not in self._weights:
@@ -211,22 +255,16 @@ class LayerStore:
         """What RoutedExperts.forward computes, with weights from this store. x [T, D] → [T, D]."""
         needed = sorted(set(decision.topk_ids.reshape(-1).tolist()))
         self._score_prediction(needed)
-        walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
         self.last_misses = set()
-        if x.shape[0] == 1:
-            # RoutedExperts runs one token's experts in router order: take them all first (K fit
-            # in the slots, and the walk protects the ones still to come).
-            fetched = {e: self._acquire(e, access) for e, access in walk}
-            out = experts.combine(x, decision, fetched.__getitem__)
-        else:
-            # Several tokens: asked in ascending ids, each right before it runs, so a prefill that
-            # needs more experts than there are slots may evict the ones it has finished with.
-            def weights(e: int) -> Weights:
-                taken, access = next(walk)
-                assert taken == e, f"expert {e} asked, the walk is at {taken}"  # both ascend over `needed`
-                return self._acquire(e, access)
-
-            out = experts.combine(x, decision, weights)
+        # One token fetches all its experts before the first runs; several run each as fetched.
+        self._in_use = frozenset(needed) if x.shape[0] == 1 else frozenset()
+        try:
+            out = self._combine(experts, x, decision, needed)
+        finally:
+            self._in_use = frozenset()
+            for future, handed in self._deferred:
+                self._recycle(future, handed)
+            self._deferred.clear()
         if not self.retain:
             for e in sorted(self.cache.resident - self.cache.pinned):
                 self._drop(e)
@@ -235,6 +273,23 @@ class LayerStore:
             self.stats.first_accesses, self.stats.first_hits = self.stats.accesses, self.stats.hits
         self.stats.forwards += 1
         return out
+
+    def _combine(self, experts, x: Tensor, decision: RoutingDecision, needed: list[int]) -> Tensor:
+        walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
+        if x.shape[0] == 1:
+            # RoutedExperts runs one token's experts in router order: take them all first (K fit
+            # in the slots, and the walk protects the ones still to come).
+            fetched = {e: self._acquire(e, access) for e, access in walk}
+            return experts.combine(x, decision, fetched.__getitem__)
+
+        # Several tokens: asked in ascending ids, each right before it runs, so a prefill that
+        # needs more experts than there are slots may evict the ones it has finished with.
+        def weights(e: int) -> Weights:
+            taken, access = next(walk)
+            assert taken == e, f"expert {e} asked, the walk is at {taken}"  # both ascend over `needed`
+            return self._acquire(e, access)
+
+        return experts.combine(x, decision, weights)
 
 
 @dataclass

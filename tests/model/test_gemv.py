@@ -27,7 +27,7 @@ def ops(request):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5)])
+@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5), (8, 512, 300), (20, 256, 64)])
 def test_rows_gemv_is_f_linear(ops, dtype, rows, width, out):
     gen = torch.Generator().manual_seed(rows * width + out)
     x = torch.randn(rows, width, generator=gen).to(dtype)
@@ -41,9 +41,10 @@ def test_rows_gemv_is_f_linear(ops, dtype, rows, width, out):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("per_choice", [False, True])
-def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice):
+@pytest.mark.parametrize("k", [70, 64], ids=["vectors", "tiles-where-amx"])
+def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice, k):
     gen = torch.Generator().manual_seed(7)
-    b, c, e, n, k = 3, 2, 6, 33, 70
+    b, c, e, n = 3, 2, 6, 33
     w = torch.randn(e, n, k, generator=gen).to(dtype)
     ids = torch.tensor([[1, 5], [0, 1], [5, 2]])
     x = torch.randn(b, c if per_choice else 1, k, generator=gen).to(dtype)
@@ -56,18 +57,20 @@ def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_batch_rows_floats_do_not_depend_on_the_batch_around_them(ops, dtype):
+@pytest.mark.parametrize("width", [515, 512], ids=["vectors", "tiles-where-amx"])
+def test_a_batch_rows_floats_do_not_depend_on_the_batch_around_them(ops, dtype, width):
     """A batch's products take weight rows and x rows in blocks, each (weight row, x row) pair on
     chains of its own: a row's floats are the same bit for bit in a batch of 2 as in one of 9,
-    whether a weight row falls in a block or among the rows left over, and for an expert's rows."""
+    whether a weight row falls in a block or among the rows left over, and for an expert's rows.
+    At a width of 32s, bf16 batches run on AMX tiles where the CPU has them: the same holds there."""
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(9, 515, generator=gen).to(dtype)
-    w = torch.randn(37, 515, generator=gen).to(dtype)
+    x = torch.randn(9, width, generator=gen).to(dtype)
+    w = torch.randn(37, width, generator=gen).to(dtype)
     full = ops.rows_gemv(x, w)
     for r in range(2, 9):
         assert torch.equal(ops.rows_gemv(x[:r], w), full[:r]), r
     assert torch.equal(ops.rows_gemv(x, w[1:]), full[:, 1:])  # every weight row at another place in its block
-    stacks = torch.randn(3, 37, 515, generator=gen).to(dtype)
+    stacks = torch.randn(3, 37, width, generator=gen).to(dtype)
     ids = torch.tensor([[0, 2]] * 6)  # experts 0 and 2 get 6 rows each
     experts = ops.experts_gemv(x[:6, None], stacks, ids)
     for r in range(2, 6):
@@ -218,3 +221,15 @@ def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
         space, op_name = overload.name().split("::")
         assert name == f"aoti_torch_cpu_{op_name}" and op_name.endswith(suffix(space))
         assert getattr(process, name) is not None
+
+
+def test_a_bf16_batch_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
+    from moekit.model.gemv import bf16_tiles
+
+    assert operators() is not None, status()
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    assert bf16_tiles() == ("amx_bf16" in flags and "amx_tile" in flags)
+    if NARROW in namespaces():
+        assert op(NARROW, "bf16_tiles")() is False  # the AVX2 build has no tiles
+    label = chosen()["bfloat16"]
+    assert ("AMX tiles" in label) == (bf16_tiles() and not widen_batch("bfloat16"))

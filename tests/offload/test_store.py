@@ -59,17 +59,23 @@ def test_other_layouts_are_exact_at_the_minimum_budget(family, tmp_path):
     assert _ids(folder, OffloadOptions(budget))[:2] == _ids(folder)[:2]
 
 
-def test_pins_from_a_profile_stay_resident_and_change_nothing(qwen, tmp_path):
-    # The tiny checkpoint has no tokenizer: count from token-id prompts, as `moekit profile` does from text.
+def _pin_profile(folder, tmp_path):
+    """(profile document, its file): the top 2 experts per layer over PROMPTS, as `moekit profile`
+    writes it (the tiny checkpoint has no tokenizer: counted from token-id prompts)."""
     from moekit.offload.pins import model_identity, profile_document
     from moekit.offload.profile import count_experts
 
-    engine = load_engine(qwen)
+    engine = load_engine(folder)
     counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
-    doc = profile_document(model_identity(qwen, engine.spec), counts, top=2, workload={})
+    doc = profile_document(model_identity(folder, engine.spec), counts, top=2, workload={})
     engine.close()
     pin = tmp_path / "profile.json"
     pin.write_text(json.dumps(doc))
+    return doc, pin
+
+
+def test_pins_from_a_profile_stay_resident_and_change_nothing(qwen, tmp_path):
+    doc, pin = _pin_profile(qwen, tmp_path)
     engine = load_engine(qwen, offload=OffloadOptions("50%", pin=pin))
     try:
         for layer, store in engine.store.layers.items():
@@ -174,16 +180,8 @@ def test_a_decode_miss_writes_into_an_evicted_experts_tensors(qwen):
 def test_experts_fetched_for_a_token_are_never_overwritten_before_they_run(tmp_path):
     """At the minimum budget with pins, a token's later misses must evict experts it fetched but has
     not run yet; their tensors are not handed to the next load while the forward is under way."""
-    from moekit.offload.pins import model_identity, profile_document
-    from moekit.offload.profile import count_experts
-
     folder = write_checkpoint("qwen3_moe", tmp_path / "wide", seed=3, num_experts=16, num_experts_per_tok=4)
-    engine = load_engine(folder)
-    counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
-    doc = profile_document(model_identity(folder, engine.spec), counts, top=2, workload={})
-    engine.close()
-    pin = tmp_path / "profile.json"
-    pin.write_text(json.dumps(doc))
+    _, pin = _pin_profile(folder, tmp_path)
     engine = load_engine(folder, offload=OffloadOptions(f"{100 * 4 / 16 + 0.01:.2f}%", pin=pin, prefetch=False))
     try:
         single = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).token_ids[0] for p in PROMPTS]

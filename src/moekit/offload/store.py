@@ -117,7 +117,6 @@ class LayerStore:
         self._in_use: frozenset[int] = frozenset()
         self._deferred: list[tuple[Future, Optional[Weights]]] = []
         # Without slots (experts held as read: blocks, packed rows) a dropped expert is freed.
-        self._recycles = bool(slots)
         self._slot_count = len(slots)
         self._slot_ptrs = frozenset(w[0].data_ptr() for w in slots)
 
@@ -143,9 +142,9 @@ class LayerStore:
         if future is not None:
             self._clock.hold(-1, -self.memory_bytes[e])
             handed = self._handed.pop(e, None)
-            if self._recycles and e in self._in_use:
+            if self._slot_count and e in self._in_use:
                 self._deferred.append((future, handed))
-            elif self._recycles:
+            elif self._slot_count:
                 self._recycle(future, handed)
         self._prefetched.discard(e)
 

@@ -111,7 +111,8 @@ def _full_step_inputs(dec, full: bool = True):
 @pytest.mark.parametrize(
     "equation, left, right",
     [("bkgd,bksd->bkgs", (1, 4, 2, 16), (1, 4, 9, 16)), ("bkgs,bksd->bkgd", (1, 4, 2, 9), (1, 4, 9, 16)),
-     ("bhn,hnr->bhr", (1, 8, 16), (8, 16, 32)), ("bhc,bsc->bhs", (2, 3, 40), (2, 7, 40)), ("ij,jk->ki", (3, 5), (5, 4))],
+     ("bhn,hnr->bhr", (1, 8, 16), (8, 16, 32)), ("bhn,hnr->bhr", (3, 8, 16), (8, 16, 32)),
+     ("bhr,hrv->bhv", (3, 8, 32), (8, 32, 16)), ("bhc,bsc->bhs", (2, 3, 40), (2, 7, 40)), ("ij,jk->ki", (3, 5), (5, 4))],
 )
 def test_contract_is_einsum(equation, left, right):
     gen = torch.Generator().manual_seed(0)
@@ -201,10 +202,11 @@ def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
     torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
 
 
-def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path):
-    """bf16 runs other kernels than the eager reference (bf16 pairs, or a batch widened to fp32 where
-    gemv.widen_batch measured that faster here), so logits agree to bf16's rounding, not to 1e-4."""
-    folder = write_checkpoint("qwen3_moe", tmp_path / "q")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])  # attention, and MLA's absorbed products
+def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path, family):
+    """bf16 runs other kernels than the eager reference (bf16 pairs, AMX tiles, or a batch widened to
+    fp32 where gemv.widen_batch measured that faster here), so logits agree to bf16's rounding, not to 1e-4."""
+    folder = write_checkpoint(family, tmp_path / "q")
     outs = []
     for compile in (False, True):
         engine = load_engine(folder, dtype="bfloat16", compile=compile)

@@ -246,13 +246,15 @@ def _latent_attention(attn: MLAttention, x, stack, at, slot, cos, sin_signed, vi
     stack.index_put_((torch.full_like(rows, at), rows, slot), new)
     cached = stack[at, :b, : visible.shape[1]].float()  # [B, S, R+Rr]
     product = contract if b == 1 else torch.einsum
-    absorbed = product("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
+    # The absorbed projections have no cache length in them: contract at any batch. As a bmm at
+    # bf16 each was ~60 µs (oneDNN) for a few hundred thousand products; a bf16 batch-8 step 7% faster.
+    absorbed = contract("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
     query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
     scores = product("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
     scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     out = product("bhs,bsr->bhr", probs, cached[..., :r]).to(x.dtype)  # [B, H, R]
-    out = product("bhr,hrv->bhv", out, attn.w_uv_t)  # [B, H, Dv]
+    out = contract("bhr,hrv->bhv", out, attn.w_uv_t)  # [B, H, Dv]
     return linear_rows(out.reshape(b, h * attn.v_dim), attn.o_proj.weight, attn.o_proj.bias)
 
 

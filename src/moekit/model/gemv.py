@@ -580,7 +580,7 @@ static constexpr int64_t MIN_THREAD_BYTES = 64 * 1024;
 // x is laid out once per call as the tiles' pairs, x[m][k], x[m][k + 1] side by side for each m.
 // Each output is its own chain over k in 32-input steps, the pairs of a step summed by the tile
 // multiply, so a row's floats do not depend on the rows beside it; they differ from the vector
-// kernels' (another order of the same fp32 sums), and a lone row keeps the vector kernel.
+// kernels' (another order of the same fp32 sums), and a call with one row keeps the vector kernel.
 struct alignas(64) TileConfig {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -643,8 +643,8 @@ static inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* 
     if (T > 3) _tile_stored(3, c + 768, AMX_ROWS * 4);
 }
 
-// Weight rows [0, N - N % 16) of w [N, K] (K a multiple of 32) with M bf16 x rows, into y [M, N],
-// 16 x rows at a time, threads over blocks of 64 weight rows.
+// w [N, K] (K a multiple of 32) with M bf16 x rows of K, into y [M, N]: 16 x rows at a time, threads
+// over blocks of 64 weight rows; the last N % 16 weight rows, short of a tile, by the vector kernel.
 static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, int64_t N, int64_t K, float* y) {
     const int64_t tiles = N / 16, blocks = (tiles + 3) / 4;
     const int64_t grain = std::max<int64_t>(1, MIN_THREAD_BYTES / (64 * K * 2));
@@ -669,11 +669,19 @@ static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, 
             _tile_release();
         });
     }
+    std::vector<const c10::BFloat16*> all(M);
+    for (int64_t m = 0; m < M; ++m) all[m] = x + m * K;
+    std::vector<float> out(M);
+    for (int64_t n = N - N % 16; n < N; ++n) {
+        dots(w + n * K, all.data(), M, K, out.data());
+        for (int64_t m = 0; m < M; ++m) y[m * N + n] = out[m];
+    }
 }
 
-// experts_loop for bf16 rows and weights where several rows chose an expert: those rows' products
-// with it on the tiles, 16 rows at a time; an expert one row chose, and the last N % 16 weight rows,
-// keep the vector kernel (`dots`). xs[j]: the x row of the j-th pair in expert order.
+// experts_loop for a batch's bf16 rows and bf16 weights: each chosen expert's rows on the tiles, 16 at
+// a time, an expert one row chose too (a row's floats must not depend on whether another row chose its
+// expert); only the last N % 16 weight rows keep the vector kernel (`dots`). xs[j]: the x row of the
+// j-th pair in expert order.
 static void amx_experts(const c10::BFloat16* w, int64_t E, int64_t N, int64_t K, const std::vector<int64_t>& first,
                         const std::vector<int64_t>& order, const std::vector<const c10::BFloat16*>& xs, float* y) {
     struct Group { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
@@ -694,9 +702,9 @@ static void amx_experts(const c10::BFloat16* w, int64_t E, int64_t N, int64_t K,
             const int64_t n0 = (i % blocks) * 16, n_end = std::min(N, n0 + 16);
             const c10::BFloat16* we = w + g.e * N * K;
             if (n_end - n0 == 16) {
-                const Group& h = groups[std::min<int64_t>(i + 1, end - 1) / blocks];
-                const int64_t m0 = (std::min<int64_t>(i + 1, end - 1) % blocks) * 16;
-                const c10::BFloat16* next = i + 1 < end && m0 + 16 <= N ? w + (h.e * N + m0) * K : nullptr;
+                const c10::BFloat16* next = nullptr;  // this thread's next item, where it is a whole tile
+                if (i + 1 < end && ((i + 1) % blocks) * 16 + 16 <= N)
+                    next = w + (groups[(i + 1) / blocks].e * N + ((i + 1) % blocks) * 16) * K;
                 amx_block<1>(we, K, pairs.data() + (i / blocks) * (K / 2) * AMX_ROWS, n0, c, next);
                 for (int64_t n = 0; n < 16; ++n)
                     for (int64_t r = 0; r < g.R; ++r) y[order[g.j0 + r] * N + n0 + n] = c[n * 16 + r];
@@ -763,6 +771,14 @@ static std::pair<std::vector<int64_t>, std::vector<int64_t>> by_expert(const int
     return {first, order};
 }
 
+// xs[j] = the x row of pair order[j] (row b, choice c): x[b, 0] (X = 1) or x[b, c] (X = C).
+template <typename XRow>
+static auto rows_in_order(XRow xrow, const std::vector<int64_t>& order, int64_t C, int64_t X) {
+    std::vector<decltype(xrow(0))> xs(order.size());
+    for (size_t j = 0; j < order.size(); ++j) xs[j] = xrow(order[j] / C * X + (X == 1 ? 0 : order[j] % C));
+    return xs;
+}
+
 // y[b, c, n] = row n of expert ids[b, c] · x row, for every (row, choice), where the x row is
 // x[b, 0] (X = 1) or x[b, c] (X = C). The pairs are grouped by expert: each chosen expert's weight
 // rows are read once for all the pairs that chose it (a batch reads the union of its experts), and
@@ -776,8 +792,7 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
                          bool grouped) {
     const int64_t P = B * C;
     const auto [first, order] = by_expert(ids, P, E);
-    std::vector<decltype(xrow(0))> xs(P);
-    for (int64_t j = 0; j < P; ++j) xs[j] = xrow(order[j] / C * X + (X == 1 ? 0 : order[j] % C));
+    const auto xs = rows_in_order(xrow, order, C, X);
     // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
     const int64_t blocks = (N + 15) / 16;
     std::vector<int64_t> items;
@@ -910,15 +925,7 @@ torch::Tensor rows_gemv(torch::Tensor x, torch::Tensor w, bool grouped) {
 #ifdef MK_AMX
         if constexpr (std::is_same_v<X, c10::BFloat16>) {
             if (bf16 && M >= 2 && K % 32 == 0 && N >= 16 && amx_ready()) {
-                const c10::BFloat16* wp = wc.data_ptr<c10::BFloat16>();
-                amx_rows(xrow(0), M, wp, N, K, y.data);
-                std::vector<const c10::BFloat16*> xs(M);
-                for (int64_t m = 0; m < M; ++m) xs[m] = xrow(m);
-                std::vector<float> out(M);
-                for (int64_t n = N - N % 16; n < N; ++n) {  // the last rows short of a tile
-                    dots(wp + n * K, xs.data(), M, K, out.data());
-                    for (int64_t m = 0; m < M; ++m) y.data[m * N + n] = out[m];
-                }
+                amx_rows(xrow(0), M, wc.data_ptr<c10::BFloat16>(), N, K, y.data);
                 return;
             }
         }
@@ -953,8 +960,7 @@ torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids, 
         if constexpr (std::is_same_v<XT, c10::BFloat16>) {
             if (bf16 && B >= 2 && K % 32 == 0 && amx_ready()) {
                 const auto [first, order] = by_expert(ic.data_ptr<int64_t>(), B * C, E);
-                std::vector<const c10::BFloat16*> xs(B * C);
-                for (int64_t j = 0; j < B * C; ++j) xs[j] = xrow(order[j] / C * X + (X == 1 ? 0 : order[j] % C));
+                const auto xs = rows_in_order(xrow, order, C, X);
                 amx_experts(wc.data_ptr<c10::BFloat16>(), E, N, K, first, order, xs, y.data);
                 return;
             }
@@ -1049,8 +1055,6 @@ torch::Tensor rows_argmax(torch::Tensor x) {
     return out;
 }
 
-// The names end in the build's suffix (@S@: "" or "_avx2", filled in by _build): Inductor names a
-// custom operator's C entry point after the operator alone, so two builds need two names.
 // Whether a batch's bf16 products run on AMX tiles here (built with them, and the OS grants them).
 bool bf16_tiles() {
 #ifdef MK_AMX
@@ -1059,6 +1063,9 @@ bool bf16_tiles() {
     return false;
 #endif
 }
+
+// The names end in the build's suffix (@S@: "" or "_avx2", filled in by _build): Inductor names a
+// custom operator's C entry point after the operator alone, so two builds need two names.
 
 TORCH_LIBRARY(moekit, m) {
     m.def("rows_gemv@S@(Tensor x, Tensor w, bool grouped=False) -> Tensor");
@@ -1129,7 +1136,7 @@ def _build(namespace: str, flags: list[str]) -> None:
     # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
     # already loaded, so there is one thread pool, not two. Hidden visibility: of the two builds'
     # same-named C++ functions each library calls its own once both are global (below).
-    path = load_inline(name=f"{namespace}_gemv_v19", cpp_sources=source, is_python_module=False,
+    path = load_inline(name=f"{namespace}_gemv_v20", cpp_sources=source, is_python_module=False,
                        extra_cflags=["-O3", "-march=native", *flags, "-fopenmp", "-fvisibility=hidden"], verbose=False)
     # Made global, so that the compiled step's generated library finds the C entry points.
     ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, kind_of, namespaces, op, operators, rows_argmax,
-                               status, suffix, variant, widen_batch)
+from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, copy_into, kind_of, namespaces, op, operators,
+                               rows_argmax, status, suffix, variant, widen_batch)
 from moekit.model.int8 import int8_reference, quantize_q8_0
 
 
@@ -207,6 +207,40 @@ def test_rows_argmax_helper_falls_back_to_torch_where_the_operator_does_not_appl
     assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="V > 0"):
         torch.ops.moekit.rows_argmax(torch.empty(2, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,cols", [(1024, 512), (48, 33), (37, 100), (16, 16), (5, 3), (1, 40)])
+@pytest.mark.parametrize("aligned", [True, False], ids=["streamed-where-rows-align", "offset"])
+def test_transpose_into_is_the_transposed_copy_bit_for_bit(ops, dtype, rows, cols, aligned):
+    """Tiles, the rows and columns they leave, and an out whose rows are not aligned (no streaming
+    stores): every element is src's, widened exactly; nothing outside out is written."""
+    src = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows * cols)).to(dtype)
+    room = torch.full((rows * cols + 64,), -7.0)
+    at = 0 if aligned else 3
+    out = room[at : at + rows * cols].view(cols, rows)
+    ops.transpose_into(src, out)
+    assert torch.equal(out, src.float().t())
+    assert bool((room[:at] == -7).all()) and bool((room[at + rows * cols :] == -7).all())
+
+
+def test_transpose_into_refuses_what_it_does_not_lay_out(ops):
+    with pytest.raises(RuntimeError, match="contiguous fp32 or bf16"):
+        ops.transpose_into(torch.randn(8, 4, dtype=torch.float16), torch.empty(4, 8))
+    with pytest.raises(RuntimeError, match="out a contiguous fp32"):
+        ops.transpose_into(torch.randn(8, 4), torch.empty(8, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_copy_into_is_copy_whichever_way_it_goes(dtype):
+    """The store's helper: the operator for a contiguous matrix's transpose into fp32, torch's copy
+    for anything else (fp16, a plain view, a bf16 destination): the same values every way."""
+    operators()
+    hub = torch.randn(96, 40).to(dtype)
+    for view, out_dtype in ((hub.t(), torch.float32), (hub, torch.float32), (hub.t(), torch.bfloat16), (hub[:, :20].t(), torch.float32)):
+        out = torch.empty(view.shape, dtype=out_dtype)
+        assert copy_into(out, view) is out
+        assert torch.equal(out, view.to(out_dtype))
 
 
 def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():

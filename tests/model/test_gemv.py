@@ -243,12 +243,51 @@ def test_copy_into_is_copy_whichever_way_it_goes(dtype):
         assert torch.equal(out, view.to(out_dtype))
 
 
+def _latent_reference(query, cached, visible, scale, r):
+    scores = (torch.einsum("bhc,bsc->bhs", query, cached[..., : query.shape[-1]].float()) * scale)
+    probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bhs,bsr->bhr", probs, cached[..., :r].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,heads,positions,r,rope", [(1, 16, 1, 256, 32), (1, 8, 37, 128, 32), (3, 4, 40, 40, 8), (2, 3, 19, 7, 5)])
+def test_latent_attend_is_softmax_attention_over_the_cache(ops, dtype, rows, heads, positions, r, rope):
+    """MLA's attention over its cache read in place (a slice of a cache stack: rows apart by the
+    stack's stride), masked positions, latent widths on and off the vector width: within fp32
+    rounding of softmax(q·k)·v computed by torch."""
+    gen = torch.Generator().manual_seed(rows * heads * positions + r)
+    stack = torch.randn(2, rows + 1, positions + 5, r + rope, generator=gen).to(dtype)
+    cached = stack[1, :rows, :positions]
+    query = torch.randn(rows, heads, r + rope, generator=gen)
+    visible = torch.rand(rows, positions, generator=gen) < 0.7
+    visible[:, -1] = True  # a decode row always sees its own position
+    got = ops.latent_attend(query, cached, visible, 0.125, r)
+    assert got.shape == (rows, heads, r) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _latent_reference(query, cached, visible, 0.125, r), rtol=1e-5, atol=1e-5)
+
+
+def test_latent_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
+    cached = torch.randn(1, 6, 40)
+    visible = torch.tensor([[True, False, True, False, True, True]])
+    query = torch.randn(1, 2, 40)
+    want = ops.latent_attend(query, cached, visible, 0.5, 32)
+    cached[0, 1] = float("nan")  # a hidden position's garbage never reaches the output
+    cached[0, 3] = float("inf")
+    assert torch.equal(ops.latent_attend(query, cached, visible, 0.5, 32), want)
+    with pytest.raises(RuntimeError, match="visible bool"):
+        ops.latent_attend(query, cached, visible[:, :5], 0.5, 32)
+    with pytest.raises(RuntimeError, match="0 < r <= C"):
+        ops.latent_attend(query, cached, visible, 0.5, 41)
+    with pytest.raises(RuntimeError, match="query fp32"):
+        ops.latent_attend(query.bfloat16(), cached, visible, 0.5, 32)
+
+
 def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
     """The compiled step's generated C++ calls these symbols by name (gemv.c_shims): each must be
     declared for its own build's operator and be visible process-wide."""
     operators()
     shims = c_shims()
-    assert len(shims) == 4 * len(namespaces())
+    assert len(shims) == 5 * len(namespaces())
     process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
     for overload, (declaration,) in shims.items():
         name = declaration.split("(")[0].split()[-1]

@@ -144,6 +144,22 @@ def test_compiled_rows_match_eager(engines, family):
     assert all(torch.equal(a, b) for a, b in zip(routes[0], routes[1]))
 
 
+def test_mla_attention_without_its_operator_matches_eager(engines, monkeypatch):
+    """Where moekit::latent_attend is not built, MLA's attention over the cache is Inductor's
+    contractions (batch 1) and einsum (a batch): the same tokens and logits as the eager step too."""
+    from moekit.model import compiled_step
+
+    eager, _ = engines("deepseek_v3")
+    monkeypatch.setattr(compiled_step, "_has_latent_attend", lambda: False)
+    plain = load_engine(eager.folder, compile=True)
+    plain.decoder.compile_decode(cpp_wrapper=False)
+    prompts = [[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41]]
+    for batch in ([prompts[0]], prompts):
+        want = eager.generate(batch, max_new_tokens=8, stop_ids=()).token_ids
+        assert plain.generate(batch, max_new_tokens=8, stop_ids=()).token_ids == want
+    torch.testing.assert_close(_step_logits(plain, prompts[0]), _step_logits(eager, prompts[0]), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", EAGER_ONLY)
 def test_families_not_compiled_say_so_and_run_eager(tmp_path, family):
     folder = write_checkpoint(family, tmp_path / family)

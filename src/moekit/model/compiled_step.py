@@ -253,12 +253,13 @@ def _latent_attention(attn: MLAttention, x, stack, at, slot, cos, sin_signed, vi
     # bf16 each was ~60 µs (oneDNN) for a few hundred thousand products; a bf16 batch-8 step 7% faster.
     absorbed = contract("bhn,hnr->bhr", q[..., :nope], attn.w_uk)  # [B, H, R]
     query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
+    cached = stack[at, :b, : visible.shape[1]]  # [B, S, R+Rr]
     if _has_latent_attend():
         # The cache read in place, (row, head) pairs on both threads; Inductor's loops for the
         # same ran on one (1.5 µs per cached position per layer on deepseek_v3-1b at bf16).
-        out = torch.ops.moekit.latent_attend(query, stack[at, :b, : visible.shape[1]], visible, attn.scale, r).to(x.dtype)
+        out = torch.ops.moekit.latent_attend(query, cached, visible, attn.scale, r).to(x.dtype)
     else:
-        cached = stack[at, :b, : visible.shape[1]].float()  # [B, S, R+Rr]
+        cached = cached.float()
         product = contract if b == 1 else torch.einsum
         scores = product("bhc,bsc->bhs", query, cached) * attn.scale  # [B, H, S]
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))

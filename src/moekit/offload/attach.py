@@ -227,12 +227,6 @@ def slot_weights(kernels: Optional[tuple], probes: tuple, per_layer: int, layers
     return out
 
 
-def _transposes(kernel, probe: torch.Tensor) -> bool:
-    """Whether kernel lays a weight out as its transpose (a miss then copies it in tiles)."""
-    view = kernel.layout(probe) if kernel.layout is not None else None
-    return view is not None and view.dim() == 2 and view.shape[0] > 1 and view.stride() == (1, view.shape[0])
-
-
 def _laid_out(kernel, hub: torch.Tensor, slot: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """A Hub weight (any float dtype) in the kernel's layout at dtype: one copy into slot when it
     is that shape and dtype, else into a fresh tensor."""
@@ -266,7 +260,8 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
     kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
                for kind in sorted(set(kinds.values()), key=str)}
-    if None in kernels and any(_transposes(k, p) for k, p in zip(kernels[None], (probe_up, probe_down))):
+    if None in kernels and any(k.layout is not None and gemv.is_transpose(k.layout(p))
+                               for k, p in zip(kernels[None], (probe_up, probe_down))):
         gemv.operators()  # a miss's transpose in tiles (gemv.copy_into); built once per machine, else torch's copy
     load = _ExpertLoader(reader, kinds, kernels, verify=verify)
     own = manifest.source == "packed" or given or bool(formats)  # the extents decide each expert's bytes

@@ -16,11 +16,13 @@ import argparse
 import importlib.util
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from abba import PLACEMENT, abba_ms, timed_ms  # benchmarks/, on sys.path as the script's folder
 from moekit.engine.loader import load_engine
+from moekit.model.decoder import Decoder
 
 HERE = Path(__file__).resolve().parents[1] / "src/moekit/model/compiled_step.py"
 
@@ -86,7 +88,10 @@ def main() -> None:
                 "other": step_module(args.against, "step_other", args.hollow)}
     decoders = []
     for side in PLACEMENT:  # A: this tree's step, B: the other
-        decoder = load_engine(args.checkpoint, dtype=args.dtype, compile=True).decoder
+        # Loaded for compiling but without this tree's step installed: a step may lay the weights
+        # out for itself (tiles), which the other version must not find done.
+        with mock.patch.object(Decoder, "compile_decode", lambda self, cpp_wrapper=True: None):
+            decoder = load_engine(args.checkpoint, dtype=args.dtype, compile=True).decoder
         decoder.compiled = versions["this" if side == "a" else "other"].CompiledStep(decoder)
         decoders.append(decoder)
     b, lo, hi = args.batch, args.context, args.context + args.steps

@@ -17,6 +17,9 @@ import torch
 from moekit.engine.loader import load_engine
 from moekit.model.cache import copy_row
 from moekit.model.compiled_step import contract, unsupported
+from moekit.model.linear import TILES, Linear
+from moekit.model.experts import RoutedExperts
+from moekit.model.moe import Router
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
 
 COMPILED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "phimoe", "dbrx", "deepseek_v3")
@@ -218,24 +221,72 @@ def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
     torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])  # attention, and MLA's absorbed products
-def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path, family):
-    """bf16 runs other kernels than the eager reference (bf16 pairs, AMX tiles, or a batch widened to
-    fp32 where gemv.widen_batch measured that faster here), so logits agree to bf16's rounding, not to 1e-4."""
-    folder = write_checkpoint(family, tmp_path / "q")
-    outs = []
-    for compile in (False, True):
-        engine = load_engine(folder, dtype="bfloat16", compile=compile)
-        if compile:
-            engine.decoder.compile_decode(cpp_wrapper=False)
-        dec, cache = engine.decoder, engine.decoder.new_cache(2, 16)
-        prompts = torch.tensor([[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41, 2, 7, 8, 9, 10]])
-        with torch.inference_mode():
-            dec(prompts, cache, torch.arange(8)[None].expand(2, 8))
-            outs.append(torch.cat([dec(torch.tensor([[17 + s], [23 + s]]), cache, torch.full((2, 1), 8 + s))
-                                   for s in range(3)], 1))
-    assert outs[0].abs().max() > 0.5  # logits of some size, so that the bound below means something
-    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.06)
+# Widths that fit the tiles layout (16 | out, 32 | in) in every projection and expert stack but the
+# routers', so that on an AMX machine the compiled bf16 step lays them out in tiles (lay_out_tiles).
+TILES_FIT = {
+    "qwen3_moe": dict(hidden_size=64, head_dim=16),
+    "deepseek_v3": dict(hidden_size=64, kv_lora_rank=32, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16),
+}
+
+
+def _bf16_batch_logits(engine) -> torch.Tensor:
+    """A 2-row prefill (eager), then 3 decode steps' logits [2, 3, V]."""
+    dec, cache = engine.decoder, engine.decoder.new_cache(2, 16)
+    prompts = torch.tensor([[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41, 2, 7, 8, 9, 10]])
+    with torch.inference_mode():
+        dec(prompts, cache, torch.arange(8)[None].expand(2, 8))
+        return torch.cat([dec(torch.tensor([[17 + s], [23 + s]]), cache, torch.full((2, 1), 8 + s)) for s in range(3)], 1)
+
+
+def _bf16_engines(folder):
+    """(eager bf16 engine, compiled bf16 engine) of one checkpoint."""
+    eager = load_engine(folder, dtype="bfloat16")
+    compiled = load_engine(folder, dtype="bfloat16", compile=True)
+    compiled.decoder.compile_decode(cpp_wrapper=False)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("family,tiles", [("qwen3_moe", False), ("deepseek_v3", False), ("qwen3_moe", True), ("deepseek_v3", True)],
+                         ids=["qwen3_moe", "deepseek_v3", "qwen3_moe-widths-for-tiles", "deepseek_v3-widths-for-tiles"])
+def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path, family, tiles):
+    """bf16 runs other kernels than the eager reference (bf16 pairs, AMX tiles, a batch widened to fp32
+    where gemv.widen_batch measured that faster here, or weights laid out in tiles), so logits agree
+    to bf16's rounding, not to 1e-4. With widths that fit, an AMX machine lays the weights out in
+    tiles, and the eager prefill of the compiled engine reads them through the TILES kernel."""
+    from moekit.model.gemv import tiles_ready
+
+    folder = write_checkpoint(family, tmp_path / "q", **(TILES_FIT[family] if tiles else {}))
+    eager, compiled = _bf16_engines(folder)
+    modules = list(compiled.decoder.modules())
+    laid_out = sum(1 for m in modules if getattr(m, "kernel", None) is TILES) + sum(2 for m in modules if getattr(m, "kernels", None) == (TILES, TILES))
+    if not tiles_ready():
+        assert laid_out == 0
+    elif tiles:
+        assert all(m.kernel is TILES for m in modules if isinstance(m, Linear) and not isinstance(m, Router))
+        assert all(m.kernels == (TILES, TILES) for m in modules if isinstance(m, RoutedExperts))
+    want, got = _bf16_batch_logits(eager), _bf16_batch_logits(compiled)
+    assert want.abs().max() > 0.5  # logits of some size, so that the bound below means something
+    torch.testing.assert_close(got, want, rtol=0, atol=0.06)
+
+
+def test_a_hot_swap_reaches_experts_laid_out_in_tiles(tmp_path):
+    """replace_expert writes into the tiled stacks the compiled step (and the eager prefill) read."""
+    from moekit.model.gemv import tiles_ready
+
+    if not tiles_ready():
+        pytest.skip("weights are laid out in tiles only where a batch's bf16 products run on AMX tiles")
+    folder = write_checkpoint("qwen3_moe", tmp_path / "q", **TILES_FIT["qwen3_moe"])
+    engines = _bf16_engines(folder)
+    before = _bf16_batch_logits(engines[1])
+    for engine in engines:
+        ex = next(b.ffn.experts for b in engine.decoder.layers if hasattr(b.ffn, "experts"))
+        gate_up, down = ex.resident_weights(0)  # in each engine's own layout
+        for e in range(ex.num_experts):  # every expert of the layer becomes expert 0
+            ex.replace_expert(e, (gate_up.clone(), down.clone()))
+    assert engines[1].decoder.layers[0].ffn.experts.kernels == (TILES, TILES)
+    after = [_bf16_batch_logits(engine) for engine in engines]
+    assert (after[1] - before).abs().max() > 0.1
+    torch.testing.assert_close(after[1], after[0], rtol=0, atol=0.06)
 
 
 def test_a_compiled_decoder_is_freed_with_its_engine(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, copy_into, kind_of, namespaces, op, operators,
-                               rows_argmax, status, suffix, variant, widen_batch)
+from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, copy_into, from_tiles, kind_of, namespaces, op,
+                               operators, rows_argmax, status, suffix, tiles_fit, to_tiles, variant, widen_batch)
 from moekit.model.int8 import int8_reference, quantize_q8_0
 
 
@@ -287,7 +287,7 @@ def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
     declared for its own build's operator and be visible process-wide."""
     operators()
     shims = c_shims()
-    assert len(shims) == 5 * len(namespaces())
+    assert len(shims) == 7 * len(namespaces())
     process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
     for overload, (declaration,) in shims.items():
         name = declaration.split("(")[0].split()[-1]
@@ -306,3 +306,64 @@ def test_a_bf16_batch_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
         assert op(NARROW, "bf16_tiles")() is False  # the AVX2 build has no tiles
     label = chosen()["bfloat16"]
     assert ("AMX tiles" in label) == (bf16_tiles() and not widen_batch("bfloat16"))
+
+
+@pytest.mark.parametrize("shape", [(16, 32), (48, 96), (3, 32, 64)], ids=["one-tile", "blocks", "a-stack"])
+def test_tiles_hold_each_block_tile_by_tile_and_give_the_hub_weight_back(shape):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tiled = to_tiles(w)
+    assert tiled.shape == w.shape and tiled.is_contiguous() and tiles_fit(w)
+    assert torch.equal(from_tiles(tiled), w)
+    flat, hub = tiled.reshape(-1, *shape[-2:]), w.reshape(-1, *shape[-2:])
+    n, k = shape[-2:]
+    for e in range(flat.shape[0]):
+        stream = flat[e].reshape(-1)
+        for b in range(n // 16):
+            for t in range(k // 32):  # the t-th 1 KB of block b: its 16 rows' inputs 32 t .. 32 t + 31
+                at = (b * (k // 32) + t) * 512
+                assert torch.equal(stream[at : at + 512].view(16, 32), hub[e, 16 * b : 16 * b + 16, 32 * t : 32 * t + 32])
+    assert not tiles_fit(w.float()) and not tiles_fit(torch.zeros(40, 32).bfloat16()) and not tiles_fit(torch.zeros(16, 48).bfloat16())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 17, 40], ids=lambda r: f"{r}-rows")
+@pytest.mark.parametrize("out,width", [(64, 512), (48, 96)])
+def test_rows_tiles_is_f_linear(rows, out, width):
+    """One row on the vector kernel; more on AMX tiles where the CPU has them, 16 rows a pass."""
+    assert operators() is not None, status()
+    gen = torch.Generator().manual_seed(rows + out)
+    x = torch.randn(rows, width, generator=gen).bfloat16()
+    w = torch.randn(out, width, generator=gen).bfloat16()
+    got = op("moekit", "rows_tiles")(x, to_tiles(w))
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    want = F.linear(x.float(), w.float())  # fp32 products of the same inputs: the output's bf16 rounding
+    torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4)  # and the order of the sums differ
+
+
+@pytest.mark.parametrize("batch", [1, 3, 20])
+@pytest.mark.parametrize("per_choice", [False, True])
+def test_experts_tiles_reads_each_rows_chosen_experts(batch, per_choice):
+    assert operators() is not None, status()
+    gen = torch.Generator().manual_seed(batch)
+    c, e, n, k = 3, 8, 48, 64
+    w = torch.randn(e, n, k, generator=gen).bfloat16()
+    ids = torch.randint(0, e, (batch, c), generator=gen)
+    x = torch.randn(batch, c if per_choice else 1, k, generator=gen).bfloat16()
+    got = op("moekit", "experts_tiles")(x, to_tiles(w), ids)
+    assert got.shape == (batch, c, n) and got.dtype == torch.bfloat16
+    want = torch.stack([torch.stack([F.linear(x[i, j if per_choice else 0].float(), w[ids[i, j]].float())
+                                     for j in range(c)]) for i in range(batch)])
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-2 * want.abs().max().item())
+
+
+def test_the_tiles_operators_refuse_what_is_not_in_tiles():
+    assert operators() is not None, status()
+    rows, experts = op("moekit", "rows_tiles"), op("moekit", "experts_tiles")
+    x = torch.randn(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):
+        rows(x, torch.zeros(40, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="x is bf16"):
+        rows(x.float(), torch.zeros(32, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous bf16 weight"):
+        rows(x, torch.zeros(32, 64))
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        experts(x[:, None], torch.zeros(4, 32, 64).bfloat16(), torch.tensor([[0], [4]]))

@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from moekit.model.linear import ONEDNN, PLAIN, TRANSPOSED, Linear, kernel_for, linear_reference
+from moekit.model.linear import ONEDNN, PLAIN, TILES, TRANSPOSED, Linear, kernel_for, linear_reference
 
 ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 needs_onednn = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU build has no oneDNN bf16")
@@ -18,6 +18,9 @@ KERNELS = [
     pytest.param(TRANSPOSED, torch.float32, 1e-6, id="transposed-fp32"),
     pytest.param(ONEDNN, torch.bfloat16, 2**-8, id="onednn-bf16", marks=needs_onednn),
     pytest.param(PLAIN, torch.float32, 0.0, id="plain-fp32"),
+    # moekit::rows_tiles (built by the set-up): the product rounded to bf16, then the bias added (the
+    # compiled step's order), so a bias makes two roundings
+    pytest.param(TILES, torch.bfloat16, 2**-7, id="tiles-bf16"),
 ]
 
 

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from moekit.model.linear import PLAIN, int8_kernel_for, kernel_for
+from moekit.model import gemv
+from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -99,6 +100,20 @@ class RoutedExperts(nn.Module):
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (kernels[0], kernels[1])
 
+    def lay_out_tiles(self) -> bool:
+        """Plain-kernel stacks [E, out, in] in bf16, each expert in the tiles layout
+        (moekit.model.gemv.to_tiles), still one stack each: the compiled decode step's layout on an
+        AMX machine. False (nothing changed) where the stacks are not plain bf16 ones that fit."""
+        if self.kernels != (PLAIN, PLAIN) or not isinstance(self.gate_up, nn.Parameter):
+            return False
+        if not (gemv.tiles_fit(self.gate_up) and gemv.tiles_fit(self.down)):
+            return False
+        for name in ("gate_up", "down"):
+            setattr(self, name, nn.Parameter(gemv.to_tiles(getattr(self, name).detach()), requires_grad=False))
+        self._weights = (tuple(self.gate_up), tuple(self.down))
+        self.kernels = (TILES, TILES)
+        return True
+
     def quantize_int8(self) -> None:
         """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),
         one expert at a time from the Hub layout its kernel gives back."""
@@ -129,10 +144,10 @@ class RoutedExperts(nn.Module):
         the stacks are what the forward reads."""
         if self._weights is None or self.store is not None:
             raise RuntimeError("replace_expert needs prepared, resident experts")
-        plain = self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
-        stacks = (self.gate_up, self.down) if plain else self.int8_stacks
+        stacked = self.kernels in ((PLAIN, PLAIN), (TILES, TILES)) and isinstance(self.gate_up, nn.Parameter)
+        stacks = (self.gate_up, self.down) if stacked else self.int8_stacks
         if stacks is not None:
-            # The stacks the compiled decode step reads in place (the Hub layout's, or the q8_0 ones
+            # The stacks the compiled decode step reads in place (the Hub layout's or tiles', or the q8_0 ones
             # the per-expert weights are views of): the new expert is written into them, and a copy
             # of the old one is handed back.
             old = (stacks[0][e].clone(), stacks[1][e].clone())

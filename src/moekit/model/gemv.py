@@ -26,6 +26,10 @@ The vector width is the build machine's (AVX-512, else AVX2):
       expert store's missed experts laid out for the transposed kernel; `copy_into` below)
   moekit::latent_attend(query [B, H, C] fp32, cached [B, S, C] fp32/bf16, visible [B, S], scale, r)
       -> [B, H, r] fp32: MLA's attention over its latent cache, (row, head) pairs on the thread pool
+  moekit::rows_tiles(x [M, K] bf16, w [N, K] bf16 in tiles) -> [M, N] / moekit::experts_tiles(x, w
+      [E, N, K] in tiles, ids): rows_gemv / experts_gemv on bf16 weights in the tiles layout
+      (`to_tiles`: blocks of 16 rows stored tile by tile, one contiguous stream each), which an
+      AMX machine's compiled bf16 step lays its weights out in (moekit.model.linear.TILES)
 x and w are fp32 or bf16 (w's dtype decides the load; x is read as fp32, a bf16 x widened inside
 the operator); the output has x's dtype. A q8_0 batch widens each block's codes once for up to 4 rows
 and keeps the one-row order of operations, so a row's int8 product is the same float solo or batched.
@@ -989,6 +993,195 @@ torch::Tensor experts_gemv(torch::Tensor x, torch::Tensor w, torch::Tensor ids, 
     return y.finish();
 }
 
+// The tiles layout of a bf16 weight [N, K] (N a multiple of 16, K of 32): blocks of 16 weight rows,
+// each stored as its K / 32 tiles of 16 rows x 32 inputs, a tile's rows side by side (1 KB), so a
+// block is one contiguous stream of 32 K bytes (moekit.model.gemv.to_tiles writes it). Read in the
+// Hub layout, an AMX tile load touches 16 rows a stride of K apart, and a batch's products streamed
+// a weight at 19-20 GB/s where the same bytes in tiles streamed at 23-25 (2 threads, 32000 x 512 and
+// expert-sized weights from memory, an Intel Xeon); one row's vector products gain too (19.5-21
+// against 22-23 GB/s with the next tiles prefetched). Tiles are an AMX machine's layout only.
+static constexpr int64_t TILE_ROWS = 16, TILE_COLS = 32, TILE_AHEAD = 4;  // TILE_AHEAD: tiles prefetched ahead
+
+static void check_tiles(const torch::Tensor& w, int64_t K, const char* what) {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.is_contiguous(), what, ": w is a contiguous bf16 weight in tiles");
+    TORCH_CHECK(w.size(-2) % TILE_ROWS == 0 && K % TILE_COLS == 0, what, ": tiles need N % 16 == 0 and K % 32 == 0");
+}
+
+// out[s * 16 + i] = weight row i of block s . x, for S consecutive blocks from w (16 K elements each),
+// one x row; each output an fp32 chain over the 32-input steps, the step's pairs summed by
+// vdpbf16ps's lanes (or, without AVX512-BF16, the same products in order).
+template <int S>
+static inline void tiles_dots(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, float* out) {
+#ifdef MK_DPBF16
+    __m512 acc[S][TILE_ROWS];
+    for (int s = 0; s < S; ++s)
+        for (int i = 0; i < TILE_ROWS; ++i) acc[s][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += TILE_COLS) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+        for (int s = 0; s < S; ++s) {
+            const c10::BFloat16* t = w + s * TILE_ROWS * K + k * TILE_ROWS;
+            const char* ahead = reinterpret_cast<const char*>(t + TILE_AHEAD * TILE_ROWS * TILE_COLS);
+            for (int i = 0; i < TILE_ROWS; ++i) _mm_prefetch(ahead + i * 64, _MM_HINT_T0);
+            for (int i = 0; i < TILE_ROWS; ++i)
+                acc[s][i] = _mm512_dpbf16_ps(acc[s][i], (__m512bh)_mm512_loadu_si512(t + i * TILE_COLS), xv);
+        }
+    }
+    for (int s = 0; s < S; ++s)
+        for (int i = 0; i < TILE_ROWS; ++i) out[s * TILE_ROWS + i] = _mm512_reduce_add_ps(acc[s][i]);
+#else
+    for (int s = 0; s < S; ++s)
+        for (int i = 0; i < TILE_ROWS; ++i) {
+            float acc = 0.f;
+            for (int64_t k = 0; k < K; k += TILE_COLS) {
+                const c10::BFloat16* r = w + s * TILE_ROWS * K + k * TILE_ROWS + i * TILE_COLS;
+                for (int64_t j = 0; j < TILE_COLS; ++j) acc += float(r[j]) * float(x[k + j]);
+            }
+            out[s * TILE_ROWS + i] = acc;
+        }
+#endif
+}
+
+// One x row times blocks [b0, b1) of w (block b at w + b * 16 K) into y[b0 * 16 ..): two blocks at a
+// time, two streams for the memory to fill in parallel.
+static void tiles_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x, int64_t b0, int64_t b1, float* y) {
+    int64_t b = b0;
+    for (; b + 2 <= b1; b += 2) tiles_dots<2>(w + b * TILE_ROWS * K, K, x, y + b * TILE_ROWS);
+    if (b < b1) tiles_dots<1>(w + b * TILE_ROWS * K, K, x, y + b * TILE_ROWS);
+}
+
+#ifdef MK_AMX
+// c[t * 256 + i * 16 + r] = x row r . weight row 16 t + i of the T blocks from w (tiles layout); x's
+// pairs as amx_block takes them. The T blocks are T streams, read side by side.
+template <int T>
+static inline void amx_tiles(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, float* c) {
+    _tile_zero(0);
+    if (T > 1) _tile_zero(1);
+    if (T > 2) _tile_zero(2);
+    if (T > 3) _tile_zero(3);
+    for (int64_t k = 0; k < K; k += TILE_COLS) {
+        const c10::BFloat16* a = w + k * TILE_ROWS;
+        _tile_loadd(6, pairs + (k / 2) * AMX_ROWS, AMX_ROWS * 4);
+        _tile_loadd(4, a, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (T > 1) { _tile_loadd(5, a + TILE_ROWS * K, 64); _tile_dpbf16ps(1, 5, 6); }
+        if (T > 2) { _tile_loadd(4, a + 2 * TILE_ROWS * K, 64); _tile_dpbf16ps(2, 4, 6); }
+        if (T > 3) { _tile_loadd(5, a + 3 * TILE_ROWS * K, 64); _tile_dpbf16ps(3, 5, 6); }
+    }
+    _tile_stored(0, c, AMX_ROWS * 4);
+    if (T > 1) _tile_stored(1, c + 256, AMX_ROWS * 4);
+    if (T > 2) _tile_stored(2, c + 512, AMX_ROWS * 4);
+    if (T > 3) _tile_stored(3, c + 768, AMX_ROWS * 4);
+}
+
+// R x rows (their pairs) times T blocks from w, into y_rows[r][0 .. 16 T).
+static inline void amx_tiles_into(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, int64_t T,
+                                  float* const* y_rows, int64_t R) {
+    alignas(64) float c[4 * 256];
+    if (T == 4) amx_tiles<4>(w, K, pairs, c);
+    else if (T == 3) amx_tiles<3>(w, K, pairs, c);
+    else if (T == 2) amx_tiles<2>(w, K, pairs, c);
+    else amx_tiles<1>(w, K, pairs, c);
+    for (int64_t i = 0; i < TILE_ROWS * T; ++i)
+        for (int64_t r = 0; r < R; ++r) y_rows[r][i] = c[i * AMX_ROWS + r];
+}
+#endif
+
+// y [M, N] = x [M, K] . w [N, K] in tiles: one row by the vector kernel; more rows on AMX tiles, 16
+// at a time, each group of 4 blocks (64 weight rows) read once for all of them.
+torch::Tensor rows_tiles(torch::Tensor x, torch::Tensor w) {
+    TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "rows_tiles: x [M, K], w [N, K]");
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rows_tiles: x is bf16");
+    const int64_t M = x.size(0), N = w.size(0), K = x.size(1), blocks = N / TILE_ROWS;
+    check_tiles(w, K, "rows_tiles");
+    const auto xc = x.contiguous();
+    const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+    Output y({M, N}, x);
+    const int64_t grain = std::max<int64_t>(2, MIN_THREAD_BYTES / (TILE_ROWS * K * 2));
+#ifdef MK_AMX
+    if (M >= 2 && amx_ready()) {
+        const int64_t chunks = (M + AMX_ROWS - 1) / AMX_ROWS, quads = (blocks + 3) / 4;
+        std::vector<uint32_t> pairs(chunks * (K / 2) * AMX_ROWS);
+        std::vector<const c10::BFloat16*> xs(M);
+        for (int64_t m = 0; m < M; ++m) xs[m] = xp + m * K;
+        for (int64_t ch = 0; ch < chunks; ++ch)
+            amx_pairs(xs.data() + ch * AMX_ROWS, std::min<int64_t>(AMX_ROWS, M - ch * AMX_ROWS), K, pairs.data() + ch * (K / 2) * AMX_ROWS);
+        at::parallel_for(0, quads, std::max<int64_t>(1, grain / 4), [&](int64_t begin, int64_t end) {
+            amx_configure();
+            float* rows[AMX_ROWS];
+            for (int64_t q = begin; q < end; ++q) {
+                const int64_t T = std::min<int64_t>(4, blocks - q * 4);
+                for (int64_t ch = 0; ch < chunks; ++ch) {
+                    const int64_t R = std::min<int64_t>(AMX_ROWS, M - ch * AMX_ROWS);
+                    for (int64_t r = 0; r < R; ++r) rows[r] = y.data + (ch * AMX_ROWS + r) * N + q * 4 * TILE_ROWS;
+                    amx_tiles_into(wp + q * 4 * TILE_ROWS * K, K, pairs.data() + ch * (K / 2) * AMX_ROWS, T, rows, R);
+                }
+            }
+            _tile_release();
+        });
+        return y.finish();
+    }
+#endif
+    at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+        for (int64_t m = 0; m < M; ++m) tiles_row(wp, K, xp + m * K, begin, end, y.data + m * N);
+    });
+    return y.finish();
+}
+
+// y [B, C, N] = each (row, choice)'s x row . expert ids[b, c] of w [E, N, K], each expert in tiles.
+// One row: its C experts' blocks spread over the threads, two blocks at a time. More rows on AMX
+// tiles: each chosen expert's blocks read once, 4 at a time, for all the rows that chose it.
+torch::Tensor experts_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && x.size(2) == w.size(2),
+                "experts_tiles: x [B, X, K], w [E, N, K], ids [B, C]");
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "experts_tiles: x is bf16");
+    const int64_t B = x.size(0), X = x.size(1), K = x.size(2), E = w.size(0), N = w.size(1), C = ids.size(1);
+    TORCH_CHECK(X == 1 || X == C, "experts_tiles: x holds one row per token or one per choice");
+    check_tiles(w, K, "experts_tiles");
+    const auto xc = x.contiguous();
+    const auto ic = ids.to(torch::kLong).contiguous();
+    const c10::BFloat16* xp = xc.data_ptr<c10::BFloat16>();
+    const c10::BFloat16* wp = w.data_ptr<c10::BFloat16>();
+    const auto xrow = [xp, K](int64_t r) { return xp + r * K; };
+    const auto [first, order] = by_expert(ic.data_ptr<int64_t>(), B * C, E);
+    const auto xs = rows_in_order(xrow, order, C, X);
+    const int64_t blocks = N / TILE_ROWS;
+    Output y({B, C, N}, x);
+#ifdef MK_AMX
+    if (B >= 2 && amx_ready()) {
+        struct Group { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
+        std::vector<Group> groups;
+        for (int64_t e = 0; e < E; ++e)
+            for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += AMX_ROWS)
+                groups.push_back({e, j0, std::min<int64_t>(AMX_ROWS, first[e + 1] - j0)});
+        std::vector<uint32_t> pairs(groups.size() * (K / 2) * AMX_ROWS);
+        for (size_t g = 0; g < groups.size(); ++g)
+            amx_pairs(xs.data() + groups[g].j0, groups[g].R, K, pairs.data() + g * (K / 2) * AMX_ROWS);
+        const int64_t quads = (blocks + 3) / 4;  // work items: (group, 4 blocks)
+        at::parallel_for(0, (int64_t)groups.size() * quads, 1, [&](int64_t begin, int64_t end) {
+            amx_configure();
+            float* rows[AMX_ROWS];
+            for (int64_t i = begin; i < end; ++i) {
+                const Group& g = groups[i / quads];
+                const int64_t q = i % quads, T = std::min<int64_t>(4, blocks - q * 4);
+                for (int64_t r = 0; r < g.R; ++r) rows[r] = y.data + order[g.j0 + r] * N + q * 4 * TILE_ROWS;
+                amx_tiles_into(wp + (g.e * N + q * 4 * TILE_ROWS) * K, K, pairs.data() + (i / quads) * (K / 2) * AMX_ROWS, T, rows, g.R);
+            }
+            _tile_release();
+        });
+        return y.finish();
+    }
+#endif
+    const int64_t P = B * C, duos = (blocks + 1) / 2;  // work items: (pair, 2 blocks)
+    at::parallel_for(0, P * duos, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+            const int64_t j = i / duos, b0 = (i % duos) * 2, e = ic.data_ptr<int64_t>()[order[j]];
+            tiles_row(wp + e * N * K, K, xs[j], b0, std::min(blocks, b0 + 2), y.data + order[j] * N);
+        }
+    });
+    return y.finish();
+}
+
 // q8_0 weights: w [N, nb * 34] (one projection) or [E, N, nb * 34] (stacked experts), uint8.
 torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w, bool grouped) {
     TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kByte && w.size(1) % 34 == 0,
@@ -1260,6 +1453,8 @@ TORCH_LIBRARY(moekit, m) {
     m.def("bf16_tiles@S@() -> bool", &bf16_tiles);  // no tensor to dispatch on: one kernel for all
     m.def("transpose_into@S@(Tensor src, Tensor(a!) out) -> ()");
     m.def("latent_attend@S@(Tensor query, Tensor cached, Tensor visible, float scale, int r) -> Tensor");
+    m.def("rows_tiles@S@(Tensor x, Tensor w) -> Tensor");
+    m.def("experts_tiles@S@(Tensor x, Tensor w, Tensor ids) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(moekit, CPU, m) {
     m.impl("rows_gemv@S@", &rows_gemv);
@@ -1269,6 +1464,8 @@ TORCH_LIBRARY_IMPL(moekit, CPU, m) {
     m.impl("rows_argmax@S@", &rows_argmax);
     m.impl("transpose_into@S@", &transpose_into);
     m.impl("latent_attend@S@", &latent_attend);
+    m.impl("rows_tiles@S@", &rows_tiles);
+    m.impl("experts_tiles@S@", &experts_tiles);
 }
 
 // C entry points for the compiled step's generated C++ (Inductor's cpp_wrapper, told of them by
@@ -1291,6 +1488,12 @@ AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_experts_q8@S@(AtenTensorHandle x
 }
 AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_latent_attend@S@(AtenTensorHandle query, AtenTensorHandle cached, AtenTensorHandle visible, double scale, int64_t r, AtenTensorHandle* ret0) {
     MK_RETURN(latent_attend(held(query), held(cached), held(visible), scale, r))
+}
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_rows_tiles@S@(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle* ret0) {
+    MK_RETURN(rows_tiles(held(x), held(w)))
+}
+AOTI_TORCH_EXPORT AOTITorchError aoti_torch_cpu_experts_tiles@S@(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, AtenTensorHandle* ret0) {
+    MK_RETURN(experts_tiles(held(x), held(w), held(ids)))
 }
 }
 """
@@ -1327,7 +1530,7 @@ def _build(namespace: str, flags: list[str]) -> None:
     # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
     # already loaded, so there is one thread pool, not two. Hidden visibility: of the two builds'
     # same-named C++ functions each library calls its own once both are global (below).
-    path = load_inline(name=f"{namespace}_gemv_v25", cpp_sources=source, is_python_module=False,
+    path = load_inline(name=f"{namespace}_gemv_v26", cpp_sources=source, is_python_module=False,
                        extra_cflags=["-O3", "-march=native", *flags, "-fopenmp", "-fvisibility=hidden"], verbose=False)
     # Made global, so that the compiled step's generated library finds the C entry points.
     ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
@@ -1339,7 +1542,8 @@ def suffix(namespace: str) -> str:
     return "" if namespace == "moekit" else "_" + namespace.removeprefix("moekit_")
 
 
-OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax", "transpose_into", "latent_attend")  # their plain names
+OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax", "transpose_into", "latent_attend",
+             "rows_tiles", "experts_tiles")  # their plain names
 
 
 def op(namespace: str, name: str):
@@ -1355,6 +1559,8 @@ _C_ARGS = {
     "rows_q8": "AtenTensorHandle x, AtenTensorHandle w, int32_t grouped",
     "experts_q8": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, int32_t grouped",
     "latent_attend": "AtenTensorHandle query, AtenTensorHandle cached, AtenTensorHandle visible, double scale, int64_t r",
+    "rows_tiles": "AtenTensorHandle x, AtenTensorHandle w",
+    "experts_tiles": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids",
 }
 
 
@@ -1388,6 +1594,8 @@ def _register_shapes(namespace: str) -> None:
     torch.library.register_fake(f"{namespace}::rows_argmax{end}")(lambda x: x.new_empty((x.shape[0],), dtype=torch.int64))
     torch.library.register_fake(f"{namespace}::latent_attend{end}")(
         lambda query, cached, visible, scale, r: query.new_empty((query.shape[0], query.shape[1], r)))
+    torch.library.register_fake(f"{namespace}::rows_tiles{end}")(lambda x, w: rows(x, w))
+    torch.library.register_fake(f"{namespace}::experts_tiles{end}")(lambda x, w, ids: experts(x, w, ids))
 
 
 def rows_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -1417,6 +1625,38 @@ def copy_into(out: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
         op("moekit", "transpose_into")(view.t(), out)
         return out
     return out.copy_(view)
+
+
+TILE_ROWS, TILE_COLS = 16, 32  # a tile: 16 weight rows x 32 inputs (the C++ TILE_ROWS, TILE_COLS)
+
+
+def tiles_fit(weight: torch.Tensor) -> bool:
+    """Whether a Hub weight [out, in] (or a stack [E, out, in]) can be laid out in tiles: bf16, on
+    the CPU, out a multiple of 16 and in of 32."""
+    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.dim() in (2, 3)
+            and weight.shape[-2] % TILE_ROWS == 0 and weight.shape[-1] % TILE_COLS == 0)
+
+
+def to_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A Hub weight [.., N, K] in the tiles layout moekit::rows_tiles / experts_tiles read: the same
+    shape and values, each block of 16 rows stored as its K / 32 tiles of 16 rows x 32 inputs."""
+    *lead, n, k = weight.shape
+    blocks = weight.reshape(*lead, n // TILE_ROWS, TILE_ROWS, k // TILE_COLS, TILE_COLS)
+    return blocks.transpose(-3, -2).contiguous().view(weight.shape)
+
+
+def from_tiles(tiled: torch.Tensor) -> torch.Tensor:
+    """The Hub weight back from to_tiles' layout, exactly."""
+    *lead, n, k = tiled.shape
+    blocks = tiled.reshape(*lead, n // TILE_ROWS, k // TILE_COLS, TILE_ROWS, TILE_COLS)
+    return blocks.transpose(-3, -2).contiguous().view(tiled.shape)
+
+
+def tiles_ready() -> bool:
+    """Whether bf16 weights should be laid out in tiles here: the operators are built (this builds
+    them) and the AVX-512 build's batch products run on AMX tiles (where tiles measured faster, see
+    rows_tiles). The tiles operators are always that build's."""
+    return "moekit" in namespaces() and bool(op("moekit", "bf16_tiles")())
 
 
 def status() -> str:

@@ -18,7 +18,7 @@ MATMUL_N = 1024
 REPEATS = 3
 
 
-def _best_seconds(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
@@ -32,8 +32,8 @@ def measure_bandwidth(n_bytes: int = PROBE_BYTES, repeats: int = REPEATS) -> flo
 
     src = np.ones(n_bytes // 8, dtype=np.float64)
     dst = np.empty_like(src)
-    copy_rate = 2 * src.nbytes / _best_seconds(lambda: np.copyto(dst, src), repeats)
-    sum_rate = src.nbytes / _best_seconds(lambda: src.sum(), repeats)
+    copy_rate = 2 * src.nbytes / best_seconds(lambda: np.copyto(dst, src), repeats)
+    sum_rate = src.nbytes / best_seconds(lambda: src.sum(), repeats)
     return max(copy_rate, sum_rate)
 
 
@@ -43,7 +43,7 @@ def measure_matmul_flops(n: int = MATMUL_N, repeats: int = REPEATS) -> float:
     a = np.ones((n, n), dtype=np.float32)
     b = np.ones((n, n), dtype=np.float32)
     a @ b  # first call pays for thread start-up
-    return 2 * n**3 / _best_seconds(lambda: a @ b, repeats)
+    return 2 * n**3 / best_seconds(lambda: a @ b, repeats)
 
 
 def memory_capacity() -> int:

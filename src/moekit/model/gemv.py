@@ -703,23 +703,32 @@ static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, 
 // a time, an expert one row chose too (a row's floats must not depend on whether another row chose its
 // expert); only the last N % 16 weight rows keep the vector kernel (`dots`). xs[j]: the x row of the
 // j-th pair in expert order.
-static void amx_experts(const c10::BFloat16* w, int64_t E, int64_t N, int64_t K, const std::vector<int64_t>& first,
-                        const std::vector<int64_t>& order, const std::vector<const c10::BFloat16*>& xs, float* y) {
-    struct Group { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
-    std::vector<Group> groups;
+struct AmxGroup { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
+
+// The pairs of each chosen expert's x rows, 16 rows a group: groups, and group g's pairs at
+// pairs[g * (K / 2) * 16 ..).
+static std::pair<std::vector<AmxGroup>, std::vector<uint32_t>> amx_groups(int64_t E, int64_t K, const std::vector<int64_t>& first,
+                                                                           const std::vector<const c10::BFloat16*>& xs) {
+    std::vector<AmxGroup> groups;
     for (int64_t e = 0; e < E; ++e)
         for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += AMX_ROWS)
             groups.push_back({e, j0, std::min<int64_t>(AMX_ROWS, first[e + 1] - j0)});
     std::vector<uint32_t> pairs(groups.size() * (K / 2) * AMX_ROWS);
     for (size_t g = 0; g < groups.size(); ++g)
         amx_pairs(xs.data() + groups[g].j0, groups[g].R, K, pairs.data() + g * (K / 2) * AMX_ROWS);
+    return {groups, pairs};
+}
+
+static void amx_experts(const c10::BFloat16* w, int64_t E, int64_t N, int64_t K, const std::vector<int64_t>& first,
+                        const std::vector<int64_t>& order, const std::vector<const c10::BFloat16*>& xs, float* y) {
+    const auto [groups, pairs] = amx_groups(E, K, first, xs);
     const int64_t blocks = (N + 15) / 16;  // work items: (group, block of 16 weight rows)
     at::parallel_for(0, (int64_t)groups.size() * blocks, 1, [&](int64_t begin, int64_t end) {
         amx_configure();
         alignas(64) float c[256];
         float out[AMX_ROWS];
         for (int64_t i = begin; i < end; ++i) {
-            const Group& g = groups[i / blocks];
+            const AmxGroup& g = groups[i / blocks];
             const int64_t n0 = (i % blocks) * 16, n_end = std::min(N, n0 + 16);
             const c10::BFloat16* we = w + g.e * N * K;
             if (n_end - n0 == 16) {
@@ -1149,20 +1158,13 @@ torch::Tensor experts_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor ids)
     Output y({B, C, N}, x);
 #ifdef MK_AMX
     if (B >= 2 && amx_ready()) {
-        struct Group { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
-        std::vector<Group> groups;
-        for (int64_t e = 0; e < E; ++e)
-            for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += AMX_ROWS)
-                groups.push_back({e, j0, std::min<int64_t>(AMX_ROWS, first[e + 1] - j0)});
-        std::vector<uint32_t> pairs(groups.size() * (K / 2) * AMX_ROWS);
-        for (size_t g = 0; g < groups.size(); ++g)
-            amx_pairs(xs.data() + groups[g].j0, groups[g].R, K, pairs.data() + g * (K / 2) * AMX_ROWS);
+        const auto [groups, pairs] = amx_groups(E, K, first, xs);
         const int64_t quads = (blocks + 3) / 4;  // work items: (group, 4 blocks)
         at::parallel_for(0, (int64_t)groups.size() * quads, 1, [&](int64_t begin, int64_t end) {
             amx_configure();
             float* rows[AMX_ROWS];
             for (int64_t i = begin; i < end; ++i) {
-                const Group& g = groups[i / quads];
+                const AmxGroup& g = groups[i / quads];
                 const int64_t q = i % quads, T = std::min<int64_t>(4, blocks - q * 4);
                 for (int64_t r = 0; r < g.R; ++r) rows[r] = y.data + order[g.j0 + r] * N + q * 4 * TILE_ROWS;
                 amx_tiles_into(wp + (g.e * N + q * 4 * TILE_ROWS) * K, K, pairs.data() + (i / quads) * (K / 2) * AMX_ROWS, T, rows, g.R);
@@ -1530,7 +1532,7 @@ def _build(namespace: str, flags: list[str]) -> None:
     # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
     # already loaded, so there is one thread pool, not two. Hidden visibility: of the two builds'
     # same-named C++ functions each library calls its own once both are global (below).
-    path = load_inline(name=f"{namespace}_gemv_v26", cpp_sources=source, is_python_module=False,
+    path = load_inline(name=f"{namespace}_gemv_v27", cpp_sources=source, is_python_module=False,
                        extra_cflags=["-O3", "-march=native", *flags, "-fopenmp", "-fvisibility=hidden"], verbose=False)
     # Made global, so that the compiled step's generated library finds the C entry points.
     ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)

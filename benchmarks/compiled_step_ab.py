@@ -35,18 +35,27 @@ torch::Tensor experts(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bool 
 TORCH_LIBRARY(hollow, m) {
     m.def("rows_gemv(Tensor x, Tensor w, bool grouped=False) -> Tensor");
     m.def("experts_gemv(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
+    // The tiles' operators hollowed under other names: a C entry point named after an operator alone
+    // (aoti_torch_cpu_rows_tiles) would be the real one's.
+    m.def("hollow_rows_tiles(Tensor x, Tensor w, bool grouped=False) -> Tensor");
+    m.def("hollow_experts_tiles(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(hollow, CPU, m) { m.impl("rows_gemv", &rows); m.impl("experts_gemv", &experts); }
+TORCH_LIBRARY_IMPL(hollow, CPU, m) {
+    m.impl("rows_gemv", &rows); m.impl("experts_gemv", &experts);
+    m.impl("hollow_rows_tiles", &rows); m.impl("hollow_experts_tiles", &experts);
+}
 """
 
 
 def hollow_operators() -> None:
     from torch.utils.cpp_extension import load_inline
 
-    load_inline(name="bench_hollow_gemv", cpp_sources=HOLLOW, is_python_module=False, extra_cflags=["-O2"])
+    load_inline(name="bench_hollow_gemv2", cpp_sources=HOLLOW, is_python_module=False, extra_cflags=["-O2"])
     torch.library.register_fake("hollow::rows_gemv")(lambda x, w, grouped=False: x.new_empty((x.shape[0], w.shape[0])))
-    torch.library.register_fake("hollow::experts_gemv")(
-        lambda x, w, ids, grouped=False: x.new_empty((x.shape[0], ids.shape[1], w.shape[1])))
+    for name in ("experts_gemv", "hollow_experts_tiles"):
+        torch.library.register_fake(f"hollow::{name}")(
+            lambda x, w, ids, grouped=False: x.new_empty((x.shape[0], ids.shape[1], w.shape[1])))
+    torch.library.register_fake("hollow::hollow_rows_tiles")(lambda x, w, grouped=False: x.new_empty((x.shape[0], w.shape[0])))
 
 
 def step_module(path: Path, name: str, hollow: bool):
@@ -59,6 +68,8 @@ def step_module(path: Path, name: str, hollow: bool):
         source = source.replace(chooser, "return getattr(torch.ops.hollow, name)")
         source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")  # older versions
         source = source.replace("torch.ops.moekit.experts_gemv", "torch.ops.hollow.experts_gemv")
+        for name in ("rows_tiles", "experts_tiles"):  # the tiles' operators (this tree's, AMX machines)
+            source = source.replace(f'gemv.op("moekit", "{name}")', f"torch.ops.hollow.hollow_{name}")
         if "torch.ops.hollow" not in source:
             raise SystemExit(f"{path}: found no gemv call to hollow out")
     spec = importlib.util.spec_from_loader(name, loader=None)

@@ -83,20 +83,19 @@ def _project(m: Linear, x: torch.Tensor) -> torch.Tensor:
     return linear_rows(x, m.weight, m.bias, m.kernel is TILES)
 
 
-def lay_out_tiles(decoder) -> int:
+def lay_out_tiles(decoder) -> None:
     """Where bf16 weights stream faster in tiles here (moekit.model.gemv.tiles_ready: an AMX machine),
     every plain bf16 projection that fits (moekit.model.linear.TILES) and every plain bf16 expert
     stack (RoutedExperts.lay_out_tiles) in that layout, in place of the Hub layout: still one copy.
-    The eager forward (prefill, tiers) runs the same operator through the TILES kernel. Returns how
-    many weights it laid out (0 where it does not apply)."""
+    The eager forward (prefill, tiers) runs the same operator through the TILES kernel."""
     linears = [m for m in decoder.modules() if isinstance(m, Linear) and m.kernel is PLAIN and gemv.tiles_fit(m.weight)]
-    stacks = [m for m in decoder.modules() if isinstance(m, RoutedExperts) and m.kernels == (PLAIN, PLAIN)
-              and not m.offloaded and gemv.tiles_fit(m.gate_up) and gemv.tiles_fit(m.down)]
+    stacks = [m for m in decoder.modules() if isinstance(m, RoutedExperts) and m.tiles_fit()]
     if not (linears or stacks) or not gemv.tiles_ready():
-        return 0
+        return
     for m in linears:
         m.prepare(TILES)
-    return len(linears) + 2 * sum(m.lay_out_tiles() for m in stacks)
+    for m in stacks:
+        m.lay_out_tiles()
 
 
 def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -446,7 +445,7 @@ class CompiledStep:
         if reason is not None:
             raise ValueError(f"cannot compile the decode step: {reason}")
         self.decoder = decoder
-        self.tiled = lay_out_tiles(decoder)  # weights now in tiles (an AMX machine's bf16 layout), or 0
+        lay_out_tiles(decoder)  # an AMX machine's bf16 weights, once, before tracing reads their kernels
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
         gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
         for kind in gemv.KINDS:

@@ -100,19 +100,21 @@ class RoutedExperts(nn.Module):
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (kernels[0], kernels[1])
 
-    def lay_out_tiles(self) -> bool:
-        """Plain-kernel stacks [E, out, in] in bf16, each expert in the tiles layout
+    def tiles_fit(self) -> bool:
+        """Whether lay_out_tiles applies: resident plain-kernel stacks, bf16, of widths that fit."""
+        return (self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
+                and gemv.tiles_fit(self.gate_up) and gemv.tiles_fit(self.down))
+
+    def lay_out_tiles(self) -> None:
+        """The stacks [E, out, in] (where tiles_fit), each expert in the tiles layout
         (moekit.model.gemv.to_tiles), still one stack each: the compiled decode step's layout on an
-        AMX machine. False (nothing changed) where the stacks are not plain bf16 ones that fit."""
-        if self.kernels != (PLAIN, PLAIN) or not isinstance(self.gate_up, nn.Parameter):
-            return False
-        if not (gemv.tiles_fit(self.gate_up) and gemv.tiles_fit(self.down)):
-            return False
+        AMX machine."""
+        if not self.tiles_fit():
+            raise RuntimeError("RoutedExperts.lay_out_tiles: the stacks are not plain bf16 ones that fit the tiles")
         for name in ("gate_up", "down"):
             setattr(self, name, nn.Parameter(gemv.to_tiles(getattr(self, name).detach()), requires_grad=False))
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (TILES, TILES)
-        return True
 
     def quantize_int8(self) -> None:
         """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),

@@ -355,6 +355,26 @@ def test_experts_tiles_reads_each_rows_chosen_experts(batch, per_choice):
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
+def test_a_batch_row_on_tiles_is_untouched_by_a_neighbour_full_of_nan_and_inf(ops):
+    """On AMX a tile row of x pairs is 16 rows wide and holds only the rows a call has, packed: the
+    columns past them are the next rows' pairs, whose outputs are dropped. A row's floats must come
+    out as they do without its neighbours, however wild theirs are (in the Hub layout and in tiles,
+    for a projection and for experts)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 64, generator=gen).bfloat16()
+    x[1], x[3] = float("nan"), float("inf")
+    sane = [0, 2, 4]
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    rows_tiles = op("moekit", "rows_tiles")
+    assert torch.equal(rows_tiles(x, to_tiles(w))[sane], rows_tiles(x[sane], to_tiles(w)))
+    assert torch.equal(ops.rows_gemv(x, w)[sane], ops.rows_gemv(x[sane], w))
+    stacks = torch.randn(3, 48, 64, generator=gen).bfloat16()
+    ids = torch.tensor([[0, 2], [0, 1], [2, 1], [0, 2], [1, 0]])  # every expert shares its rows with a wild one
+    got = op("moekit", "experts_tiles")(x[:, None], to_tiles(stacks), ids)
+    assert torch.equal(got[sane], op("moekit", "experts_tiles")(x[sane, None], to_tiles(stacks), ids[sane]))
+    assert torch.equal(ops.experts_gemv(x[:, None], stacks, ids)[sane], ops.experts_gemv(x[sane, None], stacks, ids[sane]))
+
+
 def test_the_tiles_operators_refuse_what_is_not_in_tiles():
     assert operators() is not None, status()
     rows, experts = op("moekit", "rows_tiles"), op("moekit", "experts_tiles")

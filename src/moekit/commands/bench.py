@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build
 from moekit.commands.options import COMPILE, NO_VERIFY
 from moekit.errors import MoekitError
 
@@ -84,6 +85,7 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
+    announce_operator_build(compile_step or weights != "dtype")
     engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights, verify=not no_verify,
                          compile=compile_step)
     for note in engine.notes:
@@ -204,7 +206,7 @@ def offload(
     from rich.console import Console
 
     console = Console(stderr=True)
-    with console.status("starting") as status:
+    with console.status("starting" + (f": {BUILDING}" if operators_to_build(dtype == "float32") else "")) as status:
         results = run_bench(bench, minimum, on_start=lambda what: status.update(f"running: {what}"))
     rows = summary_rows(bench, results)
     if json_path is not None:

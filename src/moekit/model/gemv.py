@@ -59,6 +59,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 
@@ -71,6 +72,7 @@ _SOURCE = r"""
 #include <torch/csrc/inductor/aoti_torch/utils.h>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -626,20 +628,27 @@ static void amx_configure() {
     _tile_loadconfig(&cfg);
 }
 
-// Up to 16 x rows as the tiles' pairs: out[p * 16 + r] = (x_r[2p], x_r[2p + 1]), zero past R rows.
+// Up to 16 x rows as the tiles' pairs, packed: out[p * R + r] = (x_r[2p], x_r[2p + 1]). A tile row
+// of pairs is loaded with a stride of R pairs, so its columns past R hold the next rows' pairs, and
+// the tile's outputs for them are ignored (an output column reads its own column of pairs only).
+// Packing, not zero-padding to 16 rows: a batch-8 expert chosen by one row took 16 KB of pairs (at K
+// = 512) where it needs 1 KB, written on one thread for every chosen expert of every call.
 static void amx_pairs(const c10::BFloat16* const* xs, int64_t R, int64_t K, uint32_t* out) {
-    std::memset(out, 0, sizeof(uint32_t) * (K / 2) * AMX_ROWS);
     for (int64_t p = 0; p < K / 2; ++p)
-        for (int64_t r = 0; r < R; ++r) std::memcpy(&out[p * AMX_ROWS + r], xs[r] + 2 * p, 4);
+        for (int64_t r = 0; r < R; ++r) std::memcpy(&out[p * R + r], xs[r] + 2 * p, 4);
 }
 
+// Pairs for groups of R rows, packed one after another, and the tail the last tile load reads past
+// the last group's pairs (a tile row is always 16 pairs wide).
+static constexpr int64_t AMX_PAIRS_TAIL = AMX_ROWS;
+
 // c[t * 256 + i * 16 + r] = x row r . weight row n0 + 16 t + i of w [.., K], for T tiles of 16 weight
-// rows: C tiles 0 .. T-1, weight tiles 4 and 5 in turn, x's pairs in tile 6 (configured).
+// rows: C tiles 0 .. T-1, weight tiles 4 and 5 in turn, x's R rows of pairs (amx_pairs) in tile 6.
 // next: the weight rows of the call's next block of as many rows, or nullptr. An expert's block of
 // 16 rows is 16 short streams (32 lines each at K = 512), too short for the hardware to prefetch
 // well: the next block is prefetched a 16th of it per step of 32 inputs.
 template <int T>
-static inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, int64_t n0, float* c,
+static inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, int64_t R, int64_t n0, float* c,
                              const c10::BFloat16* next = nullptr) {
     _tile_zero(0);
     if (T > 1) _tile_zero(1);
@@ -651,7 +660,7 @@ static inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* 
             const char* ahead = reinterpret_cast<const char*>(next) + (k / 32) * 16 * T * 64;
             for (int i = 0; i < 16 * T; ++i) _mm_prefetch(ahead + i * 64, _MM_HINT_T0);
         }
-        _tile_loadd(6, pairs + (k / 2) * AMX_ROWS, AMX_ROWS * 4);
+        _tile_loadd(6, pairs + (k / 2) * R, R * 4);
         _tile_loadd(4, a + k, K * 2);
         _tile_dpbf16ps(0, 4, 6);
         if (T > 1) { _tile_loadd(5, a + 16 * K + k, K * 2); _tile_dpbf16ps(1, 5, 6); }
@@ -669,7 +678,7 @@ static inline void amx_block(const c10::BFloat16* w, int64_t K, const uint32_t* 
 static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, int64_t N, int64_t K, float* y) {
     const int64_t tiles = N / 16, blocks = (tiles + 3) / 4;
     const int64_t grain = std::max<int64_t>(1, MIN_THREAD_BYTES / (64 * K * 2));
-    std::vector<uint32_t> pairs((K / 2) * AMX_ROWS);
+    std::vector<uint32_t> pairs((K / 2) * AMX_ROWS + AMX_PAIRS_TAIL);
     std::vector<const c10::BFloat16*> xs(AMX_ROWS);
     for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
         const int64_t R = std::min<int64_t>(AMX_ROWS, M - m0);
@@ -680,10 +689,10 @@ static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, 
             alignas(64) float c[4 * 256];
             for (int64_t b = begin; b < end; ++b) {
                 const int T = (int)std::min<int64_t>(4, tiles - b * 4);
-                if (T == 4) amx_block<4>(w, K, pairs.data(), b * 64, c);
-                else if (T == 3) amx_block<3>(w, K, pairs.data(), b * 64, c);
-                else if (T == 2) amx_block<2>(w, K, pairs.data(), b * 64, c);
-                else amx_block<1>(w, K, pairs.data(), b * 64, c);
+                if (T == 4) amx_block<4>(w, K, pairs.data(), R, b * 64, c);
+                else if (T == 3) amx_block<3>(w, K, pairs.data(), R, b * 64, c);
+                else if (T == 2) amx_block<2>(w, K, pairs.data(), R, b * 64, c);
+                else amx_block<1>(w, K, pairs.data(), R, b * 64, c);
                 for (int64_t i = 0; i < 16 * T; ++i)
                     for (int64_t r = 0; r < R; ++r) y[(m0 + r) * N + b * 64 + i] = c[i * 16 + r];
             }
@@ -703,19 +712,18 @@ static void amx_rows(const c10::BFloat16* x, int64_t M, const c10::BFloat16* w, 
 // a time, an expert one row chose too (a row's floats must not depend on whether another row chose its
 // expert); only the last N % 16 weight rows keep the vector kernel (`dots`). xs[j]: the x row of the
 // j-th pair in expert order.
-struct AmxGroup { int64_t e, j0, R; };  // rows order[j0 .. j0 + R) of expert e
+struct AmxGroup { int64_t e, j0, R, at; };  // rows order[j0 .. j0 + R) of expert e, their pairs at pairs[at ..)
 
-// The pairs of each chosen expert's x rows, 16 rows a group: groups, and group g's pairs at
-// pairs[g * (K / 2) * 16 ..).
+// The pairs of each chosen expert's x rows, 16 rows a group: groups, and their pairs (amx_pairs),
+// group g's at pairs[g.at ..).
 static std::pair<std::vector<AmxGroup>, std::vector<uint32_t>> amx_groups(int64_t E, int64_t K, const std::vector<int64_t>& first,
                                                                            const std::vector<const c10::BFloat16*>& xs) {
     std::vector<AmxGroup> groups;
     for (int64_t e = 0; e < E; ++e)
         for (int64_t j0 = first[e]; j0 < first[e + 1]; j0 += AMX_ROWS)
-            groups.push_back({e, j0, std::min<int64_t>(AMX_ROWS, first[e + 1] - j0)});
-    std::vector<uint32_t> pairs(groups.size() * (K / 2) * AMX_ROWS);
-    for (size_t g = 0; g < groups.size(); ++g)
-        amx_pairs(xs.data() + groups[g].j0, groups[g].R, K, pairs.data() + g * (K / 2) * AMX_ROWS);
+            groups.push_back({e, j0, std::min<int64_t>(AMX_ROWS, first[e + 1] - j0), j0 * (K / 2)});
+    std::vector<uint32_t> pairs((int64_t)xs.size() * (K / 2) + AMX_PAIRS_TAIL);
+    for (const AmxGroup& g : groups) amx_pairs(xs.data() + g.j0, g.R, K, pairs.data() + g.at);
     return {groups, pairs};
 }
 
@@ -735,7 +743,7 @@ static void amx_experts(const c10::BFloat16* w, int64_t E, int64_t N, int64_t K,
                 const c10::BFloat16* next = nullptr;  // this thread's next item, where it is a whole tile
                 if (i + 1 < end && ((i + 1) % blocks) * 16 + 16 <= N)
                     next = w + (groups[(i + 1) / blocks].e * N + ((i + 1) % blocks) * 16) * K;
-                amx_block<1>(we, K, pairs.data() + (i / blocks) * (K / 2) * AMX_ROWS, n0, c, next);
+                amx_block<1>(we, K, pairs.data() + g.at, g.R, n0, c, next);
                 for (int64_t n = 0; n < 16; ++n)
                     for (int64_t r = 0; r < g.R; ++r) y[order[g.j0 + r] * N + n0 + n] = c[n * 16 + r];
                 continue;
@@ -900,14 +908,14 @@ static FloatRows float_rows(const torch::Tensor& x, int64_t width) {
 // and finish() narrows it once, rounding to nearest even as Tensor.to does.
 struct Output {
     torch::Tensor y;
-    std::vector<float> wide;
+    std::unique_ptr<float[]> wide;  // every product writes all of y: not zeroed first
     float* data = nullptr;
     Output(std::vector<int64_t> shape, const torch::Tensor& like) : y(torch::empty(shape, like.options())) {
         if (y.scalar_type() == torch::kFloat) data = y.data_ptr<float>();
-        else { wide.resize(y.numel()); data = wide.data(); }
+        else { wide.reset(new float[y.numel()]); data = wide.get(); }
     }
     torch::Tensor finish() {
-        const int64_t n = (int64_t)wide.size();
+        const int64_t n = wide ? y.numel() : 0;
         if (y.scalar_type() == torch::kBFloat16) {
             c10::BFloat16* p = y.data_ptr<c10::BFloat16>();
             for (int64_t i = 0; i < n; ++i) p[i] = c10::BFloat16(wide[i]);
@@ -1062,14 +1070,14 @@ static void tiles_row(const c10::BFloat16* w, int64_t K, const c10::BFloat16* x,
 // c[t * 256 + i * 16 + r] = x row r . weight row 16 t + i of the T blocks from w (tiles layout); x's
 // pairs as amx_block takes them. The T blocks are T streams, read side by side.
 template <int T>
-static inline void amx_tiles(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, float* c) {
+static inline void amx_tiles(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, int64_t R, float* c) {
     _tile_zero(0);
     if (T > 1) _tile_zero(1);
     if (T > 2) _tile_zero(2);
     if (T > 3) _tile_zero(3);
     for (int64_t k = 0; k < K; k += TILE_COLS) {
         const c10::BFloat16* a = w + k * TILE_ROWS;
-        _tile_loadd(6, pairs + (k / 2) * AMX_ROWS, AMX_ROWS * 4);
+        _tile_loadd(6, pairs + (k / 2) * R, R * 4);
         _tile_loadd(4, a, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (T > 1) { _tile_loadd(5, a + TILE_ROWS * K, 64); _tile_dpbf16ps(1, 5, 6); }
@@ -1086,10 +1094,10 @@ static inline void amx_tiles(const c10::BFloat16* w, int64_t K, const uint32_t* 
 static inline void amx_tiles_into(const c10::BFloat16* w, int64_t K, const uint32_t* pairs, int64_t T,
                                   float* const* y_rows, int64_t R) {
     alignas(64) float c[4 * 256];
-    if (T == 4) amx_tiles<4>(w, K, pairs, c);
-    else if (T == 3) amx_tiles<3>(w, K, pairs, c);
-    else if (T == 2) amx_tiles<2>(w, K, pairs, c);
-    else amx_tiles<1>(w, K, pairs, c);
+    if (T == 4) amx_tiles<4>(w, K, pairs, R, c);
+    else if (T == 3) amx_tiles<3>(w, K, pairs, R, c);
+    else if (T == 2) amx_tiles<2>(w, K, pairs, R, c);
+    else amx_tiles<1>(w, K, pairs, R, c);
     for (int64_t i = 0; i < TILE_ROWS * T; ++i)
         for (int64_t r = 0; r < R; ++r) y_rows[r][i] = c[i * AMX_ROWS + r];
 }
@@ -1110,7 +1118,7 @@ torch::Tensor rows_tiles(torch::Tensor x, torch::Tensor w) {
 #ifdef MK_AMX
     if (M >= 2 && amx_ready()) {
         const int64_t chunks = (M + AMX_ROWS - 1) / AMX_ROWS, quads = (blocks + 3) / 4;
-        std::vector<uint32_t> pairs(chunks * (K / 2) * AMX_ROWS);
+        std::vector<uint32_t> pairs(M * (K / 2) + AMX_PAIRS_TAIL);  // chunk ch's at ch * (K / 2) * 16
         std::vector<const c10::BFloat16*> xs(M);
         for (int64_t m = 0; m < M; ++m) xs[m] = xp + m * K;
         for (int64_t ch = 0; ch < chunks; ++ch)
@@ -1167,7 +1175,7 @@ torch::Tensor experts_tiles(torch::Tensor x, torch::Tensor w, torch::Tensor ids)
                 const AmxGroup& g = groups[i / quads];
                 const int64_t q = i % quads, T = std::min<int64_t>(4, blocks - q * 4);
                 for (int64_t r = 0; r < g.R; ++r) rows[r] = y.data + order[g.j0 + r] * N + q * 4 * TILE_ROWS;
-                amx_tiles_into(wp + (g.e * N + q * 4 * TILE_ROWS) * K, K, pairs.data() + (i / quads) * (K / 2) * AMX_ROWS, T, rows, g.R);
+                amx_tiles_into(wp + (g.e * N + q * 4 * TILE_ROWS) * K, K, pairs.data() + g.at, T, rows, g.R);
             }
             _tile_release();
         });
@@ -1532,11 +1540,30 @@ def _build(namespace: str, flags: list[str]) -> None:
     # -fopenmp at compile time only: the parallel regions bind to the OpenMP runtime torch
     # already loaded, so there is one thread pool, not two. Hidden visibility: of the two builds'
     # same-named C++ functions each library calls its own once both are global (below).
-    path = load_inline(name=f"{namespace}_gemv_v27", cpp_sources=source, is_python_module=False,
+    path = load_inline(name=_library_name(namespace), cpp_sources=source, is_python_module=False,
                        extra_cflags=["-O3", "-march=native", *flags, "-fopenmp", "-fvisibility=hidden"], verbose=False)
     # Made global, so that the compiled step's generated library finds the C entry points.
     ctypes.CDLL(path, mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
     _register_shapes(namespace)
+
+
+def _library_name(namespace: str) -> str:
+    """The name torch's extension cache keeps one build under (a new name for every change of _SOURCE)."""
+    return f"{namespace}_gemv_v28"
+
+
+def built_here() -> bool:
+    """Whether torch's extension cache on this machine already holds this version's build, so that
+    operators() loads it in a moment instead of compiling for about a minute (twice on an AVX-512
+    CPU); asking builds nothing. True where that cannot be told, so that nobody is told of a build
+    that does not come."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory  # the folder load_inline builds in
+
+        name = _library_name("moekit")
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:  # a torch that keeps its builds elsewhere
+        return True
 
 
 def suffix(namespace: str) -> str:

@@ -147,13 +147,15 @@ def test_compiled_rows_match_eager(engines, family):
     assert all(torch.equal(a, b) for a, b in zip(routes[0], routes[1]))
 
 
-def test_mla_attention_without_its_operator_matches_eager(engines, monkeypatch):
-    """Where moekit::latent_attend is not built, MLA's attention over the cache is Inductor's
-    contractions (batch 1) and einsum (a batch): the same tokens and logits as the eager step too."""
+@pytest.mark.parametrize("family,operator", [("deepseek_v3", "_has_latent_attend"), ("qwen3_moe", "_has_attend")])
+def test_attention_without_its_operator_matches_eager(engines, monkeypatch, family, operator):
+    """Where moekit::latent_attend (MLA) or moekit::attend (grouped-query) is not built, attention
+    over the cache is Inductor's contractions (batch 1) and einsum (a batch): the same tokens and
+    logits as the eager step too."""
     from moekit.model import compiled_step
 
-    eager, _ = engines("deepseek_v3")
-    monkeypatch.setattr(compiled_step, "_has_latent_attend", lambda: False)
+    eager, _ = engines(family)
+    monkeypatch.setattr(compiled_step, operator, lambda: False)
     plain = load_engine(eager.folder, compile=True)
     plain.decoder.compile_decode(cpp_wrapper=False)
     prompts = [[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41]]

@@ -282,12 +282,53 @@ def test_latent_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
         ops.latent_attend(query.bfloat16(), cached, visible, 0.5, 32)
 
 
+def _attend_reference(query, keys, values, allowed, scale):
+    scores = torch.einsum("bkgd,bksd->bkgs", query, keys.float()) * scale
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None, None, :], float("-inf")), dim=-1)
+    return torch.einsum("bkgs,bksd->bkgd", probs, values.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,kv_heads,group,positions,dim", [(1, 4, 2, 1, 64), (1, 2, 1, 37, 64), (3, 4, 2, 40, 128), (2, 1, 3, 19, 40)])
+def test_attend_is_grouped_query_attention_over_the_cache(ops, dtype, rows, kv_heads, group, positions, dim):
+    """Grouped-query attention over keys and values read in place (slices of a cache stack [N, B,
+    Hkv, S, D], as the compiled step passes them), masked positions, head widths on and off the
+    vector width: within fp32 rounding of softmax(q·k)·v computed by torch."""
+    gen = torch.Generator().manual_seed(rows * kv_heads * positions + dim)
+    stack = torch.randn(4, rows + 1, kv_heads, positions + 5, dim, generator=gen).to(dtype)
+    keys, values = stack[2, :rows, :, :positions], stack[3, :rows, :, :positions]
+    query = torch.randn(rows, kv_heads, group, dim, generator=gen)
+    allowed = torch.rand(rows, positions, generator=gen) < 0.7
+    allowed[:, -1] = True  # a decode row always sees its own position
+    got = ops.attend(query, keys, values, allowed, 0.125)
+    assert got.shape == (rows, kv_heads, group, dim) and got.dtype == torch.float32
+    torch.testing.assert_close(got, _attend_reference(query, keys, values, allowed, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
+    keys, values = torch.randn(2, 1, 2, 6, 32).unbind(0)
+    allowed = torch.tensor([[True, False, True, False, True, True]])
+    query = torch.randn(1, 2, 3, 32)
+    want = ops.attend(query, keys, values, allowed, 0.5)
+    keys[0, :, 1] = float("nan")  # a hidden position's garbage never reaches the output
+    values[0, :, 3] = float("inf")
+    assert torch.equal(ops.attend(query, keys, values, allowed, 0.5), want)
+    with pytest.raises(RuntimeError, match="allowed bool"):
+        ops.attend(query, keys, values, allowed[:, :5], 0.5)
+    with pytest.raises(RuntimeError, match="alike"):
+        ops.attend(query, keys, values.bfloat16(), allowed, 0.5)
+    with pytest.raises(RuntimeError, match="query fp32"):
+        ops.attend(query.bfloat16(), keys, values, allowed, 0.5)
+    with pytest.raises(RuntimeError, match="keys \\[B, Hkv, S, D\\] for query"):
+        ops.attend(query[:, :1], keys, values, allowed, 0.5)
+
+
 def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
     """The compiled step's generated C++ calls these symbols by name (gemv.c_shims): each must be
     declared for its own build's operator and be visible process-wide."""
     operators()
     shims = c_shims()
-    assert len(shims) == 7 * len(namespaces())
+    assert len(shims) == 8 * len(namespaces())
     process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
     for overload, (declaration,) in shims.items():
         name = declaration.split("(")[0].split()[-1]

@@ -160,6 +160,11 @@ def _has_latent_attend() -> bool:
     return hasattr(torch.ops.moekit, "latent_attend")
 
 
+def _has_attend() -> bool:
+    # Read while Dynamo traces, as _has_gemv: grouped-query attention over the cache as moekit::attend.
+    return hasattr(torch.ops.moekit, "attend")
+
+
 def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
     """A dense MLP (or shared expert) on x [B, D] → [B, D]."""
     return _project(mlp.down, mlp.act(_project(mlp.gate_up, x)))
@@ -251,6 +256,10 @@ def _attention(attn: Attention, x, stack, at, slot, cos, sin_signed, visible) ->
         allowed = visible & (back < attn.window)
     keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
     grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
+    if attn.sinks is None and _has_attend():
+        # The cache read in place; the graph's own attention widened it to fp32 copies every layer.
+        out = torch.ops.moekit.attend(grouped, keys, values, allowed, attn.scale).to(x.dtype)  # [B, Hkv, G, hd]
+        return _project(attn.o_proj, out.reshape(b, h * hd))
     product = contract if b == 1 else torch.einsum
     logits = product("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
     logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))

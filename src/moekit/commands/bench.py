@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build
+from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_needed, operators_to_build
 from moekit.commands.options import COMPILE, NO_VERIFY
 from moekit.errors import MoekitError
 
@@ -85,7 +85,7 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
-    announce_operator_build(compile_step or weights != "dtype")
+    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=False))
     engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights, verify=not no_verify,
                          compile=compile_step)
     for note in engine.notes:
@@ -206,7 +206,8 @@ def offload(
     from rich.console import Console
 
     console = Console(stderr=True)
-    with console.status("starting" + (f": {BUILDING}" if operators_to_build(dtype == "float32") else "")) as status:
+    building = operators_to_build(operators_needed(False, "dtype", dtype, paged=True))
+    with console.status("starting" + (f": {BUILDING}" if building else "")) as status:
         results = run_bench(bench, minimum, on_start=lambda what: status.update(f"running: {what}"))
     rows = summary_rows(bench, results)
     if json_path is not None:

@@ -10,9 +10,15 @@ BUILDING = ("building moekit's CPU operators for this machine, once (about a min
             "later runs load them")
 
 
+def operators_needed(compile_step: bool, weights: str, dtype: str, paged: bool) -> bool:
+    """Whether a run with these options uses the operators: the compiled step, int8 weights (any
+    `--weights` but "dtype") or the expert store at fp32 (`paged`), whose misses they lay out."""
+    return compile_step or weights != "dtype" or (paged and dtype == "float32")
+
+
 def operators_to_build(needed: bool) -> bool:
-    """Whether this run builds the operators first: it uses them (`needed`: the compiled step, int8
-    weights, the expert store at fp32) and this machine holds no build of this version yet."""
+    """Whether this run builds the operators first: it uses them (`needed`, operators_needed) and
+    this machine holds no build of this version yet."""
     if not needed:
         return False
     from moekit.model import gemv

@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.operators_notice import announce_operator_build, operators_needed
 from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
@@ -235,7 +235,7 @@ def run(
                     sampling, stop_ids, report=lambda engine, sampling: _generate_and_report(
                         engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out))
         return
-    announce_operator_build(compile_step or weights != "dtype" or (offload is not None and dtype == "float32"))
+    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
     engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress(),
                          weights=weights, verify=not no_verify, compile=compile_step)
     for note in engine.notes:

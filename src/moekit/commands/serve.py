@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.operators_notice import announce_operator_build, operators_needed
 from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
@@ -116,7 +116,7 @@ def serve(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache)
-    announce_operator_build(compile_step or weights != "dtype" or (offload is not None and dtype == "float32"))
+    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
     config = ServeConfig(
         checkpoint=folder,
         model_name=served_model_name or folder.resolve().name,

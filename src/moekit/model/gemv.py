@@ -1332,19 +1332,18 @@ static inline VF vexp_neg(VF x) {
 }
 #endif
 
-// MLA's attention over its cache at decode, one (row, head) a task on the thread pool: the scores
-// query · cached over the visible positions, their softmax, and Σ_s p_s · cached[s, :R]. Inductor's
+// One head's attention over the cache at decode, a task on the thread pool (latent_attend: MLA's
+// heads, the keys and values one latent cache; attend: grouped-query heads): the scores
+// query · keys over the visible positions, their softmax, and Σ_s p_s · values[s, :R]. Inductor's
 // fused loops for the same ran on one thread (a perf profile of deepseek_v3-1b's bf16 step: 1.5 µs
 // per cached position per layer). Scores are taken 8 positions at a time (each chunk of the query
 // loaded once for 8 rows, 8 independent chains), the exponentials 16 lanes at a time with AVX-512
 // (the two: 55 against 68 µs for 16 heads over 300 positions, 2 threads), and the weighted sum keeps up
 // to 8 vectors of the output in registers across the positions; a masked position is skipped.
-// values: the rows the weighted sum reads, at the keys' position stride (MLA: the cache itself; a
-// GQA head: its own value rows, attend below).
+// keys and values: rows a stride of ss apart, one per position.
 template <typename W>
-static void latent_head(const float* q, const W* cache, int64_t ss, const bool* vis, int64_t S, int64_t C,
-                        int64_t R, float scale, float* out, float* p, const W* values = nullptr) {
-    if (values == nullptr) values = cache;
+static void attend_head(const float* q, const W* keys, const W* values, int64_t ss, const bool* vis, int64_t S,
+                        int64_t C, int64_t R, float scale, float* out, float* p) {
     int64_t s = 0;
 #ifdef MK_WIDE
     constexpr int L = MK_WIDE, P = 8;
@@ -1354,16 +1353,16 @@ static void latent_head(const float* q, const W* cache, int64_t ss, const bool* 
         int64_t k = 0;
         for (; k + L <= C; k += L) {
             const VF qk = vload(q + k);
-            for (int i = 0; i < P; ++i) a[i] = vfma(vload(cache + (s + i) * ss + k), qk, a[i]);
+            for (int i = 0; i < P; ++i) a[i] = vfma(vload(keys + (s + i) * ss + k), qk, a[i]);
         }
         for (int i = 0; i < P; ++i) {
             float acc = vsum(a[i]);
-            for (int64_t j = k; j < C; ++j) acc += static_cast<float>(cache[(s + i) * ss + j]) * q[j];
+            for (int64_t j = k; j < C; ++j) acc += static_cast<float>(keys[(s + i) * ss + j]) * q[j];
             p[s + i] = acc;
         }
     }
 #endif
-    for (; s < S; ++s) p[s] = dot(cache + s * ss, q, C);
+    for (; s < S; ++s) p[s] = dot(keys + s * ss, q, C);
     float top = -INFINITY;
     for (s = 0; s < S; ++s) {
         p[s] = vis[s] ? p[s] * scale : -INFINITY;
@@ -1438,10 +1437,13 @@ torch::Tensor latent_attend(torch::Tensor query, torch::Tensor cached, torch::Te
         std::vector<float> p(S);
         for (int64_t i = begin; i < end; ++i) {
             const int64_t b = i / H;
-            if (bf16)
-                latent_head(q + i * C, static_cast<const c10::BFloat16*>(base) + b * sb, ss, vis + b * S, S, C, R, float(scale), o + i * R, p.data());
-            else
-                latent_head(q + i * C, static_cast<const float*>(base) + b * sb, ss, vis + b * S, S, C, R, float(scale), o + i * R, p.data());
+            if (bf16) {
+                const auto* row = static_cast<const c10::BFloat16*>(base) + b * sb;
+                attend_head(q + i * C, row, row, ss, vis + b * S, S, C, R, float(scale), o + i * R, p.data());
+            } else {
+                const auto* row = static_cast<const float*>(base) + b * sb;
+                attend_head(q + i * C, row, row, ss, vis + b * S, S, C, R, float(scale), o + i * R, p.data());
+            }
         }
     });
     return out;
@@ -1471,16 +1473,18 @@ torch::Tensor attend(torch::Tensor query, torch::Tensor keys, torch::Tensor valu
     float* o = out.data_ptr<float>();
     const int64_t sb = keys.stride(0), sh = keys.stride(1), ss = keys.stride(2);
     const bool bf16 = keys.scalar_type() == torch::kBFloat16;
+    const void* kp = keys.data_ptr();
+    const void* vp = values.data_ptr();
     at::parallel_for(0, B * Hkv * G, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> p(S);
         for (int64_t i = begin; i < end; ++i) {
             const int64_t b = i / (Hkv * G), at = b * sb + (i / G % Hkv) * sh;
             if (bf16)
-                latent_head(q + i * D, keys.data_ptr<c10::BFloat16>() + at, ss, vis + b * S, S, D, D, float(scale), o + i * D,
-                            p.data(), values.data_ptr<c10::BFloat16>() + at);
+                attend_head(q + i * D, static_cast<const c10::BFloat16*>(kp) + at, static_cast<const c10::BFloat16*>(vp) + at,
+                            ss, vis + b * S, S, D, D, float(scale), o + i * D, p.data());
             else
-                latent_head(q + i * D, keys.data_ptr<float>() + at, ss, vis + b * S, S, D, D, float(scale), o + i * D,
-                            p.data(), values.data_ptr<float>() + at);
+                attend_head(q + i * D, static_cast<const float*>(kp) + at, static_cast<const float*>(vp) + at,
+                            ss, vis + b * S, S, D, D, float(scale), o + i * D, p.data());
         }
     });
     return out;
@@ -1598,7 +1602,7 @@ def _build(namespace: str, flags: list[str]) -> None:
 
 def _library_name(namespace: str) -> str:
     """The name torch's extension cache keeps one build under (a new name for every change of _SOURCE)."""
-    return f"{namespace}_gemv_v29"
+    return f"{namespace}_gemv_v30"
 
 
 def built_here() -> bool:

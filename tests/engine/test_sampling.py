@@ -92,8 +92,14 @@ def test_samples_stay_inside_top_k_and_top_p():
 
 
 @pytest.mark.parametrize(
-    "params", [SamplingParams(temperature=-1), SamplingParams(top_k=-2), SamplingParams(top_p=0.0), SamplingParams(top_p=1.5)]
+    "params, message",
+    [
+        (SamplingParams(temperature=-1), r"temperature must be >= 0 \(0 is greedy\), got -1$"),
+        (SamplingParams(top_k=-2), r"top-k must be >= 1 \(or 0 for none\), got -2$"),
+        (SamplingParams(top_p=0.0), r"top-p must be in \(0, 1\], got 0.0$"),
+        (SamplingParams(top_p=1.5), r"top-p must be in \(0, 1\], got 1.5$"),
+    ],
 )
-def test_bad_settings_are_refused(params):
-    with pytest.raises(MoekitError):
+def test_bad_settings_are_refused(params, message):
+    with pytest.raises(MoekitError, match=message):
         check_sampling(params)

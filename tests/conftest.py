@@ -1,16 +1,69 @@
 """Suite-wide settings: one torch thread, no Hypothesis deadline, and the pinned test dependencies
-present (a missing transformers would otherwise turn every exactness test into a quiet skip)."""
+present (a missing transformers would otherwise turn every exactness test into a quiet skip); and
+the fixtures more than one folder shares.
+
+The helper modules (hf_tiny, cli_runner, gguf_convert, ...) are imported by their names from any
+folder: pyproject.toml's pytest `pythonpath` lists the folders that hold them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 from pinned_dependencies import missing_test_dependencies
 
+# pytester: tests/test_suite_settings.py runs this conftest on example modules.
+pytest_plugins = ["pytester"]
+
 # A deadline is a timing assertion: on a busy 2-core machine an example that takes 300 ms is not a bug.
 settings.register_profile("moekit", deadline=None)
 settings.load_profile("moekit")
+
+
+# Fixtures that start servers: a test that uses one counts as marked `processes`.
+PROCESS_FIXTURES = frozenset({"serve_process"})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", dest="run_slow",
+                     help="also run the tests marked slow (end-to-end sweeps a faster test already covers)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow leave the run unless --all (or an -m expression) asks for them."""
+    if config.getoption("run_slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
+def starts_processes(item) -> bool:
+    return item.get_closest_marker("processes") is not None or bool(PROCESS_FIXTURES & set(item.fixturenames))
+
+
+@pytest.fixture(autouse=True)
+def one_process_test_at_a_time(request, tmp_path_factory):
+    """Under xdist, a test that starts servers or rank processes holds a lock that its run's other
+    workers share, so that such tests never overlap: two of them on a 2-core machine (ranks, a
+    server and its client) would oversubscribe it and stretch their own timeouts. Their workers'
+    in-process tests keep running meanwhile. (xdist's `xdist_group` + `--dist loadgroup` would do
+    this by scheduling, but with pytest 9.2 it silently groups nothing: pytest-xdist issue 1386.)"""
+    if not hasattr(request.config, "workerinput") or not starts_processes(request.node):
+        yield
+        return
+    import fcntl
+
+    # Each worker's base temp is <the run's folder>/popen-gwN: the lock is the run's, no other run's.
+    with open(tmp_path_factory.getbasetemp().parent / "processes.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def pytest_configure(config):
@@ -33,3 +86,19 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory):
+    """family -> folder of hf_tiny's checkpoint (transformers' save_pretrained), written once per
+    session (once per xdist worker) on first use. Imported here, not at the top: torch-free tests."""
+    from hf_tiny import write_checkpoint
+
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = write_checkpoint(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get

@@ -1,13 +1,17 @@
 """The suite's own settings (tests/conftest.py): a missing or wrongly pinned test dependency stops
-the suite instead of skipping what needs it, and no Hypothesis test carries a timing deadline."""
+the suite instead of skipping what needs it, no Hypothesis test carries a timing deadline, tests
+marked slow run only when asked for, and tests that start processes share one xdist worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
+import pytest
 from hypothesis import settings
 
 from pinned_dependencies import missing_test_dependencies
@@ -48,3 +52,71 @@ def test_the_suite_refuses_to_start_under_another_transformers(tmp_path):
 
 def test_hypothesis_runs_without_a_deadline():
     assert settings().deadline is None  # the profile every @given in the suite inherits
+
+
+TESTS = Path(__file__).resolve().parent
+
+# A module of the shapes the suite's tests take: a sweep marked slow, one test marked processes,
+# one that starts servers through the serve_process fixture, and two plain ones. Each non-slow test
+# writes when it ran (wall clock: the workers are processes) into the folder OUT names.
+EXAMPLE = """
+import json, os, time
+import pytest
+
+@pytest.fixture
+def serve_process():
+    return None
+
+def spell(name):
+    start = time.time()
+    time.sleep(1.0)
+    with open(os.path.join(os.environ["OUT"], name), "w") as f:
+        json.dump([start, time.time()], f)
+
+@pytest.mark.slow
+def test_sweep():
+    pass
+
+def test_plain():
+    spell("plain")
+
+def test_plain_too():
+    spell("plain_too")
+
+@pytest.mark.processes
+def test_ranks():
+    spell("ranks")
+
+def test_server(serve_process):
+    spell("server")
+"""
+
+
+@pytest.fixture
+def suite_like(pytester, monkeypatch, tmp_path):
+    """A pytester folder with this suite's conftest.py and EXAMPLE (tests/ on the path for its imports)."""
+    pytester.makeconftest((TESTS / "conftest.py").read_text())
+    pytester.makeini("[pytest]\nmarkers =\n    slow: slow\n    processes: processes\n")
+    pytester.makepyfile(test_example=EXAMPLE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    return pytester
+
+
+def test_slow_tests_run_only_with_all_or_a_mark_expression(suite_like):
+    default = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    default.assert_outcomes(passed=4, deselected=1)
+    everything = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--all")
+    everything.assert_outcomes(passed=5)
+    only_slow = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", "slow")
+    only_slow.assert_outcomes(passed=1, deselected=4)
+
+
+def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, tmp_path):
+    """The two 1-second tests that start processes (one by its mark, one by its fixture), alone on
+    two workers, so that each worker takes one: they run one after the other all the same."""
+    result = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-k", "ranks or server", "-v")
+    result.assert_outcomes(passed=2)
+    assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
+    first, second = sorted(json.loads((tmp_path / name).read_text()) for name in ("ranks", "server"))
+    assert first[1] <= second[0], (first, second)

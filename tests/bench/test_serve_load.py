@@ -4,19 +4,16 @@ whose own /metrics must count exactly the requests and tokens the load generator
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "serve"))
 
-from cli_runner import moekit  # noqa: E402
-from hf_tiny import write_checkpoint  # noqa: E402
-from moekit.bench.serve import RequestResult, load_prompts, percentiles, summarize, token_count  # noqa: E402
-from moekit.errors import MoekitError  # noqa: E402
-from server_process import start_server  # noqa: E402
+from cli_runner import moekit
+from hf_tiny import write_checkpoint
+from moekit.bench.serve import RequestResult, load_prompts, percentiles, summarize, token_count
+from moekit.errors import MoekitError
+from server_process import start_server
 
 
 def test_percentiles_interpolate_between_ranks():

@@ -3,16 +3,13 @@ their p-norm, experts stored as [E*F, D] rows — greedy tokens and logits equal
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import FAMILIES, assert_engine_matches_reference, build_reference  # noqa: E402
-from moekit.engine.loader import load_engine  # noqa: E402
+from hf_tiny import FAMILIES, assert_engine_matches_reference, build_reference
+from moekit.engine.loader import load_engine
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120]
 FFN = FAMILIES["dbrx"]["ffn_config"]

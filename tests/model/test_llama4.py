@@ -9,23 +9,20 @@ NoPE layer whose query temperature changes every 4 positions, and K = 2 (Llama 4
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import COMMON, FAMILIES, _spread_routers, assert_engine_matches_reference, build_reference  # noqa: E402
-from moekit.engine.generate import left_pad  # noqa: E402
-from moekit.engine.loader import load_engine  # noqa: E402
-from moekit.model.experts import RoutedExperts, experts_reference  # noqa: E402
-from moekit.model.mlp import Activation  # noqa: E402
-from moekit.model.rope import Rope, apply_rope_complex, apply_rope_rolled, pairs_to_halves  # noqa: E402
-from moekit.model.routing import RoutingDecision, route, route_rows  # noqa: E402
-from moekit.offload.options import OffloadOptions  # noqa: E402
-from moekit.spec.model_spec import MLPSpec, RopeSpec, RouterSpec  # noqa: E402
+from hf_tiny import COMMON, FAMILIES, _spread_routers, assert_engine_matches_reference, build_reference
+from moekit.engine.generate import left_pad
+from moekit.engine.loader import load_engine
+from moekit.model.experts import RoutedExperts, experts_reference
+from moekit.model.mlp import Activation
+from moekit.model.rope import Rope, apply_rope_complex, apply_rope_rolled, pairs_to_halves
+from moekit.model.routing import RoutingDecision, route, route_rows
+from moekit.offload.options import OffloadOptions
+from moekit.spec.model_spec import MLPSpec, RopeSpec, RouterSpec
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,19 +4,16 @@ checkpoints written by its save_pretrained."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import assert_engine_matches_reference, build_reference  # noqa: E402
-from moekit.engine.loader import load_engine  # noqa: E402
-from moekit.errors import SpecError  # noqa: E402
-from moekit.model.routing import route  # noqa: E402
-from moekit.spec.model_spec import RouterSpec  # noqa: E402
+from hf_tiny import assert_engine_matches_reference, build_reference
+from moekit.engine.loader import load_engine
+from moekit.errors import SpecError
+from moekit.model.routing import route
+from moekit.spec.model_spec import RouterSpec
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120]
 HEAD_DIM = 12  # hidden 48 / 4 heads

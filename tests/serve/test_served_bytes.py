@@ -7,19 +7,17 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weights"))  # quantized_files
 
-from cli_runner import moekit  # noqa: E402
-from hf_tiny import write_checkpoint  # noqa: E402
-from moekit.engine.meter import params_per_token  # noqa: E402
-from moekit.spec import load_spec  # noqa: E402
-from quantized_files import write_mxfp4  # noqa: E402
+from cli_runner import moekit
+from hf_tiny import write_checkpoint
+from moekit.engine.meter import params_per_token
+from moekit.spec import load_spec
+from quantized_files import write_mxfp4
 
 openai = pytest.importorskip("openai")
 

@@ -10,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "weights"))  # the converter's helpers
-from gguf_convert import convert, tiny_checkpoint  # noqa: E402
-from moekit.errors import MoekitError  # noqa: E402
-from moekit.spec import load_spec  # noqa: E402
+from gguf_convert import convert, tiny_checkpoint
+from moekit.errors import MoekitError
+from moekit.spec import load_spec
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,22 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))  # hf_tiny
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # cli_runner
+from gguf_convert import convert, tiny_checkpoint
+from spm_vocabulary import llama_cpp_python
 
-from gguf_convert import convert, tiny_checkpoint  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked llama_cpp ask llama.cpp itself and need a python with llama-cpp-python; where
+    none is found they are deselected, not skipped: the golden files they check are tested anyway."""
+    needing = [item for item in items if item.get_closest_marker("llama_cpp")]
+    if needing and llama_cpp_python(REPO) is None:
+        config.hook.pytest_deselected(items=needing)
+        items[:] = [item for item in items if not item.get_closest_marker("llama_cpp")]
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,7 @@ from typing import Callable, Optional
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
-from hf_tiny import train_tokenizer, write_checkpoint  # noqa: E402
+from hf_tiny import train_tokenizer, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 VERSION = "0.3.36"

@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 
-from hf_tiny import build_reference  # noqa: E402
-from moekit.weights import fp8, mxfp4  # noqa: E402
+from hf_tiny import build_reference
+from moekit.weights import fp8, mxfp4
 
 MXFP4_CONFIG = {
     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],

@@ -4,15 +4,13 @@ in one line with exit 2."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CLI runner
-from cli_runner import moekit, refused  # noqa: E402
-from gguf_convert import rewrite_gguf  # noqa: E402
+from cli_runner import moekit, refused
+from gguf_convert import rewrite_gguf
 
 SUPPORTED_ARCHS = "supported: qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral)"
 

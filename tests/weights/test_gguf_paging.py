@@ -11,23 +11,20 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the CLI runner
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "offload"))  # flip_byte
-from cli_runner import moekit, refused  # noqa: E402
-from gguf_convert import convert, rewrite_gguf, tiny_checkpoint  # noqa: E402
-from offload_files import flip_byte  # noqa: E402
+from cli_runner import moekit, refused
+from gguf_convert import convert, rewrite_gguf, tiny_checkpoint
+from offload_files import flip_byte
 
-from moekit.engine.loader import load_engine  # noqa: E402
-from moekit.offload.gguf_extents import manifest_path  # noqa: E402
-from moekit.offload.options import OffloadOptions  # noqa: E402
-from moekit.weights.gguf_file import read_gguf  # noqa: E402
+from moekit.engine.loader import load_engine
+from moekit.offload.gguf_extents import manifest_path
+from moekit.offload.options import OffloadOptions
+from moekit.weights.gguf_file import read_gguf
 
 PROMPT = [5, 17, 42, 99, 7, 150, 3, 280]
 NEW = 16

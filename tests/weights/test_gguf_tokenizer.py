@@ -3,19 +3,16 @@ checkpoint's own tokenizer.json, for each pre-tokenizer moekit rebuilds (byte-le
 SentencePiece GGUF's (tokenizer.ggml.model "llama", as Mixtral and Llama 2 ship) as llama.cpp does.
 
 The SentencePiece GGUF is llama.cpp's converter's, from a tiny Mixtral whose tokenizer.model is a
-real SentencePiece BPE trained here with Llama's trainer settings (byte fallback, digits split,
-identity normalisation, whitespace kept) and whose tokenizer_config.json marks <unk>, <s>, </s>
-special, as Mixtral's does, and one token user-defined. Two oracles on the same texts: llama.cpp
-itself (llama-cpp-python: in this venv, else the build benchmarks/build_llama_cpp.sh makes, in a
-child process), and the sentencepiece library on the tokenizer.model the GGUF was made from.
+real SentencePiece BPE trained with Llama's trainer settings (byte fallback, digits split, identity
+normalisation, whitespace kept) and whose tokenizer_config.json marks <unk>, <s>, </s> special, as
+Mixtral's does, and one token user-defined (spm_vocabulary.py). Three oracles on the same texts:
+llama.cpp itself (its answers committed in golden/mixtral-spm/llama_cpp.json, and asked again where
+a python with llama-cpp-python is found), llama.cpp's algorithm ported here, and the sentencepiece
+library on the tokenizer.model the GGUF was made from.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,11 +20,17 @@ import sentencepiece as spm  # a test dependency: llama.cpp's converter reads to
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gguf_convert import convert, tiny_checkpoint
-from hf_tiny import CORPUS, write_checkpoint
+from hf_tiny import CORPUS
 from moekit.engine.loader import load_engine
 from moekit.errors import CheckpointError
 from moekit.weights.gguf_file import read_gguf
 from moekit.weights.gguf_tokenizer import QWEN2, gguf_tokenizer, score_merges
+from spm_vocabulary import (
+    SPM_TEXTS, SPM_VOCAB, TOKENIZER_MODEL, USER_DEFINED, ask_llama_cpp, golden_answers, llama_cpp_python,
+    mixtral_with_sentencepiece, sha256,
+)
+
+REPO = Path(__file__).resolve().parents[2]
 
 TEXTS = [
     *CORPUS[:3],
@@ -99,61 +102,9 @@ def test_engine_from_gguf_encodes_like_the_checkpoint(converted):
 # ---- SentencePiece ("llama") vocabularies, against llama.cpp ----
 
 
-REPO = Path(__file__).resolve().parents[2]
-SPM_VOCAB = 640  # the model's; the tokenizer has fewer, the converter pads with [PAD{i}] (UNUSED)
-USER_DEFINED = "<tool>"
-SPM_TEXTS = [
-    "Hello world",
-    "hello  world, two spaces",
-    " leading space",
-    "   three leading spaces",
-    "trailing spaces  ",
-    " ",
-    "",
-    "a",
-    "line one\nline two\n\nline four\n",
-    "\n starts with a newline",
-    "\ttab\tseparated\tvalues",
-    "digits 1234567890 and 3.14159, 2026-12-01",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
-    "don't WE'LL they're I'M",
-    "naïve café, déjà vu, Grüße",
-    "日本語のテキスト and 混合专家模型 (MoE)",
-    "emoji 🤖✓ and π ≈ 3.14159",
-    "bytes no token covers: ℵ ǅ ẞ \u0001\u007f",
-    f"call {USER_DEFINED} now,{USER_DEFINED}twice{USER_DEFINED}",
-    "<s> control tokens </s> inside<unk>text",
-]
 # Without an added token's text: llama.cpp puts a space prefix after each added token, which
 # neither sentencepiece does nor a round trip gives back.
 SPM_PLAIN = [t for t in SPM_TEXTS if "<s>" not in t and USER_DEFINED not in t]
-
-
-def train_sentencepiece(folder: Path) -> Path:
-    """tokenizer.model: a SentencePiece BPE as Llama's was trained (ids 0, 1, 2: <unk>, <s>, </s>)."""
-    text = (REPO / "README.md").read_text(encoding="utf-8").splitlines() + CORPUS
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter([line for line in text if line.strip()]), model_prefix=str(folder / "tokenizer"),
-        model_type="bpe", vocab_size=600, hard_vocab_limit=False, byte_fallback=True, split_digits=True,
-        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
-        allow_whitespace_only_pieces=True, character_coverage=0.9995, user_defined_symbols=[USER_DEFINED],
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2,
-    )
-    return folder / "tokenizer.model"
-
-
-def mixtral_with_sentencepiece(folder: Path) -> Path:
-    write_checkpoint("mixtral", folder, vocab_size=SPM_VOCAB)
-    sp = spm.SentencePieceProcessor(model_file=str(train_sentencepiece(folder)))
-    special = {i: sp.id_to_piece(i) for i in (0, 1, 2)}
-    decoder = {str(i): {"content": t, "special": True, "normalized": False, "lstrip": False, "rstrip": False,
-                        "single_word": False} for i, t in special.items()}
-    decoder[str(sp.piece_to_id(USER_DEFINED))] = dict(decoder["0"], content=USER_DEFINED, special=False)
-    config = {"tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
-              "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "legacy": True,
-              "clean_up_tokenization_spaces": False, "added_tokens_decoder": decoder}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -213,53 +164,29 @@ def _spm_merge(text: str, ids: dict, scores: list) -> list[int]:
     return [t for s in symbols for t in ([ids[s]] if s in ids else [ids[f"<0x{b:02X}>"] for b in s.encode()])]
 
 
-# llama.cpp's side, run under a python that has llama_cpp: tokenize as its server does (special
-# tokens parsed) and as plain text, detokenize as llama-cpp-python's Llama does, and as llama.cpp's
-# own llama_detokenize does a continuation (the ids after BOS).
-ORACLE = r"""
-import ctypes, json, sys
-import llama_cpp
-
-job = json.load(sys.stdin)
-llm = llama_cpp.Llama(job["gguf"], vocab_only=True, verbose=False)
-vocab = llama_cpp.llama_model_get_vocab(llm.model)
-
-def c_detokenize(ids):
-    array = (llama_cpp.llama_token * max(len(ids), 1))(*ids)
-    buf = ctypes.create_string_buffer(64 * len(ids) + 64)
-    n = llama_cpp.llama_detokenize(vocab, array, len(ids), buf, len(buf), False, False)
-    return buf.raw[:n].decode("utf-8", errors="replace")
-
-out = []
-for text in job["texts"]:
-    ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-    out.append({"ids": ids, "plain": llm.tokenize(text.encode("utf-8"), add_bos=True, special=False),
-                "detokenize": llm.detokenize(ids).decode("utf-8", errors="replace"),
-                "continuation": c_detokenize(ids[1:])})
-json.dump(out, sys.stdout)
-"""
-
-
-def llama_cpp_python() -> str:
-    """A python that imports llama_cpp: this one, else benchmarks/build_llama_cpp.sh's build."""
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return sys.executable
-    from moekit.bench.llama_cpp import LlamaCppBuild, DEFAULT_ROOT
-
-    python = LlamaCppBuild(DEFAULT_ROOT).python
-    if not python.is_file():
-        pytest.skip("llama.cpp's tokenizer needs llama-cpp-python: not in this venv, and benchmarks/"
-                    "build_llama_cpp.sh python has not built it")
-    return str(python)
-
-
 @pytest.fixture(scope="module")
-def llama_cpp_says(spm_gguf) -> list[dict]:
-    _, gguf = spm_gguf
-    done = subprocess.run([llama_cpp_python(), "-c", ORACLE], input=json.dumps({"gguf": str(gguf), "texts": SPM_TEXTS}),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout)
+def llama_cpp_says() -> list[dict]:
+    """llama.cpp's answers for SPM_TEXTS, from the committed golden file."""
+    return golden_answers()["answers"]
+
+
+def test_the_golden_file_answers_these_texts_in_this_vocabulary():
+    golden = golden_answers()
+    assert golden["texts"] == SPM_TEXTS
+    assert golden["tokenizer_model_sha256"] == sha256(TOKENIZER_MODEL), (
+        "tokenizer.model changed since llama_cpp.json was made: run benchmarks/gguf_tokenizer_golden.py")
+    assert len(golden["answers"]) == len(SPM_TEXTS)
+
+
+@pytest.mark.llama_cpp
+def test_llama_cpp_today_says_what_the_golden_file_says(spm_gguf):
+    """llama.cpp asked again (a python with llama-cpp-python: deselected where there is none)."""
+    python = llama_cpp_python(REPO)
+    assert python is not None, "the llama_cpp mark is deselected where no python has llama_cpp"
+    golden = golden_answers()
+    said = ask_llama_cpp(python, spm_gguf[1], SPM_TEXTS)
+    for text, now, then in zip(SPM_TEXTS, said["answers"], golden["answers"]):
+        assert now == then, (text, f"llama-cpp-python {said['llama_cpp_python']} now, {golden['llama_cpp_python']} then")
 
 
 def test_the_gguf_is_a_sentencepiece_vocabulary_with_every_token_type(spm_meta):

@@ -4,14 +4,11 @@ the bundled model, and one clear line for a trace it cannot read."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "analysis"))
-from cli_runner import moekit  # noqa: E402
-from routing_traces import model, sequence, write  # noqa: E402
+from cli_runner import moekit
+from routing_traces import model, sequence, write
 
 
 def fails(capsys, *args) -> str:

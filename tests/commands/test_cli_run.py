@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
-from cli_runner import moekit  # noqa: E402
-from hf_tiny import MAX_POS, train_tokenizer, write_checkpoint  # noqa: E402
+from cli_runner import moekit
+from hf_tiny import MAX_POS, train_tokenizer, write_checkpoint
 
 MOEKIT = Path(sys.executable).parent / "moekit"
 

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
-from hf_tiny import train_tokenizer, write_checkpoint  # noqa: E402
-from cli_runner import moekit  # noqa: E402
+from hf_tiny import train_tokenizer, write_checkpoint
+from cli_runner import moekit
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,14 @@ minute otherwise), and only then."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
-from cli_runner import moekit  # noqa: E402
-from hf_tiny import train_tokenizer, write_checkpoint  # noqa: E402
+from cli_runner import moekit
+from hf_tiny import train_tokenizer, write_checkpoint
 
-from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build  # noqa: E402
-from moekit.model import gemv  # noqa: E402
+from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build
+from moekit.model import gemv
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cli_runner import moekit
 
-DEMO = Path(__file__).resolve().parents[1] / "models" / "moekit-demo"
+DEMO = Path(__file__).resolve().parents[2] / "models" / "moekit-demo"
 
 
 def _flat(text: str) -> str:

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
-from cli_runner import moekit, refused  # noqa: E402
-from hf_tiny import write_checkpoint  # noqa: E402
-from moekit.commands.bench_view import COLUMNS, offload_notes, offload_table, print_wide_or_fitted  # noqa: E402
+from cli_runner import moekit, refused
+from hf_tiny import write_checkpoint
+from moekit.commands.bench_view import COLUMNS, offload_notes, offload_table, print_wide_or_fitted
 
 
 @pytest.fixture(scope="module")

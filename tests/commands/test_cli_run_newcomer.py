@@ -4,14 +4,12 @@ options at greedy, a trace named for another format, and the figures a text-mode
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "engine"))  # the tiny-checkpoint builders live there
-from cli_runner import moekit, refused  # noqa: E402
-from hf_tiny import train_tokenizer, write_checkpoint  # noqa: E402
+from cli_runner import moekit, refused
+from hf_tiny import train_tokenizer, write_checkpoint
 
 BUNDLED_NOTE = "is no checkpoint folder, so it is the prompt for the bundled model"
 

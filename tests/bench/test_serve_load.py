@@ -65,6 +65,7 @@ def _metric(url: str, name: str) -> float:
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
+@pytest.mark.processes  # a server process and the load generator's clients
 def test_a_load_run_matches_what_the_server_counted(tmp_path, capsys):
     folder = write_checkpoint("qwen3_moe", tmp_path / "tiny", seed=2)
     server = start_server(folder, "--max-batch", "4")

@@ -11,6 +11,9 @@ import pytest
 
 from cli_runner import moekit
 
+# Rank processes (torchrun, --expert-parallel); tests/conftest.py keeps such tests from overlapping.
+pytestmark = pytest.mark.processes
+
 MOEKIT = Path(sys.executable).parent / "moekit"
 IDS = "1,17,42,9,33"
 

@@ -12,6 +12,9 @@ import torch
 from hf_tiny import MOE_FAMILIES
 from ranks import run_ranks
 
+# Rank processes; tests/conftest.py keeps such tests from overlapping.
+pytestmark = pytest.mark.processes
+
 PROMPT = [1, 17, 42, 9, 33, 5, 77]  # 7 tokens: home chunks of 4+3 at 2 ranks, 2+2+2+1 at 4
 BATCH = [[1, 17, 42, 9, 33], [5, 77, 3]]  # two prompts, left padding in the prefill
 NEW = 8

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from hf_tiny import write_checkpoint
 from ranks import run_ranks
+
+# Rank processes; tests/conftest.py keeps such tests from overlapping.
+pytestmark = pytest.mark.processes
 
 PROMPT = [1, 17, 42, 9]
 

@@ -12,6 +12,9 @@ from server_process import start_server
 from moekit.engine.default_model import bundled_model_path
 from moekit.engine.loader import load_engine
 
+# A server process answers these tests; tests/conftest.py keeps such tests from overlapping.
+pytestmark = pytest.mark.processes
+
 PROMPTS = ["def parse_args(argv):", "import os\n", "NAME\n    ls - list", "for i in range(", "class Stack:"]
 
 

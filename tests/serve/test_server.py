@@ -17,6 +17,9 @@ from moekit.engine.default_model import bundled_model_path
 from moekit.engine.loader import load_engine
 from moekit.serve.chat import PLAIN_TEMPLATE, load_chat_template
 
+# A server process answers these tests; tests/conftest.py keeps such tests from overlapping.
+pytestmark = pytest.mark.processes
+
 openai = pytest.importorskip("openai")
 
 PROMPTS = [

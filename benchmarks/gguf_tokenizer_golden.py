@@ -55,6 +55,15 @@ def train_sentencepiece(out: Path) -> Path:
     return out
 
 
+def readable_json(golden: dict) -> str:
+    """One key a line, and one text or answer a line (a diff then names the text whose answer moved)."""
+    def rows(values: list) -> str:
+        return "[\n" + ",\n".join("  " + json.dumps(v) for v in values) + "\n ]"
+
+    fields = [f" {json.dumps(k)}: {rows(v) if isinstance(v, list) else json.dumps(v)}" for k, v in golden.items()]
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--retrain", action="store_true", help="train tokenizer.model again first")
@@ -72,7 +81,7 @@ def main() -> int:
         said = ask_llama_cpp(python, convert(folder, "f32", Path(tmp) / "mixtral-spm.gguf"), SPM_TEXTS)
     golden = {"tokenizer_model_sha256": sha256(TOKENIZER_MODEL), "llama_cpp_python": said["llama_cpp_python"],
               "texts": SPM_TEXTS, "answers": said["answers"]}
-    LLAMA_CPP_ANSWERS.write_text(json.dumps(golden, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    LLAMA_CPP_ANSWERS.write_text(readable_json(golden), encoding="utf-8")
     print(f"{LLAMA_CPP_ANSWERS.relative_to(REPO)}: {len(SPM_TEXTS)} texts, llama-cpp-python {said['llama_cpp_python']}")
     return 0
 

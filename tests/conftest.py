@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from once_per_run import made_once, run_lock
 from pinned_dependencies import missing_test_dependencies
 
 # pytester: tests/test_suite_settings.py runs this conftest on example modules.
@@ -55,15 +56,8 @@ def one_process_test_at_a_time(request, tmp_path_factory):
     if not hasattr(request.config, "workerinput") or not starts_processes(request.node):
         yield
         return
-    import fcntl
-
-    # Each worker's base temp is <the run's folder>/popen-gwN: the lock is the run's, no other run's.
-    with open(tmp_path_factory.getbasetemp().parent / "processes.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    with run_lock(request.config, tmp_path_factory, "processes"):
+        yield
 
 
 def pytest_configure(config):
@@ -89,16 +83,13 @@ def one_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory):
+def tiny_checkpoints(request, tmp_path_factory):
     """family -> folder of hf_tiny's checkpoint (transformers' save_pretrained), written once per
-    session (once per xdist worker) on first use. Imported here, not at the top: torch-free tests."""
+    run on first use (`made_once`: one worker writes, the others read). Imported here, not at the
+    top: torch-free tests."""
     from hf_tiny import write_checkpoint
 
-    made: dict[str, Path] = {}
-
     def get(family: str) -> Path:
-        if family not in made:
-            made[family] = write_checkpoint(family, tmp_path_factory.mktemp(family))
-        return made[family]
+        return made_once(request.config, tmp_path_factory, f"tiny-{family}", lambda folder: write_checkpoint(family, folder))
 
     return get

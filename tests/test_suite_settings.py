@@ -120,3 +120,35 @@ def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, tmp
     assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
     first, second = sorted(json.loads((tmp_path / name).read_text()) for name in ("ranks", "server"))
     assert first[1] <= second[0], (first, second)
+
+
+SHARED = """
+import os
+import pytest
+from once_per_run import made_once
+
+@pytest.fixture(scope="session")
+def thing(request, tmp_path_factory):
+    def make(folder):
+        with open(os.path.join(os.environ["OUT"], "made"), "a") as f:
+            f.write(os.environ.get("PYTEST_XDIST_WORKER", "-") + "\\n")
+        (folder / "weights").write_text("w")
+        return folder / "weights"
+    return made_once(request.config, tmp_path_factory, "thing", make)
+
+def test_one(thing):
+    assert thing.read_text() == "w"
+
+def test_two(thing):
+    assert thing.read_text() == "w"
+"""
+
+
+def test_a_fixture_made_once_is_made_by_one_worker_for_both(pytester, monkeypatch, tmp_path):
+    pytester.makepyfile(test_shared=SHARED)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-v")
+    result.assert_outcomes(passed=2)
+    assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
+    assert len((tmp_path / "made").read_text().split()) == 1

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from gguf_convert import convert, tiny_checkpoint
+from once_per_run import made_once
 from spm_vocabulary import llama_cpp_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,18 +21,15 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory):
-    """(family, outtype) → (checkpoint folder, GGUF llama.cpp's converter made of it), once a session."""
-    folders: dict[str, Path] = {}
-    made: dict[tuple[str, str], tuple[Path, Path]] = {}
+def converted(request, tmp_path_factory):
+    """(family, outtype) → (checkpoint folder, GGUF llama.cpp's converter made of it), once a run
+    (`made_once`: under xdist one worker converts, the others read its files)."""
 
     def get(family: str, outtype: str = "f32") -> tuple[Path, Path]:
-        if family not in folders:
-            folders[family] = tiny_checkpoint(family, tmp_path_factory.mktemp(family))
-        if (family, outtype) not in made:
-            folder = folders[family]
-            made[family, outtype] = folder, convert(folder, outtype, folder.parent / f"{family}-{outtype}.gguf")
-        return made[family, outtype]
+        folder = made_once(request.config, tmp_path_factory, f"gguf-{family}", lambda f: tiny_checkpoint(family, f))
+        gguf = made_once(request.config, tmp_path_factory, f"gguf-{family}-{outtype}",
+                         lambda f: convert(folder, outtype, f / f"{family}-{outtype}.gguf"))
+        return folder, gguf
 
     return get
 

@@ -33,8 +33,8 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow leave the run unless --all (or an -m expression) asks for them."""
-    if config.getoption("run_slow") or config.getoption("markexpr"):
+    """Tests marked slow leave the run unless --all, or an -m expression that names them, asks."""
+    if config.getoption("run_slow") or "slow" in config.getoption("markexpr"):
         return
     slow = [item for item in items if item.get_closest_marker("slow")]
     if slow:

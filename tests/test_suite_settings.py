@@ -103,13 +103,15 @@ def suite_like(pytester, monkeypatch, tmp_path):
     return pytester
 
 
-def test_slow_tests_run_only_with_all_or_a_mark_expression(suite_like):
+def test_slow_tests_run_only_with_all_or_a_mark_expression_that_names_them(suite_like):
     default = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
     default.assert_outcomes(passed=4, deselected=1)
     everything = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--all")
     everything.assert_outcomes(passed=5)
     only_slow = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", "slow")
     only_slow.assert_outcomes(passed=1, deselected=4)
+    other_marks = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", "not processes")
+    other_marks.assert_outcomes(passed=3, deselected=2)  # still without the slow one
 
 
 def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, tmp_path):

@@ -43,7 +43,9 @@ def _worker(folder: Path, budget: str | None) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("budget", ["25%", "50%"])
+# 50% is a second point of the same bound (its own child processes, ~1 min on a busy 2-core
+# machine): marked slow, it runs with `./dev test --all`; 25%, the tighter one, runs by default.
+@pytest.mark.parametrize("budget", ["25%", pytest.param("50%", marks=pytest.mark.slow)])
 def test_peak_rss_stays_within_dense_plus_budget(medium, budget):
     resident = _worker(medium, None)
     working = max(0, resident["rss_after_generate_bytes"] - resident["rss_after_load_bytes"])

@@ -40,7 +40,6 @@ def test_bench_offload_vs_accelerate_reports_disk_bytes_and_stall_per_token(caps
     # The same memory for accelerate: moekit's dense weights + the budget, the rest of its model on disk.
     assert results["accelerate@25%"]["memory_bytes"] == results["moekit@25%"]["dense_bytes"] + results["moekit@25%"]["budget_bytes"]
     assert results["accelerate@25%"]["offloaded_bytes"] > 0
-    assert results["accelerate@100%"]["offloaded_bytes"] == 0  # the whole model's bytes: nothing on disk
 
 
 def test_bench_offload_refuses_an_unknown_baseline(capsys, ckpt):

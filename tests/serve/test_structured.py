@@ -22,7 +22,7 @@ from moekit.serve.chat import load_chat_template
 from moekit.serve.protocol import ChatRequest
 from moekit.serve.tools import parse_tool_calls, render_prompt
 from server_process import start_server
-from tool_template import QWEN_TOOLS
+from chat_templates import QWEN_TOOLS
 
 openai = pytest.importorskip("openai")
 

@@ -8,11 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_tiny import train_tokenizer
 from moekit.serve.chat import load_chat_template
 from moekit.serve.protocol import ChatRequest
 from moekit.serve.tools import OPEN, ToolStream, call_block, message_dict, parse_tool_calls, render_prompt
-from tool_template import QWEN_TOOLS
+from chat_templates import QWEN_TOOLS, template_checkpoint
 
 WEATHER = {
     "type": "function",
@@ -33,16 +32,6 @@ CONVERSATION = [
 ]
 
 
-def _checkpoint(folder, template):
-    folder.mkdir()
-    train_tokenizer(folder / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
 def _body(**fields) -> ChatRequest:
     return ChatRequest.model_validate({"messages": CONVERSATION, "tools": [WEATHER, CLOCK], **fields})
 
@@ -50,7 +39,7 @@ def _body(**fields) -> ChatRequest:
 def test_a_template_with_tool_support_renders_as_transformers_renders_it(tmp_path):
     from transformers import AutoTokenizer
 
-    folder = _checkpoint(tmp_path / "qwen", QWEN_TOOLS)
+    folder = template_checkpoint(tmp_path / "qwen", QWEN_TOOLS)
     template = load_chat_template(folder)
     assert template.takes_tools
     body = _body()
@@ -64,13 +53,13 @@ def test_a_template_with_tool_support_renders_as_transformers_renders_it(tmp_pat
 
 
 def test_tool_choice_none_leaves_the_tools_out_of_the_prompt(tmp_path):
-    template = load_chat_template(_checkpoint(tmp_path / "qwen", QWEN_TOOLS))
+    template = load_chat_template(template_checkpoint(tmp_path / "qwen", QWEN_TOOLS))
     assert "get_weather" in render_prompt(template, _body(tool_choice="auto"))
     assert "# Tools" not in render_prompt(template, _body(tool_choice="none"))
 
 
 def test_without_tool_support_the_tools_are_described_in_a_system_message(tmp_path):
-    template = load_chat_template(_checkpoint(tmp_path / "plain", None))
+    template = load_chat_template(template_checkpoint(tmp_path / "plain", None))
     assert not template.takes_tools
     text = render_prompt(template, _body())
     lines = text.splitlines()

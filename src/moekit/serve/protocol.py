@@ -39,7 +39,13 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-class JsonSchemaFormat(BaseModel):
+class Lenient(BaseModel):
+    """A part of a body whose unknown fields are ignored (OpenAI adds fields; clients send them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class JsonSchemaFormat(Lenient):
     """response_format.json_schema: OpenAI's {name, schema, strict, description}."""
 
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
@@ -50,9 +56,7 @@ class JsonSchemaFormat(BaseModel):
     description: Optional[StrictStr] = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class ResponseFormat(Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: Optional[JsonSchemaFormat] = None
 
@@ -124,17 +128,13 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionCall(Lenient):
     name: StrictStr
     arguments: StrictStr  # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
+class ToolCall(Lenient):
     """An earlier assistant turn's call, sent back in the conversation."""
-
-    model_config = ConfigDict(extra="ignore")
 
     id: Optional[StrictStr] = None
     type: Literal["function"] = "function"
@@ -159,31 +159,23 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionDef(Lenient):
     name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: Optional[StrictStr] = None
     parameters: Optional[dict] = None  # a JSON Schema of the arguments; None: no arguments
     strict: Optional[StrictBool] = None  # the schema is always enforced when a call is constrained
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class Tool(Lenient):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionName(Lenient):
     name: StrictStr
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class NamedToolChoice(Lenient):
     type: Literal["function"]
     function: FunctionName
 

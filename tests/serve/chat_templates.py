@@ -1,8 +1,27 @@
-"""A chat template with tool support, as checkpoints ship them: Qwen2.5's (abridged to its tool parts).
+"""Chat templates for the tests, and a tokenizer folder to hold one (no hub: the tokenizer is trained here).
 
-It reads the `tools` variable, writes earlier calls as <tool_call> blocks and tool results as
-<tool_response> blocks: the Hermes format moekit.serve.tools constrains and parses.
+QWEN_TOOLS is a template with tool support, as checkpoints ship them: Qwen2.5's (abridged to its tool
+parts). It reads the `tools` variable, writes earlier calls as <tool_call> blocks and tool results
+as <tool_response> blocks: the Hermes format moekit.serve.tools constrains and parses.
 """
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from hf_tiny import train_tokenizer
+
+
+def template_checkpoint(folder: Path, template: Optional[str]) -> Path:
+    """A folder with a trained tokenizer.json and a tokenizer_config.json holding `template` (None: none)."""
+    folder.mkdir()
+    train_tokenizer(folder / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    if template is not None:
+        config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
 
 QWEN_TOOLS = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}

@@ -1,13 +1,16 @@
 """What structured output costs: decode throughput of grammar-constrained rows against free rows.
 
 On the bundled model (or a checkpoint given), in one run: the scheduler decodes `batch` requests
-together, either all free (greedy, a fixed number of tokens) or all constrained to a JSON Schema
-(an array of --items booleans: about 2 tokens an item, so both sides decode similar lengths).
-Rounds alternate free, constrained, constrained, free so the machine's drift cancels. Tokens/s is
-generated tokens over the wall time of the whole batch (prefill included, same prompts both sides);
-the ratio constrained / free is the figure to read. Also printed: the mean time to compile a
-request's grammar (once per request, before it is queued) and the share of a constrained step
-spent computing and applying masks.
+together (greedy, the same prompts, the same number of tokens), in three modes:
+  - free: no grammar;
+  - any-text: a grammar that allows any text, so every step computes and applies a full mask but
+    the tokens are the free ones (checked): the cost of the mask machinery alone;
+  - json: a JSON Schema (an array of --items booleans), what a user asks for: different tokens,
+    so the step itself may differ too (an MoE step reads the experts its tokens route to).
+Rounds rotate the order of the modes so the machine's drift spreads over all three. Tokens/s is
+generated tokens over the wall time of the whole batch (prefill included); the ratios to free are
+the figures to read (the median of each round's own ratio). Also printed: the time to compile a request's grammar (once per request,
+before it is queued) and the share of a constrained run's wall time spent in mask_logits.
 
   PYTHONPATH=src .venv/bin/python benchmarks/structured_output.py --batch 1,8 --rounds 4
 """
@@ -31,15 +34,20 @@ PROMPTS = ["def parse_args(argv):", "import os\n", "The quick brown fox", "class
            "SYNOPSIS\n", "#!/bin/sh\n", "NAME\n    ls - list"]
 
 
-def _requests(engine, grammars: Grammars, batch: int, constrained: bool, tokens: int, schema: dict) -> list[Request]:
+MODES = ("free", "any-text", "json")
+ANY_TEXT = constraints.lark_grammar("start: /(.|\\n)*/")
+
+
+def _requests(engine, grammars: Grammars, batch: int, mode: str, tokens: int, schema: dict) -> list[Request]:
     out = []
     for i in range(batch):
         prompt = engine.encode(PROMPTS[i % len(PROMPTS)])
-        if constrained:
+        constraint = None
+        if mode == "json":
             constraint = grammars.constraint(constraints.json_schema_grammar(schema), "bench")
-            out.append(Request(prompt=prompt, max_new_tokens=4 * tokens, stop_ids=(), constraint=constraint))
-        else:
-            out.append(Request(prompt=prompt, max_new_tokens=tokens, stop_ids=()))
+        elif mode == "any-text":
+            constraint = grammars.constraint(ANY_TEXT, "bench")
+        out.append(Request(prompt=prompt, max_new_tokens=tokens, stop_ids=(), constraint=constraint))
     return out
 
 
@@ -77,7 +85,7 @@ def main() -> None:
     compile_ms = (time.perf_counter() - began) / compiles * 1e3
 
     # Tokens a constrained answer takes: the free side decodes as many.
-    probe = generate_batch(Scheduler(engine.decoder, max_batch=1), _requests(engine, grammars, 1, True, 2 * args.items, schema))[0]
+    probe = generate_batch(Scheduler(engine.decoder, max_batch=1), _requests(engine, grammars, 1, "json", 4 * args.items, schema))[0]
     tokens = len(probe.token_ids)
 
     import moekit.engine.scheduler as scheduler_module
@@ -86,24 +94,36 @@ def main() -> None:
     scheduler_module.mask_logits = clock  # timed in this script only; the library code is unchanged
     print(f"checkpoint {engine.folder}, {args.threads} thread(s); constrained answers: {tokens} tokens "
           f"(an array of {args.items} booleans), free answers: {tokens} tokens; grammar compile {compile_ms:.2f} ms a request")
-    print(f"{'batch':>5} {'free tok/s':>11} {'constrained tok/s':>18} {'ratio':>6} {'mask share':>11}")
+    print(f"{'batch':>5} {'free tok/s':>11} {'any-text tok/s':>15} {'json tok/s':>11} {'any/free':>9} {'json/free':>10} "
+          f"{'mask share (any, json)':>23}  any-text tokens == free")
     for batch in [int(b) for b in args.batch.split(",")]:
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        mask_share = []
+        rates: dict[str, list[float]] = {m: [] for m in MODES}
+        shares: dict[str, list[float]] = {m: [] for m in MODES}
+        same = True
+        free_tokens = None
         for r in range(args.rounds):
-            order = (False, True, True, False) if r % 2 == 0 else (True, False, False, True)
-            for constrained in order:
+            for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 scheduler = Scheduler(engine.decoder, max_batch=batch)
-                requests = _requests(engine, grammars, batch, constrained, tokens, schema)
+                requests = _requests(engine, grammars, batch, mode, tokens, schema)
                 clock.seconds = 0.0
                 t0 = time.perf_counter()
                 outcomes = generate_batch(scheduler, requests)
                 wall = time.perf_counter() - t0
-                rates[constrained].append(sum(len(o.token_ids) for o in outcomes) / wall)
-                if constrained:
-                    mask_share.append(clock.seconds / wall)
-        free, constrained = statistics.median(rates[False]), statistics.median(rates[True])
-        print(f"{batch:>5} {free:>11.1f} {constrained:>18.1f} {constrained / free:>6.3f} {statistics.median(mask_share):>10.1%}")
+                rates[mode].append(sum(len(o.token_ids) for o in outcomes) / wall)
+                shares[mode].append(clock.seconds / wall)
+                ids = [o.token_ids for o in outcomes]
+                if mode == "free":
+                    free_tokens = ids
+                elif mode == "any-text":
+                    any_tokens = ids
+            same = same and any_tokens == free_tokens
+        med = {m: statistics.median(rates[m]) for m in MODES}
+        share = {m: statistics.median(shares[m]) for m in MODES}
+        # Each round's own ratio, then their median: a round's three runs are seconds apart, so the
+        # machine's drift between rounds cancels in it.
+        ratio = {m: statistics.median(a / f for a, f in zip(rates[m], rates["free"])) for m in MODES}
+        print(f"{batch:>5} {med['free']:>11.1f} {med['any-text']:>15.1f} {med['json']:>11.1f} {ratio['any-text']:>9.3f} "
+              f"{ratio['json']:>10.3f} {share['any-text']:>11.1%} {share['json']:>10.1%}  {same}")
 
 
 if __name__ == "__main__":

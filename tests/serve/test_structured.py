@@ -135,6 +135,39 @@ def test_json_object_is_one_json_object_on_chat_and_completions(demo_server, see
     assert isinstance(json.loads(text.choices[0].text), dict)
 
 
+@pytest.mark.parametrize("seed", [None, 10])
+def test_the_official_clients_parse_helpers_get_typed_objects(random_server, seed):
+    """openai's chat.completions.parse sends pydantic's strict schemas ($defs, anyOf with null,
+    additionalProperties false) and reads the reply back into the models."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Address(BaseModel):
+        city: str = Field(max_length=8)
+        zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+    class Person(BaseModel):
+        name: str = Field(max_length=10)
+        age: int = Field(ge=0, le=120)
+        role: Literal["admin", "user"]
+        address: Address
+        nickname: Optional[str] = Field(default=None, max_length=6)
+
+    class GetWeather(BaseModel):
+        city: str = Field(max_length=10)
+        unit: Literal["c", "f"]
+
+    client = _client(random_server)
+    model = _model(random_server)
+    out = client.chat.completions.parse(model=model, messages=ASK, response_format=Person, max_tokens=400, **_sampling(seed))
+    assert out.choices[0].finish_reason == "stop" and isinstance(out.choices[0].message.parsed, Person)
+    out = client.chat.completions.parse(model=model, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
+                                        tool_choice="required", max_tokens=200, **_sampling(seed))
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert isinstance(out.choices[0].message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+
 def _assert_valid_calls(calls, names):
     assert calls, "no tool_calls"
     for call in calls:

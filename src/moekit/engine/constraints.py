@@ -36,7 +36,10 @@ def grammar_tokenizer(tokenizer, vocab_size: int, eos_ids: Sequence[int]):
     if to_str is None:
         raise ConstraintError("this model's tokenizer cannot drive a grammar (it is not a tokenizer.json tokenizer)")
     eos = list(eos_ids) or None
-    return llguidance.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=eos)
+    try:
+        return llguidance.LLTokenizer(to_str(), n_vocab=vocab_size, eos_token=eos)
+    except Exception as err:  # the library's refusal of a tokenizer it cannot map to bytes
+        raise ConstraintError(f"llguidance cannot use this model's tokenizer: {_first_line(str(err))}") from None
 
 
 def json_schema_grammar(schema: dict) -> str:

@@ -281,3 +281,13 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(random_server, extra,
 
 def _model(server) -> str:
     return httpx.get(server.v1 + "/models", timeout=30).json()["data"][0]["id"]
+
+
+def test_a_model_without_a_tokenizer_refuses_constrained_decoding_by_name():
+    from moekit.engine.constraints import json_schema_grammar
+    from moekit.serve.errors import ApiError
+    from moekit.serve.structured import Grammars
+
+    with pytest.raises(ApiError) as err:
+        Grammars(None, 160, (2,)).constraint(json_schema_grammar({"type": "object"}), "response_format")
+    assert err.value.status == 400 and err.value.param == "response_format" and "tokenizer" in err.value.message

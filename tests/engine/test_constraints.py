@@ -74,6 +74,15 @@ def test_unpacked_mask_equals_the_librarys_own_byte_mask(engine, tokenizer):
         constraint.accept(token)
 
 
+def test_a_copy_follows_its_own_tokens(engine, tokenizer):
+    first = new_constraint(json_schema_grammar(PERSON), tokenizer, MODEL_VOCAB)
+    second = first.copy()
+    for token in engine.encode('{"name":"a'):
+        first.accept(token)
+    assert not torch.equal(first.allowed(), second.allowed())
+    assert torch.equal(second.allowed(), new_constraint(json_schema_grammar(PERSON), tokenizer, MODEL_VOCAB).allowed())
+
+
 def test_bit_unpacking_reads_bit_i_of_word_w_as_token_32w_plus_i():
     words = torch.tensor([1 - (1 << 31), 1 << 3], dtype=torch.int32)  # bits 0 and 31 (the sign bit)
     allowed = allowed_from_words(words, 40)

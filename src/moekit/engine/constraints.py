@@ -94,6 +94,11 @@ class TokenConstraint:
         if not self.matcher.consume_token(token):
             raise ConstraintError(f"the grammar refused token {token}: {_first_line(self.matcher.get_error())}")
 
+    def copy(self) -> "TokenConstraint":
+        """An independent constraint in the same state: one per row when one request decodes
+        several rows (several prompts, or n > 1)."""
+        return TokenConstraint(self.matcher.deep_copy(), self.vocab)
+
     @property
     def complete(self) -> bool:
         """Nothing more may follow (the grammar allows only the end of the text now)."""

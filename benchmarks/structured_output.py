@@ -104,6 +104,7 @@ def main() -> None:
         shares: dict[str, list[float]] = {m: [] for m in MODES}
         same = True
         free_tokens = None
+        last: dict[str, list] = {}
         for r in range(args.rounds):
             for mode in MODES[r % 3 :] + MODES[: r % 3]:
                 scheduler = Scheduler(engine.decoder, max_batch=batch)
@@ -115,6 +116,7 @@ def main() -> None:
                 rates[mode].append(sum(len(o.token_ids) for o in outcomes) / wall)
                 shares[mode].append(clock.seconds / wall)
                 ids = [o.token_ids for o in outcomes]
+                last[mode] = outcomes
                 if mode == "free":
                     free_tokens = ids
                 elif mode == "any-text":
@@ -127,6 +129,10 @@ def main() -> None:
         ratio = {m: statistics.median(a / f for a, f in zip(rates[m], rates["free"])) for m in MODES}
         print(f"{batch:>5} {med['free']:>11.1f} {med['any-text']:>15.1f} {med['json']:>11.1f} {ratio['any-text']:>9.3f} "
               f"{ratio['json']:>10.3f} {share['any-text']:>11.1%} {share['json']:>10.1%}  {same}")
+        for mode in ("free", "json"):  # what the step reads differs with the tokens: why json's rate is its own
+            outcomes = last[mode]
+            print(f"      {mode}: {len({t for o in outcomes for t in o.token_ids})} distinct tokens in the batch, "
+                  f"{statistics.mean(o.usage.experts_touched for o in outcomes):.1f} (layer, expert) pairs touched a request")
 
 
 if __name__ == "__main__":

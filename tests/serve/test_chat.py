@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from hf_tiny import train_tokenizer
+from chat_templates import template_checkpoint
 from moekit.errors import CheckpointError, MoekitError
 from moekit.serve.chat import PLAIN_TEMPLATE, load_chat_template
 
@@ -37,35 +35,25 @@ MESSAGES = [
 ]
 
 
-def _checkpoint(folder, template):
-    folder.mkdir()
-    train_tokenizer(folder / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
-    if template is not None:
-        config["chat_template"] = template
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
-
-
 @pytest.mark.parametrize("template", [CHATML, BLOCKS])
 @pytest.mark.parametrize("messages", MESSAGES)
 def test_rendering_equals_transformers(tmp_path, template, messages):
     from transformers import AutoTokenizer
 
-    folder = _checkpoint(tmp_path / "ckpt", template)
+    folder = template_checkpoint(tmp_path / "ckpt", template)
     want = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert load_chat_template(folder).render(messages) == want
 
 
 def test_the_templates_own_refusal_is_a_clear_error(tmp_path):
-    folder = _checkpoint(tmp_path / "ckpt", CHATML)
+    folder = template_checkpoint(tmp_path / "ckpt", CHATML)
     with pytest.raises(MoekitError, match="tools are not supported"):
         load_chat_template(folder).render([{"role": "tool", "content": "x"}])
 
 
 def test_without_a_template_the_plain_one_is_used_and_a_broken_one_is_refused(tmp_path):
-    plain = load_chat_template(_checkpoint(tmp_path / "plain", None))
+    plain = load_chat_template(template_checkpoint(tmp_path / "plain", None))
     assert plain.source == PLAIN_TEMPLATE
     assert plain.render([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
     with pytest.raises(CheckpointError, match="chat_template does not parse"):
-        load_chat_template(_checkpoint(tmp_path / "broken", "{% for m in messages %}"))
+        load_chat_template(template_checkpoint(tmp_path / "broken", "{% for m in messages %}"))

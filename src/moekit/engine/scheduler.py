@@ -24,6 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from moekit.engine.constraints import ConstraintError, TokenConstraint, mask_logits
 from moekit.engine.generate import check_request, left_pad
 from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
@@ -98,6 +99,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     tier: str = "S"
     top_k: Optional[int] = None  # experts per token; None: the tier's
+    constraint: Optional[TokenConstraint] = None  # a grammar its tokens must follow (engine/constraints.py)
     on_token: Optional[Callable[[int], None]] = None  # each new token id
     on_finish: Optional[Callable[[Outcome], None]] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
@@ -354,7 +356,7 @@ class Scheduler:
             return
         copy_row(self.cache, len(self.rows), single, 0, row.length)
         self.rows.append(row)
-        self._accept(row, int(next_tokens(logits[:, -1], request.sampling, row.generator)[0]))
+        self._accept(row, self._sample(logits[:, -1], [row])[0])
 
     def _prefill_together(self, requests: list[Request]) -> None:
         """Several prompts in one left-padded forward (as a batched `generate` prefills them), each
@@ -422,7 +424,8 @@ class Scheduler:
             self._accept(row, self._sample(logits[:, -1], [row])[0])
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """logits [B, V] → one token per row, each with its own sampling settings and generator."""
+        """logits [B, V] → one token per row, each with its own sampling settings, generator and grammar."""
+        logits = mask_logits(logits, [row.request.constraint for row in rows])  # free rows untouched
         greedy = logits.argmax(dim=-1).tolist()
         out = []
         for i, row in enumerate(rows):
@@ -440,7 +443,14 @@ class Scheduler:
             row.first_token_at = time.perf_counter()
         if row.request.on_token is not None:
             row.request.on_token(token)
-        if token in row.request.stop_ids:
+        constraint = row.request.constraint
+        if constraint is not None:
+            try:
+                constraint.accept(token)
+            except ConstraintError as err:
+                row.finish, row.error = "error", str(err)
+                return
+        if token in row.request.stop_ids or (constraint is not None and constraint.complete):
             row.finish = "stop"
         elif len(row.tokens) >= row.request.max_new_tokens or row.length >= self.max_len:
             row.finish = "length"

@@ -26,7 +26,9 @@ from moekit.errors import MoekitError
 from moekit.serve.errors import ApiError, bad_request, error_response
 from moekit.serve.metrics import ServerMetrics
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
+from moekit.serve.structured import request_constraint
 from moekit.serve.text import StopText
+from moekit.serve.tools import ToolStream, content_or_none, render_prompt
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -61,6 +63,7 @@ class ServerState:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: Optional[threading.Thread] = None
     metrics: Optional[ServerMetrics] = None
+    grammars: Optional[object] = None  # moekit.serve.structured.Grammars: response_format and forced tool calls
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -83,6 +86,7 @@ class ServerState:
         from moekit.engine.loader import load_engine
         from moekit.engine.scheduler import Scheduler
         from moekit.serve.chat import load_chat_template
+        from moekit.serve.structured import Grammars
 
         cfg = self.config
         if cfg.threads:
@@ -103,6 +107,7 @@ class ServerState:
             store=engine.store,
             on_step=lambda s: self.metrics.batch.observe(s.batch) if s.batch else None,
         )
+        self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
 
     def shutdown(self) -> None:
@@ -178,7 +183,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
             ids = engine.encode(prompt)
         else:
             ids = list(prompt)
-        return await _generate(http, state, body, ids, body.max_tokens, chat=False)
+        constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
+        return await _generate(http, state, body, ids, body.max_tokens, chat=False, constraint=constraint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
@@ -186,13 +192,14 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
         engine = _ready_engine(state, body)
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat needs text; use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
         try:
-            text = state.template.render(messages)
+            text = render_prompt(state.template, body)
         except MoekitError as err:
             raise bad_request(str(err), "messages") from None
         ids = list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-        return await _generate(http, state, body, ids, body.output_limit, chat=True)
+        constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
+        tools = [t.function.name for t in body.tools] if body.tool_mode != "none" else None
+        return await _generate(http, state, body, ids, body.output_limit, chat=True, constraint=constraint, tools=tools)
 
     return app
 
@@ -289,10 +296,13 @@ class _Exchange:
             self.queue.put_nowait(("finish", outcome))
 
 
-async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: list[int], max_tokens, chat: bool):
+async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: list[int], max_tokens, chat: bool,
+                    constraint=None, tools: Optional[list[str]] = None):
+    """tools: the names of the functions whose calls are parsed from the output (None: no tools)."""
     from moekit.engine.scheduler import QueueFull
 
     request = _request_for(state, body, ids, max_tokens)
+    request.constraint = constraint
     loop = asyncio.get_running_loop()
     exchange = _Exchange(queue=asyncio.Queue())
 
@@ -317,7 +327,7 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
         raise ApiError(429, str(err), code="rate_limit_exceeded") from None
     except MoekitError as err:
         raise bad_request(str(err)) from None
-    reply = _Reply(state, body, request, ids, chat, exchange)
+    reply = _Reply(state, body, request, ids, chat, exchange, ToolStream(tools) if tools is not None else None)
     if body.stream:
         first = await exchange.queue.get()  # a request that fails before its first token answers 500
         if first[0] == "finish" and first[1].finish_reason == "error":
@@ -330,9 +340,11 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
 class _Reply:
     """Builds a response from one request's tokens: its text (cut at stop strings), ids and usage."""
 
-    def __init__(self, state: ServerState, body: Sampled, request, ids: list[int], chat: bool, exchange: _Exchange):
+    def __init__(self, state: ServerState, body: Sampled, request, ids: list[int], chat: bool, exchange: _Exchange,
+                 tools: Optional[ToolStream] = None):
         self.state, self.body, self.request, self.prompt, self.chat = state, body, request, ids, chat
         self.exchange = exchange
+        self.tools = tools  # calls held back from the content, parsed at the end
         self.text = StopText(state.engine.tokenizer, body.stops)
         self.token_ids: list[int] = []
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -345,12 +357,14 @@ class _Reply:
         piece = self.text.push(token)
         if self.text.stopped and not self.request.cancelled:
             self.state.scheduler.cancel(self.request)  # a stop string: the row leaves at the next step
-        return piece
+        return piece if self.tools is None else self.tools.push(piece)
 
     def finish(self, outcome) -> str:
         """The request ended: record it in the metrics, return the text still held back."""
         self.outcome = outcome
         rest = self.text.flush()  # first: a stop string in the held-back text decides the reason
+        if self.tools is not None:
+            rest = self.tools.finish(rest)
         total = self.state.scheduler.counts.total_params
         self.state.metrics.observe_request(self.request.tier, outcome, self.exchange.token_times, self.finish_reason, total)
         if outcome.finish_reason != "error":
@@ -361,11 +375,17 @@ class _Reply:
     def finish_reason(self) -> Optional[str]:
         if self.outcome is None:
             return None
+        if self.calls:
+            return "tool_calls"
         if self.text.stopped or self.outcome.finish_reason == "stop":
             return "stop"
         if self.outcome.finish_reason == "cancelled":
             return "abort"
         return self.outcome.finish_reason
+
+    @property
+    def calls(self) -> list[dict]:
+        return self.tools.calls if self.tools is not None else []
 
     def usage(self) -> dict:
         n = len(self.token_ids)
@@ -378,8 +398,13 @@ class _Reply:
         if self.chat:
             if delta:
                 choice = {"index": 0, "delta": {"content": text} if text or finish is None else {}, "finish_reason": finish}
+                if finish is not None and self.calls:
+                    choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.calls)]
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+                message = {"role": "assistant", "content": content_or_none(text, self.calls)}
+                if self.calls:
+                    message["tool_calls"] = self.calls
+                choice = {"index": 0, "message": message, "finish_reason": finish}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
         if self.with_ids:

@@ -41,6 +41,7 @@ def _token_text(value) -> Optional[str]:
 
 class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]):
+        from jinja2 import meta
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -54,10 +55,14 @@ class ChatTemplate:
             raise CheckpointError(f"chat_template does not parse: {err}") from None
         self.special_tokens = special_tokens
         self.source = source
+        # Whether the template reads a `tools` variable (as Qwen's, Llama 3.1's, Mistral's do):
+        # if not, moekit.serve.tools describes the tools in a system message instead.
+        self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
+        """tools: OpenAI's tool list, passed as transformers passes it (the `tools` variable, None if none)."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special_tokens)
         except TemplateError:
             raise
         except Exception as err:

@@ -8,9 +8,20 @@ a known field of the wrong type or out of range is a 400 naming it. `moe` is moe
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from moekit.serve.errors import ApiError, bad_request
 
@@ -26,6 +37,34 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: StrictBool = False
+
+
+class Lenient(BaseModel):
+    """A part of a body whose unknown fields are ignored (OpenAI adds fields; clients send them)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class JsonSchemaFormat(Lenient):
+    """response_format.json_schema: OpenAI's {name, schema, strict, description}."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: Optional[dict] = Field(None, alias="schema")  # None: any JSON object
+    strict: Optional[StrictBool] = None  # the schema is always enforced, strict or not
+    description: Optional[StrictStr] = None
+
+
+class ResponseFormat(Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema is required when type is 'json_schema'")
+        return self
 
 
 class Sampled(BaseModel):
@@ -46,6 +85,7 @@ class Sampled(BaseModel):
     n: StrictInt = Field(1, ge=1, le=1)  # one choice per request
     return_token_ids: StrictBool = False
     moe: Optional[MoeOptions] = None
+    response_format: Optional[ResponseFormat] = None  # constrained decoding (moekit.serve.structured)
 
     @field_validator("stop")
     @classmethod
@@ -88,11 +128,27 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCall(Lenient):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Lenient):
+    """An earlier assistant turn's call, sent back in the conversation."""
+
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[StrictStr, list[TextPart], None] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[StrictStr] = None  # a tool message: which call it answers
+    name: Optional[StrictStr] = None
 
     @property
     def text(self) -> str:
@@ -103,9 +159,55 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDef(Lenient):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict] = None  # a JSON Schema of the arguments; None: no arguments
+    strict: Optional[StrictBool] = None  # the schema is always enforced when a call is constrained
+
+
+class Tool(Lenient):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Lenient):
+    name: StrictStr
+
+
+class NamedToolChoice(Lenient):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatRequest(Sampled):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[StrictInt] = None  # the newer name of max_tokens
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # auto may parse several; a constrained call is one
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self):
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise ValueError("tool_choice: requires a non-empty tools list")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: the function {choice.function.name!r} is not in tools")
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        return self
+
+    @property
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named": OpenAI's default is auto when tools are given."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     @property
     def output_limit(self) -> Optional[int]:
@@ -136,8 +238,13 @@ def _from_validation(err: ValidationError) -> ApiError:
         message = "is required"
     elif loc[:1] == ["prompt"] and first["type"].endswith("_type"):
         param, message = "prompt", "must be a string or a list of token ids"
+    elif param is None and (named := re.match(r"^([a-z_]+): ", message)):  # a whole-body check names its field first
+        param, message = named.group(1), message[named.end() :]
     return bad_request(f"{param}: {message}" if param else message, param=param)
 
 
 def _is_type_step(part) -> bool:
-    return isinstance(part, str) and (part.startswith(("list[", "str", "int", "function-")) or part in ("str", "int"))
+    # Union members' steps: "str", "list[int]", "literal['none','auto']", a model's class name.
+    return isinstance(part, str) and (
+        part.startswith(("list[", "str", "int", "function-", "literal[")) or part in ("str", "int") or part[:1].isupper()
+    )

@@ -46,6 +46,7 @@ class Sampled(BaseModel):
     n: StrictInt = Field(1, ge=1, le=1)  # one choice per request
     return_token_ids: StrictBool = False
     moe: Optional[MoeOptions] = None
+    priority: StrictInt = 0  # vLLM's: within the request's tier, lower is served first
 
     @field_validator("stop")
     @classmethod

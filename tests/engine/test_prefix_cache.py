@@ -1,13 +1,14 @@
 """Prefix caching is exact: a request whose prompt prefix comes from the cache gets the greedy fp32
 tokens and the usage it gets cold, on the bundled model and on families whose attention differs
-(MLA in deepseek_v3, sliding windows and sinks in gpt_oss, chunks in llama4)."""
+(MLA in deepseek_v3, sliding windows and sinks in gpt_oss, chunks in llama4; every MoE family
+and the dense ones)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_tiny import MOE_FAMILIES
+from hf_tiny import DENSE_FAMILIES, MOE_FAMILIES
 from moekit.engine.default_model import bundled_model_path
 from moekit.engine.loader import load_engine
 from moekit.engine.prefix_cache import Block, PrefixCache, block_keys
@@ -73,7 +74,7 @@ def assert_same(cold_out, warm_out):
         assert warm.usage.bytes_read_per_token == cold.usage.bytes_read_per_token
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_cached_prefix_gives_the_cold_tokens(family, tiny_checkpoints):
     engine = load_engine(tiny_checkpoints(family))
     prompts = [SHARED + s for s in SUFFIXES] + [SHARED + SUFFIXES[0]]  # the last one repeats the first

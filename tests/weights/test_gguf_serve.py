@@ -21,7 +21,8 @@ def olmoe(converted):
 def test_serve_a_gguf_gives_the_folders_tokens(olmoe, paged):
     folder, gguf = olmoe
     args = ["--expert-memory", "50%", "--prefetch"] if paged else []
-    server = start_server(gguf, *args)
+    # A paged start builds the C++ operators on a machine's first use: minutes, not seconds.
+    server = start_server(gguf, *args, timeout=600 if paged else 120)
     try:
         models = httpx.get(server.v1 + "/models", timeout=TIMEOUT).json()
         assert models["data"][0]["id"] == gguf.stem

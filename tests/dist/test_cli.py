@@ -121,4 +121,28 @@ def test_simulate_answers_for_many_ranks(tiny_checkpoints, qwen_trace, capsys):
     assert json.loads(out)["results"][0]["inter_node_bytes_per_token"] > 0
     assert "no link bandwidths known for 'h100-pcie'" in fails(capsys, "simulate", qwen_trace, "--model", ckpt,
                                                                "--hardware", "h100-pcie")
-    assert "records no hidden size" in fails(capsys, "simulate", qwen_trace)
+
+
+
+def test_a_trace_moekit_wrote_is_enough_for_simulate(tiny_checkpoints, qwen_trace, tmp_path, capsys):
+    """`run --trace` records the shapes simulate prices: the same answer as naming the model."""
+    args = ("--ranks", "2,4", "--hardware", "h100", "--json")
+    code, alone, err = moekit(capsys, "simulate", qwen_trace, *args)
+    assert code == 0, err
+    code, named, err = moekit(capsys, "simulate", qwen_trace, "--model", tiny_checkpoints("qwen3_moe"), *args)
+    assert code == 0, err
+    assert json.loads(alone)["results"] == json.loads(named)["results"]
+    assert json.loads(alone)["model"] == json.loads(named)["model"]
+
+
+def test_a_trace_without_the_shapes_needs_a_model(qwen_trace, tmp_path, capsys):
+    """A trace written before the shapes were recorded (or by another tool) names no hidden size."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(qwen_trace)
+    doc = json.loads(table.schema.metadata[b"moekit"])
+    for key in ("hidden_size", "expert", "router_groups"):
+        doc.pop(key)
+    old = tmp_path / "old.parquet"
+    pq.write_table(table.replace_schema_metadata({b"moekit": json.dumps(doc).encode()}), old)
+    assert "records no hidden size" in fails(capsys, "simulate", old)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moekit.errors import MoekitError
-from moekit.offload.budget import parse_budget, plan_slots
+from moekit.offload.budget import parse_budget, parse_size, plan_slots
 
 TOTAL = 64 * 2**30  # 64 GiB of routed experts
 
@@ -98,3 +98,15 @@ def test_slots_are_the_most_that_fit(budget, expert, layers, experts, k):
     assert plan.fully_resident == (plan.slots == experts)
     if plan.slots < experts:
         assert (plan.slots + 1) * per_slot > budget  # one more slot per layer would not fit
+
+
+@pytest.mark.parametrize("text, size", [("0", 0), ("1GiB", 1 << 30), ("512MiB", 512 << 20), ("1.5GB", 1_500_000_000),
+                                        ("123456", 123456)])
+def test_parse_size_takes_sizes_and_zero(text, size):
+    assert parse_size(text, "--prefix-cache-memory") == size
+
+
+@pytest.mark.parametrize("text, message", [("25%", "expected a size"), ("lots", "expected a size"), ("-1", "must not be negative")])
+def test_parse_size_refuses_shares_and_nonsense(text, message):
+    with pytest.raises(MoekitError, match=message):
+        parse_size(text, "--prefix-cache-memory")

@@ -11,14 +11,19 @@ from moekit.commands.operators_notice import announce_operator_build, operators_
 from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
+DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
+
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while loading), GET /metrics.
 A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert) or {"top_k": k}; its usage then has a "moe" object with the active share it used.
+A request's "priority" (default 0) orders its tier's queue: lower is admitted first.
+Prompt prefixes' KV is kept across requests (--prefix-cache-memory); usage.prompt_tokens_details.cached_tokens says how much a request reused.
 
   moekit serve                                    # the bundled model on 127.0.0.1:8000
   moekit serve path/to/checkpoint --port 8001 --max-batch 16 --dtype bfloat16
   moekit serve path/to/checkpoint --expert-memory 25%   # routed experts paged from disk
+  moekit serve model.gguf --expert-memory 1GiB --pin profile.json --prefetch
 """
 
 
@@ -65,7 +70,8 @@ def _listen(host: str, port: int):
 
 def serve(
     checkpoint: Optional[Path] = typer.Argument(
-        None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]). Default: the bundled model."
+        None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]) or a .gguf file. "
+        "Default: the bundled model."
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
@@ -80,6 +86,14 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send. Default: the folder's name."),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Memory for routed experts (25% or 2GiB); the rest is paged from disk."),
     cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging."),
+    pin: Optional[Path] = typer.Option(None, "--pin", help="With --expert-memory: a profile from `moekit profile`; "
+                                       "its experts stay resident."),
+    prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="With --expert-memory: guess each layer's "
+                                  "experts ahead of it and read them on worker threads (as `moekit run --prefetch`)."),
+    prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    prefix_cache_memory: str = typer.Option(
+        DEFAULT_PREFIX_MEMORY, "--prefix-cache-memory", help="Memory for the KV of prompt prefixes reused across "
+        "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch threads. Default: torch's own choice."),
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
@@ -94,9 +108,12 @@ def serve(
     from moekit.serve.app import ServeConfig, create_app
     from moekit.spec import load_spec
 
+    from moekit.offload.budget import parse_size
+
     folder = Path(checkpoint) if checkpoint is not None else default_checkpoint()
-    if not (folder / "config.json").is_file():
-        raise MoekitError(f"{folder}: not a checkpoint folder (no config.json)")
+    gguf = folder.suffix.lower() == ".gguf" and folder.is_file()
+    if not gguf and not (folder / "config.json").is_file():
+        raise MoekitError(f"{folder}: not a checkpoint folder (no config.json) nor a .gguf file")
     spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
     if dtype not in DTYPES:
         raise MoekitError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -111,15 +128,21 @@ def serve(
         raise MoekitError(f"--max-context must be in 2..{spec.max_position_embeddings} (the model's context), got {max_context}")
     if grace < 0:
         raise MoekitError(f"--grace must be >= 0 seconds, got {grace}")
+    prefix_cache_bytes = parse_size(prefix_cache_memory, "--prefix-cache-memory")
     offload = None
     if expert_memory is not None:
         from moekit.offload.options import OffloadOptions
 
-        offload = OffloadOptions(expert_memory=expert_memory, policy=cache)
+        offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
+                                 prefetch_extra=prefetch_extra)
+        if pin is not None and not pin.is_file():
+            raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
+    elif pin is not None or prefetch or cache != "lru":
+        raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
     announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
     config = ServeConfig(
         checkpoint=folder,
-        model_name=served_model_name or folder.resolve().name,
+        model_name=served_model_name or (folder.stem if gguf else folder.resolve().name),
         dtype=dtype,
         device=device,
         weights=weights,
@@ -132,6 +155,7 @@ def serve(
         admin_token=admin_token,
         verify=not no_verify,
         compile=compile_step,
+        prefix_cache_bytes=prefix_cache_bytes,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()

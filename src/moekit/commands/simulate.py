@@ -50,13 +50,13 @@ def simulate(
 
     check_dtype(dtype)
     counts = _ranks(ranks)
-    fwd, spec = _load(trace, uniform, model, tokens, forwards)
-    from moekit.dist.costs import make_cost, spec_facts
+    fwd, facts, name = _load(trace, uniform, model, tokens, forwards)
+    from moekit.dist.costs import make_cost
 
-    d, expert_params, _, _, groups = spec_facts(spec)
+    d, expert_params, _, _, groups = facts
     cost = make_cost(d, expert_params, dtype, hardware)
     results = _runs(fwd, counts, placement_file, redundant, groups, cost)
-    doc = {"trace": trace or f"uniform:{uniform}", "model": spec.name, "dtype": dtype, "hardware": hardware,
+    doc = {"trace": trace or f"uniform:{uniform}", "model": name, "dtype": dtype, "hardware": hardware,
            "tokens": fwd.tokens, "results": results}
     if as_json:
         typer.echo(json.dumps(doc))
@@ -65,7 +65,9 @@ def simulate(
 
 
 def _load(trace, uniform, model, tokens, forwards):
-    from moekit.dist.costs import bundled_model_for, spec_facts
+    """(forwards, spec_facts' tuple, model name): --model's shapes when given, else the ones the
+    trace records (moekit writes them), else the bundled model's when the trace is its."""
+    from moekit.dist.costs import bundled_model_for, spec_facts, trace_facts
     from moekit.dist.simulate import read_forwards, uniform_forwards
     from moekit.spec import load_spec
 
@@ -75,17 +77,20 @@ def _load(trace, uniform, model, tokens, forwards):
         if tokens < 1 or forwards < 1:
             raise MoekitError("--tokens and --forwards must be at least 1")
         spec = load_spec(uniform)
-        _, _, experts, top_k, _ = spec_facts(spec)
-        return uniform_forwards(experts, top_k, tokens, forwards), spec
+        facts = spec_facts(spec)
+        return uniform_forwards(facts[2], facts[3], tokens, forwards), facts, spec.name
     fwd = read_forwards(trace)
+    recorded = trace_facts(fwd.trace_model)
+    if model is None and recorded is not None:
+        return fwd, recorded, fwd.trace_model.name
     source = model or bundled_model_for(fwd.model.get("config_sha256"))
     if source is None:
         raise MoekitError(f"{trace}: the trace records no hidden size; name the model with --model CKPT (or a preset)")
     spec = load_spec(source)
-    _, _, experts, _, _ = spec_facts(spec)
-    if experts != fwd.experts and fwd.model:
+    facts = spec_facts(spec)
+    if facts[2] != fwd.experts and fwd.model:
         raise MoekitError(f"--model {source}: its MoE layers and experts do not match the trace's")
-    return fwd, spec
+    return fwd, facts, spec.name
 
 
 def _runs(fwd, counts, placement_file, redundant, groups, cost) -> list[dict]:

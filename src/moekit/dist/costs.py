@@ -25,9 +25,23 @@ def spec_facts(spec) -> tuple[int, int, dict[int, int], int, int]:
         raise MoekitError(f"{spec.name}: a dense model has no routed experts")
     ffn = spec.layers[layers[0]].ffn
     expert = ffn.expert
-    params = ((2 if expert.gated else 1) * expert.width + expert.width) * expert.hidden_size
-    return (spec.hidden_size, params, {l: spec.layers[l].ffn.num_experts for l in layers}, ffn.top_k,
-            ffn.router.n_group)
+    return (spec.hidden_size, _expert_params(expert.hidden_size, expert.width, expert.gated),
+            {l: spec.layers[l].ffn.num_experts for l in layers}, ffn.top_k, ffn.router.n_group)
+
+
+def trace_facts(model) -> Optional[tuple[int, int, dict[int, int], int, int]]:
+    """spec_facts from what a trace's metadata records (a moekit.engine.trace.TraceModel), or None
+    when it predates the shapes being recorded."""
+    if model is None or None in (model.hidden_size, model.expert_width, model.expert_gated) or not model.experts:
+        return None
+    first = min(model.experts)
+    return (model.hidden_size, _expert_params(model.hidden_size, model.expert_width, model.expert_gated),
+            dict(model.experts), model.top_k[first], model.router_groups or 1)
+
+
+def _expert_params(hidden: int, width: int, gated: bool) -> int:
+    """One routed expert's weights: gate (if gated), up and down, D × F each."""
+    return ((2 if gated else 1) * width + width) * hidden
 
 
 def bundled_model_for(config_sha256: Optional[str]) -> Optional[str]:

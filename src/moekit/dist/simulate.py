@@ -44,6 +44,7 @@ class Forwards:
     layers: dict[int, list[np.ndarray]]
     experts: dict[int, int]  # MoE layer → E
     model: dict = field(default_factory=dict)  # name, model_type, config_sha256 (when the trace says)
+    trace_model: Optional[object] = None  # the moekit.engine.trace.TraceModel of its metadata, if any
 
     @property
     def tokens(self) -> int:
@@ -91,7 +92,7 @@ def read_forwards(path: str | Path) -> Forwards:
     for l, fwd in layers.items():
         if max(int(f.max()) for f in fwd) >= experts[l]:
             raise MoekitError(f"{path}: layer {l} routes to an expert id beyond its {experts[l]} experts")
-    return Forwards(layers=layers, experts=experts, model=facts)
+    return Forwards(layers=layers, experts=experts, model=facts, trace_model=model)
 
 
 def uniform_forwards(experts: dict[int, int], top_k: int, tokens: int, forwards: int, seed: int = 0) -> Forwards:

@@ -3,8 +3,10 @@
 The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
   1. lets go of rows that finished, were cancelled or failed, moving the last running row into
      each freed one, so the running rows are always 0..n-1 and their cache is a view, never gathered;
-  2. admits waiting requests into free rows, tier S before A before B: each is prefilled alone,
-     exactly as a lone `generate` prefills it, and its cache copied into its row;
+  2. admits waiting requests into free rows, tier S before A before B, and within a tier the lowest
+     `priority` first (vLLM's convention), then in order of arrival: each is prefilled as a lone
+     `generate` prefills it (after the blocks of its prompt found in the prefix cache, if any:
+     moekit.engine.prefix_cache), and its cache copied into its row;
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
@@ -27,7 +29,9 @@ import torch
 from moekit.engine.constraints import ConstraintError, TokenConstraint, mask_logits
 from moekit.engine.generate import check_request, left_pad
 from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
+from moekit.engine.prefix_cache import Block, PrefixCache, read_slots, routing_rows, write_slots
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
+from moekit.engine.waiting import WaitingQueue
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
 
@@ -52,7 +56,8 @@ class QueueFull(MoekitError):
 @dataclass
 class MoeUsage:
     """What one request's tokens touched, metered from its own routing (prompt included in
-    `experts_touched`, since those experts had to be read too)."""
+    `experts_touched`, since those experts had to be read too; a prompt prefix found in the prefix
+    cache counts with the routing its tokens had when they were computed, kept beside their KV)."""
 
     top_k: int
     tier: str
@@ -89,6 +94,7 @@ class Outcome:
     admitted_at: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass(eq=False)
@@ -104,6 +110,7 @@ class Request:
     on_finish: Optional[Callable[[Outcome], None]] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
     submitted_at: float = 0.0
+    priority: int = 0  # within its tier, lower is admitted first (vLLM's convention)
 
 
 @dataclass(eq=False)
@@ -114,6 +121,7 @@ class _Row:
     top_k: int
     generator: Optional[torch.Generator]
     length: int  # slots written in its cache row
+    cached: int = 0  # prompt tokens taken from the prefix cache
     tokens: list[int] = field(default_factory=list)
     touched: set = field(default_factory=set)  # (layer, expert)
     active: list[int] = field(default_factory=list)  # active params of each generated token
@@ -148,6 +156,7 @@ class Scheduler:
         store=None,
         on_step: Optional[Callable[[StepStats], None]] = None,
         prefill_tokens: int = 2048,
+        prefix_cache: Optional[PrefixCache] = None,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
         bytes_per_param, expert_bytes, dense_saving: what the usage meter counts a weight and each
@@ -156,7 +165,8 @@ class Scheduler:
         meters for it).
         queue_limit: waiting requests per tier before submit refuses (QueueFull).
         prefill_tokens: padded prompt tokens one step may prefill together (one request always):
-        a burst of arrivals is prefilled in one forward instead of one after another."""
+        a burst of arrivals is prefilled in one forward instead of one after another.
+        prefix_cache: where prompt prefixes' KV is kept across requests (None: none is)."""
         spec = decoder.spec
         if max_batch < 1:
             raise MoekitError(f"max-batch must be at least 1, got {max_batch}")
@@ -170,6 +180,7 @@ class Scheduler:
         self.queue_limit = queue_limit
         self.prefill_tokens = prefill_tokens
         self.store = store
+        self.prefix_cache = prefix_cache
         self.on_step = on_step
         self.counts: ParamsPerToken = params_per_token(spec)
         self.model_k = max(self.counts.top_k.values(), default=0)
@@ -180,7 +191,7 @@ class Scheduler:
         self.cache = decoder.new_cache(max_batch, self.max_len)
         self.device = self.cache.key_mask.device
         self.rows: list[_Row] = []
-        self.waiting = {tier: deque() for tier in TIERS}
+        self.waiting = {tier: WaitingQueue() for tier in TIERS}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
@@ -234,6 +245,8 @@ class Scheduler:
                 future.set_result(fn())
             except Exception as err:  # noqa: BLE001 - the caller gets it through the Future
                 future.set_exception(err)
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # what runs here may change weights: cached KV is stale
 
     @property
     def num_running(self) -> int:
@@ -319,11 +332,39 @@ class Scheduler:
                 continue
             group.append(request)
             width = max(width, len(request.prompt))
-        if len(group) == 1:
-            self._prefill(group[0])
-        elif group:
-            self._prefill_together(group)
+        cold = []
+        for request in group:
+            keys, blocks = self._cached_prefix(request)
+            if blocks:
+                self._prefill(request, keys, blocks)
+            else:
+                cold.append((request, keys))
+        if len(cold) == 1:
+            self._prefill(*cold[0])
+        elif cold:
+            self._prefill_together(cold)
         return len(group)
+
+    def _cached_prefix(self, request: Request) -> tuple[list[bytes], list[Block]]:
+        """The prompt's block keys and the leading blocks found cached (none without a cache)."""
+        if self.prefix_cache is None:
+            return [], []
+        # The row's K shapes its prompt's routing and so its KV: it salts the keys.
+        keys = self.prefix_cache.keys(request.prompt, salt=f"top_k={self._row_k(request)}")
+        return keys, self.prefix_cache.lookup(request.prompt, keys)
+
+    def _keep_blocks(self, keys: list[bytes], cache, index: int, base: int, cached: int, decisions: list, width: int) -> None:
+        """Put the prompt's full blocks that were computed (not found cached) into the prefix cache:
+        prompt token p sits in slot base + p of cache row `index` and, as the forward's input, in
+        column base + p - cached of its row of `width` tokens."""
+        if self.prefix_cache is None:
+            return
+        size = self.prefix_cache.block_size
+        for j in range(cached // size, len(keys)):
+            start = base + j * size
+            routing = routing_rows(decisions, start - cached, size, width, index)
+            self.prefix_cache.insert(keys[j], Block(read_slots(cache, index, start, size), routing))
+        self.prefix_cache.touch(keys)
 
     def _row_k(self, request: Request) -> int:
         if not self.model_k:
@@ -339,29 +380,37 @@ class Scheduler:
             admitted_at=time.perf_counter(),
         )
 
-    def _prefill(self, request: Request) -> None:
-        """Prefill alone into a cache of the prompt's size, then copy it into the next free row."""
+    def _prefill(self, request: Request, keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
+        """Prefill alone into a cache of the prompt's size, after the prompt's first C tokens' KV
+        taken from `blocks` (the prefix cache's), then copy it into the next free row."""
         row = self._new_row(request)
-        prompt = torch.tensor([list(request.prompt)], dtype=torch.int64, device=self.device)  # [1, P]
-        positions = torch.arange(prompt.shape[1], device=self.device)[None]  # [1, P]
+        row.cached = cached = len(blocks) * (self.prefix_cache.block_size if blocks else 0)
+        prompt = torch.tensor([list(request.prompt[cached:])], dtype=torch.int64, device=self.device)  # [1, P-C]
+        positions = torch.arange(cached, row.length, device=self.device)[None]  # [1, P-C]
         top_k = None if row.top_k == self.model_k else [row.top_k] * prompt.shape[1]
         decisions: list = []
         try:
-            single = self.decoder.new_cache(1, prompt.shape[1])
+            single = self.decoder.new_cache(1, row.length)
+            for i, block in enumerate(blocks):
+                write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
+            single.length = cached
             logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k)  # [1, 1, V]
+            self._meter_cached(row, blocks)
             self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions])
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
             row.finish, row.error = "error", _message(err)
             self._finish(row)
             return
+        self._keep_blocks(list(keys), single, 0, 0, cached, decisions, prompt.shape[1])
         copy_row(self.cache, len(self.rows), single, 0, row.length)
         self.rows.append(row)
         self._accept(row, self._sample(logits[:, -1], [row])[0])
 
-    def _prefill_together(self, requests: list[Request]) -> None:
-        """Several prompts in one left-padded forward (as a batched `generate` prefills them), each
-        row's real slots then copied into its cache row. If the forward fails, each is prefilled
-        alone, so only the request that fails fails."""
+    def _prefill_together(self, cold: list[tuple[Request, list[bytes]]]) -> None:
+        """Several prompts (none with a cached prefix; each with its block keys) in one left-padded
+        forward (as a batched `generate` prefills them), each row's real slots then copied into its
+        cache row. If the forward fails, each is prefilled alone, so only the request that fails fails."""
+        requests = [request for request, _ in cold]
         rows = [self._new_row(r) for r in requests]
         ids, mask, positions = left_pad([r.prompt for r in requests], pad_id=0)  # [B, P] each
         b, width = ids.shape
@@ -374,13 +423,14 @@ class Scheduler:
             cache.key_mask[:] = mask.to(self.device)
             logits = self.decoder(ids.to(self.device), cache, positions.to(self.device), decisions, last_only=True, top_k=top_k)
         except Exception:  # noqa: BLE001
-            for request in requests:
-                self._prefill(request)
+            for request, keys in cold:
+                self._prefill(request, keys)
             return
         for i, row in enumerate(rows):
             first = width - row.length
             per_row = [(layer, d.topk_ids.view(b, width, -1)[i, first:]) for layer, d in decisions]  # [P_i, K]
             self._meter_prompt(row, per_row)
+            self._keep_blocks(cold[i][1], cache, i, first, 0, decisions, width)
             copy_row(self.cache, len(self.rows), cache, i, row.length, src_start=first)
             self.rows.append(row)
         for row, token in zip(rows, self._sample(logits[:, -1], rows)):
@@ -492,6 +542,14 @@ class Scheduler:
             self._meter_cache(row, layer, {e for t in ids for e in t})
         self._meter_token(row, last)
 
+    def _meter_cached(self, row: _Row, blocks: Sequence[Block]) -> None:
+        """The experts a cached prefix's tokens chose when they were computed: touched by the
+        request's prompt, though not run again now (so not counted in expert_tokens or the store)."""
+        for block in blocks:
+            for layer, topk_ids in block.routing:
+                for token_ids in topk_ids[:, : row.top_k].tolist():
+                    self._record(row, layer, token_ids)
+
     def _meter_step(self, rows: list[_Row], decisions: list) -> None:
         used: list[dict[int, set]] = [{} for _ in rows]
         for layer, decision in decisions:
@@ -550,6 +608,7 @@ class Scheduler:
                     admitted_at=row.admitted_at,
                     first_token_at=row.first_token_at,
                     finished_at=time.perf_counter(),
+                    cached_tokens=row.cached,
                 )
             )
 

@@ -6,7 +6,9 @@ step, row, position, token_id, layer, expert_ids (list<int32>), weights (list<fl
 
 The model's facts ride in the Parquet schema metadata under b"moekit" (JSON, see TraceModel):
 experts and K per MoE layer and a fingerprint of config.json, so a reader (cache-sim) never
-guesses the expert count from the highest id a short trace happens to contain. This module
+guesses the expert count from the highest id a short trace happens to contain; and the shapes the
+expert-parallel simulator prices (hidden size, expert width, router groups), so `moekit simulate`
+needs nothing but the trace. This module
 imports torch only to write a trace: reading the metadata needs pyarrow alone.
 """
 
@@ -40,6 +42,11 @@ class TraceModel:
     experts: dict[int, int]  # MoE layer -> routed experts E
     top_k: dict[int, int]  # MoE layer -> experts per token K
     config_sha256: Optional[str]  # of config.json's bytes: which model, exactly
+    # The shapes `moekit simulate` prices (None in traces written before they were recorded):
+    hidden_size: Optional[int] = None  # D: a dispatched row's width
+    expert_width: Optional[int] = None  # F of a routed expert
+    expert_gated: Optional[bool] = None  # gate, up and down (True) or up and down
+    router_groups: Optional[int] = None  # DeepSeek's n_group (1: no groups)
 
     @property
     def num_experts(self) -> int:
@@ -55,6 +62,9 @@ class TraceModel:
             "num_layers": self.num_layers,
             "moe_layers": {str(l): {"num_experts": self.experts[l], "top_k": self.top_k[l]} for l in self.experts},
             "config_sha256": self.config_sha256,
+            "hidden_size": self.hidden_size,
+            "expert": None if self.expert_width is None else {"width": self.expert_width, "gated": self.expert_gated},
+            "router_groups": self.router_groups,
         }
 
 
@@ -63,6 +73,7 @@ def trace_model(spec: ModelSpec, folder: Optional[Path] = None) -> TraceModel:
     config = None if folder is None else Path(folder) / "config.json"
     sha = hashlib.sha256(config.read_bytes()).hexdigest() if config is not None and config.is_file() else None
     moe = {l: spec.layers[l].ffn for l in spec.moe_layers}
+    first = next(iter(moe.values()), None)
     return TraceModel(
         name=spec.name,
         model_type=spec.model_type,
@@ -70,6 +81,10 @@ def trace_model(spec: ModelSpec, folder: Optional[Path] = None) -> TraceModel:
         experts={l: ffn.num_experts for l, ffn in moe.items()},
         top_k={l: ffn.top_k for l, ffn in moe.items()},
         config_sha256=sha,
+        hidden_size=spec.hidden_size,
+        expert_width=None if first is None else first.expert.width,
+        expert_gated=None if first is None else first.expert.gated,
+        router_groups=None if first is None else first.router.n_group,
     )
 
 
@@ -83,6 +98,7 @@ def read_trace_model(metadata: Optional[dict], name: str = "trace") -> Optional[
         if doc.get("format") != TRACE_FORMAT:
             raise ValueError(f"format {doc.get('format')!r}")
         layers = {int(l): v for l, v in doc["moe_layers"].items()}
+        expert = doc.get("expert") or {}
         return TraceModel(
             name=str(doc["model"]),
             model_type=str(doc["model_type"]),
@@ -90,9 +106,17 @@ def read_trace_model(metadata: Optional[dict], name: str = "trace") -> Optional[
             experts={l: int(v["num_experts"]) for l, v in layers.items()},
             top_k={l: int(v["top_k"]) for l, v in layers.items()},
             config_sha256=doc.get("config_sha256"),
+            hidden_size=_optional_int(doc.get("hidden_size")),
+            expert_width=_optional_int(expert.get("width")),
+            expert_gated=None if expert.get("gated") is None else bool(expert["gated"]),
+            router_groups=_optional_int(doc.get("router_groups")),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise MoekitError(f"{name}: unreadable moekit metadata in the trace ({err})") from None
+
+
+def _optional_int(value) -> Optional[int]:
+    return None if value is None else int(value)
 
 
 def trace_table(gen: Generation, model: Optional[TraceModel] = None):

@@ -54,6 +54,17 @@ def parse_budget(text: str, total_expert_bytes: int) -> int:
     return min(int(budget), total_expert_bytes)
 
 
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from a size ("1GiB", "512MiB", "1e9", "0"); zero allowed (it turns a cache off)."""
+    match = _BUDGET.match(str(text).strip().lower())
+    if match is None or match["unit"] == "%":
+        raise MoekitError(f"{flag} {text!r}: expected a size (e.g. 1GiB, 512MiB, 1.5GB, 0 for none)")
+    value = float(match["value"])
+    if value < 0:
+        raise MoekitError(f"{flag} {text!r}: must not be negative")
+    return int(value * UNITS[match["unit"] or "b"])
+
+
 @dataclass(frozen=True)
 class SlotPlan:
     slots: int  # experts resident per MoE layer

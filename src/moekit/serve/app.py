@@ -49,6 +49,7 @@ class ServeConfig:
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
     compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
     weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
+    prefix_cache_bytes: int = 1 << 30  # --prefix-cache-memory: KV of prompt prefixes kept; 0: none
 
 
 @dataclass
@@ -84,6 +85,7 @@ class ServerState:
         import torch
 
         from moekit.engine.loader import load_engine
+        from moekit.engine.prefix_cache import PrefixCache
         from moekit.engine.scheduler import Scheduler
         from moekit.serve.chat import load_chat_template
         from moekit.serve.structured import Grammars
@@ -106,6 +108,7 @@ class ServerState:
             queue_limit=cfg.queue_limit,
             store=engine.store,
             on_step=lambda s: self.metrics.batch.observe(s.batch) if s.batch else None,
+            prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
@@ -277,6 +280,7 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         stop_ids=() if body.ignore_eos else tuple(engine.eos_ids),
         tier=tier,
         top_k=top_k,
+        priority=body.priority,
     )
 
 
@@ -391,6 +395,7 @@ class _Reply:
         n = len(self.token_ids)
         out = {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
         if self.outcome is not None:
+            out["prompt_tokens_details"] = {"cached_tokens": self.outcome.cached_tokens}
             out["moe"] = self.outcome.usage.as_dict()
         return out
 

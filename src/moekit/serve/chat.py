@@ -69,8 +69,25 @@ class ChatTemplate:
             raise TemplateError(f"the chat template failed on these messages: {err}") from None
 
 
+def gguf_chat_template(path: Path) -> ChatTemplate:
+    """A GGUF's own `tokenizer.chat_template` (llama.cpp's key), with its bos/eos token texts."""
+    from moekit.weights.gguf_file import read_gguf
+
+    meta = read_gguf(path).metadata
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    specials = {
+        name: tokens[index]
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if isinstance(index := meta.get(f"tokenizer.ggml.{name}_id"), int) and 0 <= index < len(tokens)
+    }
+    return ChatTemplate(meta.get("tokenizer.chat_template") or PLAIN_TEMPLATE, specials)
+
+
 def load_chat_template(folder: Path) -> ChatTemplate:
-    """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else PLAIN_TEMPLATE."""
+    """tokenizer_config.json's chat_template (or chat_template.jinja beside it), else PLAIN_TEMPLATE;
+    a .gguf file's from its metadata."""
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        return gguf_chat_template(folder)
     config: dict = {}
     path = folder / "tokenizer_config.json"
     if path.is_file():

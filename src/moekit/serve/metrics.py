@@ -27,7 +27,8 @@ class SchedulerCollector:
         running = GaugeMetricFamily("moekit:num_requests_running", "Requests in the running batch.")
         waiting = GaugeMetricFamily("moekit:num_requests_waiting", "Requests waiting for a row, by tier.", labels=["tier"])
         tokens = CounterMetricFamily(
-            "moekit:expert_tokens", "Tokens routed to each expert (prompt and generated).", labels=["layer", "expert"]
+            "moekit:expert_tokens", "Tokens routed to each expert (prompt and generated; a prompt prefix found in the "
+            "prefix cache is not routed again, so not counted again).", labels=["layer", "expert"]
         )
         imbalance = GaugeMetricFamily(
             "moekit:expert_load_imbalance", "Max over mean of the tokens per expert since start, per MoE layer.", labels=["layer"]
@@ -43,6 +44,13 @@ class SchedulerCollector:
                 mean = sum(snapshot) / len(snapshot) if snapshot else 0.0
                 imbalance.add_metric([str(layer)], max(snapshot) / mean if mean else 0.0)
         yield from (running, waiting, tokens, imbalance)
+        prefix = scheduler.prefix_cache if scheduler is not None else None
+        if prefix is not None:
+            queries = CounterMetricFamily("moekit:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+            hits = CounterMetricFamily("moekit:prefix_cache_hits", "Prompt tokens whose KV the prefix cache held.")
+            queries.add_metric([], prefix.queried_tokens)
+            hits.add_metric([], prefix.hit_tokens)
+            yield from (queries, hits)
         store = scheduler.store if scheduler is not None else None
         if store is not None:
             stats = [layer.stats for layer in store.layers.values()]

@@ -86,6 +86,7 @@ class Sampled(BaseModel):
     return_token_ids: StrictBool = False
     moe: Optional[MoeOptions] = None
     response_format: Optional[ResponseFormat] = None  # constrained decoding (moekit.serve.structured)
+    priority: StrictInt = 0  # vLLM's: within the request's tier, lower is served first
 
     @field_validator("stop")
     @classmethod

@@ -66,4 +66,4 @@ def test_a_file_that_is_no_checkpoint_is_the_prompt_and_the_note_says_so(capsys,
 def test_a_folder_that_is_no_checkpoint_is_read_as_one_and_the_refusal_says_why(capsys, tmp_path):
     code, out, err = moekit(capsys, "run", str(tmp_path))
     assert code == 2 and out == "" and err.count("\n") == 1
-    assert "no checkpoint (no config.json), so it was read as CHECKPOINT and no PROMPT follows" in err
+    assert "no checkpoint (no config.json), so it was read as CHECKPOINT and no PROMPT follows: give a text PROMPT or --prompt-ids" in err

@@ -14,8 +14,9 @@ from typing import Optional
 
 import typer
 
+from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
@@ -167,7 +168,7 @@ def run(
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE),
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
@@ -207,12 +208,13 @@ def run(
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams, check_sampling
 
+    dtype = engine_dtype(dtype)
     ids = parse_ids(prompt_ids, "--prompt-ids")
     checkpoint, prompt = split_checkpoint_and_prompt(first, second, ids_given=ids is not None)
     if prompt is None and ids is None and first is not None:
         what = "a checkpoint folder" if (checkpoint / "config.json").is_file() else "a folder, though no checkpoint (no config.json)"
         raise MoekitError(f"{first!r} is {what}, so it was read as CHECKPOINT and no PROMPT follows: give a text "
-                          "PROMPT after it, or --prompt-ids")
+                          "PROMPT or --prompt-ids after it")
     if (prompt is None) == (ids is None):
         raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")
     if second is None and prompt is not None and looks_like_path(prompt):

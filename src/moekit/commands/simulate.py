@@ -39,7 +39,7 @@ def simulate(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="Catalog GPU for the time estimate (h100, h200, a100, b200, mi300x)."),
     model: Optional[str] = typer.Option(None, "--model", help="Checkpoint, config.json or preset: hidden size and expert "
                                         "size (default: the bundled model when the trace is its)."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="Values on the wire and in the experts: float32, bfloat16, fp8."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Values on the wire and in the experts: fp32, bf16 or fp8 (also spelt float32, bfloat16)."),
     uniform: Optional[str] = typer.Option(None, "--uniform", metavar="MODEL", help="No trace: a uniform router on this "
                                           "model's shape (a preset such as deepseek-v3, or a config)."),
     tokens: int = typer.Option(256, "--tokens", help="With --uniform: tokens per forward (the global batch)."),
@@ -48,7 +48,7 @@ def simulate(
 ) -> None:
     from moekit.dist.costs import check_dtype
 
-    check_dtype(dtype)
+    dtype = check_dtype(dtype)
     counts = _ranks(ranks)
     fwd, spec = _load(trace, uniform, model, tokens, forwards)
     from moekit.dist.costs import make_cost, spec_facts

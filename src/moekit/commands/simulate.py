@@ -129,7 +129,14 @@ def _print(doc: dict) -> None:
         cells = [str(r["ranks"]), r["placement"], str(r["redundant"]), f"{r['balancedness']:.3f}",
                  nbytes(r["bytes_per_token"]), nbytes(r["intra_node_bytes_per_token"]),
                  nbytes(r["inter_node_bytes_per_token"]), nbytes(r["expert_bytes_per_rank"])]
-        if timed:
+        if timed and r["fits_memory"] is False:
+            cells += ["does not fit", "—"]
+        elif timed:
             cells += [f"{r['moe_time_per_forward_s'] * 1e6:.1f}", f"{r['a2a_time_per_forward_s'] / r['moe_time_per_forward_s']:.0%}"]
         table.add_row(*cells)
+    misfits = [r for r in doc["results"] if r["fits_memory"] is False]
+    if misfits:
+        table.caption = (f"does not fit: the routed experts on the fullest rank exceed one device's "
+                         f"{nbytes(misfits[0]['device_memory_bytes'])} (routed experts only; more ranks, or a smaller --dtype)")
+        table.caption_justify = "left"
     Console(width=max(120, Console().width)).print(table)

@@ -33,17 +33,18 @@ def check_counts(**values: int) -> None:
             raise MoekitError(f"--{name.replace('_', '-')} must not be negative, got {value}")
 
 
-def load_for_routing(checkpoint: Optional[Path], device: str, threads: int, verify: bool = True):
-    """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads:
-    small models' GEMMs gain nothing from more, and on a busy machine a thread barrier costs a time slice."""
+def load_for_routing(checkpoint: Optional[Path], device: str, threads: Optional[int], verify: bool = True):
+    """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads; None
+    keeps torch's default (every core), as `moekit run` does."""
     import torch
 
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
 
-    if threads < 1:
-        raise MoekitError(f"--threads must be at least 1, got {threads}")
-    torch.set_num_threads(threads)
+    if threads is not None:
+        if threads < 1:
+            raise MoekitError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device,
                        verify=verify)
 
@@ -59,7 +60,8 @@ def eval_routing(
     agree_tokens: int = typer.Option(32, "--agree-tokens", help="Tokens generated per continuation."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch. Default: torch's own (every "
+                                          "core), as `moekit run`."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Write the Pareto plot (active share vs bits per byte)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
 ) -> None:

@@ -195,6 +195,8 @@ def load_engine(
 
         # A resident load would run the checkpoint's float experts, not the packed int8/int4 ones.
         offload = OffloadOptions(expert_memory="100%")
+        notes.append("packed int8/int4 experts and no --expert-memory: every expert is loaded resident (the store "
+                     "holds them all, no paging); --expert-memory sets a budget")
     if offload is not None:
         from moekit.offload.attach import plan_offload
 

@@ -78,6 +78,12 @@ def report(
         raise MoekitError(f"--trace {trace}: the trace is written as Parquet; name the file *.parquet")
     if min(per_domain, prompt_tokens, max_new_tokens) < 1 or eval_tokens < 2:
         raise MoekitError("--per-domain, --prompt-tokens and --max-new-tokens must be at least 1, --eval-tokens at least 2")
+    if corpus is not None:
+        from moekit.corpus.reader import empty_domains_note
+
+        note = empty_domains_note(corpus, "heldout")
+        if note:
+            typer.echo(note, err=True)
     chosen = read_prompts(prompts) if prompts is not None else corpus_prompts(corpus, per_domain)
     engine = load_for_routing(checkpoint, device, threads, verify=not no_verify)
     k = model_k(engine.spec)

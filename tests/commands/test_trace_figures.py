@@ -1,6 +1,7 @@
-"""Figures read from a routing trace of the bundled model (issue 42, items 2 and 3): `analyze` gives
+"""Figures read from a routing trace of the bundled model (issue 42, items 2, 3 and 7): `analyze` gives
 no verdict from too few tokens and says what its verdicts mean when it gives them; `cache-sim` counts
-the prompt's misses apart and no per-token figure exceeds what a token can touch (K per MoE layer)."""
+the prompt's misses apart and no per-token figure exceeds what a token can touch (K per MoE layer);
+`placement` puts a replica on a rank that lacks its expert and scores the plan on held-out tokens too."""
 
 from __future__ import annotations
 
@@ -69,3 +70,23 @@ def test_cache_sim_table_names_the_bound(capsys, traces):
     code, out, _ = moekit(capsys, "cache-sim", traces["long"], "--slots", "2")
     assert code == 0
     assert "prefill misses" in out and "at most 8: K experts in each MoE layer" in out
+
+
+@pytest.mark.parametrize("ranks, redundant", [(4, 8), (4, 4), (8, 8), (2, 2)])
+def test_placement_puts_no_two_copies_of_an_expert_on_one_rank(capsys, traces, ranks, redundant):
+    code, out, err = moekit(capsys, "placement", traces["long"], "--ranks", ranks, "--redundant", redundant, "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    for layer, plan in doc["layers"].items():
+        for rank, held in enumerate(plan["ranks"]):
+            assert len(held) == len(set(held)), f"layer {layer} rank {rank} holds {held}"
+        assert sum(len(h) for h in plan["ranks"]) == EXPERTS + redundant
+
+
+def test_placement_scores_the_plan_on_tokens_it_was_not_fitted_to(capsys, traces):
+    doc = json.loads(moekit(capsys, "placement", traces["long"], "--ranks", "4", "--redundant", "8", "--json")[1])
+    assert 0 < doc["heldout_tokens"] < 2000  # the last part of the long prompt's tokens
+    held, fitted = doc["balancedness_heldout"], doc["balancedness"]
+    assert 0 < held["plan"] <= 1 and 0 < fitted["plan"] <= 1 and 0 < held["linear"] <= 1
+    out = " ".join(moekit(capsys, "placement", traces["long"], "--ranks", "4", "--redundant", "8")[1].split())
+    assert "plan, fitted" in out and "plan, held-out" in out and "scored on the last" in out

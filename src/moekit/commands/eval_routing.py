@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.fitted_table import Col, fitted_table, print_fitted
 from moekit.commands.options import NO_VERIFY
 from moekit.errors import MoekitError
 
@@ -64,6 +65,7 @@ def eval_routing(
                                           "core), as `moekit run`."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Write the Pareto plot (active share vs bits per byte)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width (default: what fits)."),
 ) -> None:
     from moekit.analysis.policy_eval import evaluate_policies, model_k, parse_policies
     from moekit.analysis.sample import SAMPLE
@@ -91,22 +93,21 @@ def eval_routing(
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
-    print_routing(Console(width=max(100, Console().width)), result)
+    print_routing(Console(), result, wide)
 
 
-def print_routing(console, result: dict) -> None:
-    from rich.table import Table
+ROUTING_COLUMNS = [Col("policy"), Col("bits/byte"), Col("Δ vs exact"), Col("experts/token/layer", essential=False),
+                   Col("active share"), Col("next-token agree", essential=False), Col("generated agree", essential=False)]
 
+
+def print_routing(console, result: dict, wide: bool = False) -> None:
     def pct(x):
         return "-" if x is None else f"{x:.1%}"
 
     for scope, rows in [("all domains", result["all"])] + [(f"domain {d}", r) for d, r in result["domains"].items()]:
-        table = Table(title=f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)")
-        for i, h in enumerate(["policy", "bits/byte", "Δ vs exact", "experts/token/layer", "active share",
-                               "next-token agree", "generated agree"]):
-            table.add_column(h, justify="left" if i == 0 else "right")
-        for name, r in rows.items():
-            table.add_row(name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}",
-                          f"{r['experts_per_token']:.3f}", f"{r['active_share']:.3%}", pct(r["next_token_agreement"]),
-                          pct(r["generated_agreement"]))
-        console.print(table)
+        cells = [[name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}", f"{r['experts_per_token']:.3f}",
+                  f"{r['active_share']:.3%}", pct(r["next_token_agreement"]), pct(r["generated_agreement"])]
+                 for name, r in rows.items()]
+        title = f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)"
+        table, dropped = fitted_table(title, ROUTING_COLUMNS, cells, console.width, wide)
+        print_fitted(console, table, dropped, wide)

@@ -45,6 +45,7 @@ def simulate(
     tokens: int = typer.Option(256, "--tokens", help="With --uniform: tokens per forward (the global batch)."),
     forwards: int = typer.Option(8, "--forwards", help="With --uniform: forwards per layer."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width (default: what fits)."),
 ) -> None:
     from moekit.dist.costs import check_dtype
 
@@ -61,7 +62,7 @@ def simulate(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    _print(doc)
+    _print(doc, wide)
 
 
 def _load(trace, uniform, model, tokens, forwards):
@@ -110,21 +111,18 @@ def _runs(fwd, counts, placement_file, redundant, groups, cost) -> list[dict]:
     return results
 
 
-def _print(doc: dict) -> None:
+def _print(doc: dict, wide: bool) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from moekit.calc.units import nbytes
+    from moekit.commands.fitted_table import Col, fitted_table, print_fitted
 
     timed = doc["results"][0]["moe_time_per_forward_s"] is not None
-    table = Table(title=f"{doc['trace']} · {doc['model']} · {doc['tokens']} tokens per layer · {doc['dtype']}"
-                        + (f" · {doc['hardware']}" if doc["hardware"] else ""))
-    for name in ("ranks", "placement", "redundant", "balancedness", "bytes/token", "intra-node", "inter-node",
-                 "experts/rank"):
-        table.add_column(name, justify="right")
+    cols = [Col("ranks"), Col("placement"), Col("redundant", essential=False), Col("balancedness"), Col("bytes/token"),
+            Col("intra-node", essential=False), Col("inter-node", essential=False), Col("experts/rank")]
     if timed:
-        table.add_column("MoE µs/forward", justify="right")
-        table.add_column("of which all-to-all", justify="right")
+        cols += [Col("MoE µs/forward"), Col("of which all-to-all", essential=False)]
+    rows = []
     for r in doc["results"]:
         cells = [str(r["ranks"]), r["placement"], str(r["redundant"]), f"{r['balancedness']:.3f}",
                  nbytes(r["bytes_per_token"]), nbytes(r["intra_node_bytes_per_token"]),
@@ -133,10 +131,14 @@ def _print(doc: dict) -> None:
             cells += ["does not fit", "—"]
         elif timed:
             cells += [f"{r['moe_time_per_forward_s'] * 1e6:.1f}", f"{r['a2a_time_per_forward_s'] / r['moe_time_per_forward_s']:.0%}"]
-        table.add_row(*cells)
+        rows.append(cells)
+    console = Console()
+    title = (f"{doc['trace']} · {doc['model']} · {doc['tokens']} tokens per layer · {doc['dtype']}"
+             + (f" · {doc['hardware']}" if doc["hardware"] else ""))
+    table, dropped = fitted_table(title, cols, rows, console.width, wide)
     misfits = [r for r in doc["results"] if r["fits_memory"] is False]
     if misfits:
         table.caption = (f"does not fit: the routed experts on the fullest rank exceed one device's "
                          f"{nbytes(misfits[0]['device_memory_bytes'])} (routed experts only; more ranks, or a smaller --dtype)")
         table.caption_justify = "left"
-    Console(width=max(120, Console().width)).print(table)
+    print_fitted(console, table, dropped, wide)

@@ -79,8 +79,12 @@ def _register() -> None:
 
 def main() -> None:
     _register()
+    from moekit.commands.help_text import readable
+
+    command = typer.main.get_command(app)
+    readable(command)
     try:
-        app(prog_name="moekit")
+        command(prog_name="moekit")
     except MoekitError as err:
         typer.echo(f"error: {err}", err=True)
         sys.exit(2)

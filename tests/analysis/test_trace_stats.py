@@ -34,19 +34,25 @@ def test_uniform_load():
 
 
 def test_one_hot_collapse():
-    got = _analyze(sequence([(0,)] * 20), k=1)
+    got = _analyze(sequence([(0,)] * 40), k=1)  # 4 tokens per expert: enough for a verdict
     s = got["layers"]["0"]
     assert s["hot10_share"] == 1.0 and s["unused"] == 7 and s["max_over_mean"] == 8.0
     assert s["load_entropy_bits"] == 0.0 and s["weight_entropy_bits"] == 0.0
     assert s["top1_confident_share"] == 1.0
     assert s["verdict"] == "collapsed"
     assert got["overall"]["unhealthy_layers"] == {"0": "collapsed", "1": "collapsed"}
-    assert got["reuse"]["0"] == {"pairs": 19, "same_experts": 1.0, "overlap": 1.0}
+    assert got["reuse"]["0"] == {"pairs": 39, "same_experts": 1.0, "overlap": 1.0}
     # one slot holds the only expert: every forward but the first hits, for LRU and Belady alike
     curve = got["hit_rate"]
     assert curve["slots"] == [1, 2, 4, 8]
-    assert curve["hit_rate"]["lru"][0] == pytest.approx(19 / 20)
+    assert curve["hit_rate"]["lru"][0] == pytest.approx(39 / 40)
     assert curve["hit_rate"]["belady"] == curve["hit_rate"]["lru"]
+
+
+def test_no_verdict_below_four_tokens_per_expert():
+    got = _analyze(sequence([(0,)] * 31), k=1)  # 8 experts need 32
+    assert got["layers"]["0"]["verdict"] == "too few tokens" and got["layers"]["0"]["verdict_min_tokens"] == 32
+    assert got["overall"]["unhealthy_layers"] == {} and got["overall"]["too_few_tokens_layers"] == ["0", "1"]
 
 
 def test_two_domains_on_disjoint_experts_diverge_by_one_bit():

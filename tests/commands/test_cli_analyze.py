@@ -19,7 +19,7 @@ def fails(capsys, *args) -> str:
 
 
 def test_tables_and_json_of_a_collapsed_trace(capsys, tmp_path):
-    trace = write(tmp_path / "t.parquet", sequence([(0,)] * 12), model(8, 1))
+    trace = write(tmp_path / "t.parquet", sequence([(0,)] * 32), model(8, 1))  # 4 tokens per expert: a verdict
     code, out, _ = moekit(capsys, "analyze", trace)
     assert code == 0 and "collapsed" in out and "hit rate" in out
     code, out, _ = moekit(capsys, "analyze", trace, "--json")

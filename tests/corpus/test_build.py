@@ -43,10 +43,13 @@ def test_build_twice_gives_the_same_files(fixture_tree, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
-def test_an_empty_domain_and_a_missing_corpus_are_clear_errors(fixture_tree, tmp_path):
+def test_an_empty_domain_is_skipped_and_named_and_a_missing_corpus_is_a_clear_error(fixture_tree, tmp_path):
+    from moekit.corpus.reader import empty_domains
+
     out = tmp_path / "corpus"
     build(out, _sources(fixture_tree), BuildOptions())
+    assert "chinese" not in read_split(out, "train") and empty_domains(out, "train") == ["chinese"]
     with pytest.raises(CorpusError, match="'chinese' has no train documents"):
-        read_split(out, "train")
+        read_split(out, "train", only=["chinese"])  # asked for by name, it must have text
     with pytest.raises(CorpusError, match="no such corpus folder"):
         read_split(tmp_path / "nowhere", "train")

@@ -82,7 +82,8 @@ def test_counts_add_up_and_a_full_cache_misses_only_first_uses(traced):
         assert r["hits"] + r["misses"] == r["accesses"] == accesses
         assert sum(layer["accesses"] for layer in r["layers"].values()) == accesses
         assert sum(layer["misses"] for layer in r["layers"].values()) == r["misses"]
-        assert r["misses_per_token"] == pytest.approx(r["misses"] / report["generated_tokens"])
+        assert r["prefill_misses"] + r["decode_misses"] == r["misses"]
+        assert r["decode_misses_per_token"] == pytest.approx(r["decode_misses"] / report["decode_tokens"])
         if r["slots"] == NUM_EXPERTS:
             assert (r["misses"], r["evictions"]) == (first_uses, 0)
             assert r["slots_share"] == 1.0

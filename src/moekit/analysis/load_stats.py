@@ -6,7 +6,9 @@ shares), not the router's full distribution over E.
 
 Verdict per layer: "collapsed" when the hottest 10% of experts serve at least half of the
 assignments or at least half the experts are never used; "skewed" when the hottest 10% serve at
-least a quarter or the busiest expert has 4× the mean load; "healthy" otherwise.
+least a quarter or the busiest expert has 4× the mean load; "healthy" otherwise. A verdict needs a
+sample: below 4 tokens per expert of the layer (VERDICT_TOKENS_PER_EXPERT) a few tokens would leave
+most experts unused by chance, so the verdict is "too few tokens" and only the numbers stand.
 """
 
 from __future__ import annotations
@@ -18,6 +20,13 @@ import numpy as np
 from moekit.analysis.trace_data import RoutingTrace
 
 TOP1_CONFIDENT = 0.85  # the seeds' "downgrade to top-1 at confidence >= 0.85"
+# Tokens per expert a layer needs before its load gets a verdict: at 4, a uniform router leaves an
+# expert unused with probability about e^-4·K (under 2% at K = 1), so "unused" means something.
+VERDICT_TOKENS_PER_EXPERT = 4
+TOO_FEW = "too few tokens"
+VERDICT_MEANINGS = ("collapsed: the hottest 10% of experts serve ≥ half the assignments, or ≥ half the experts "
+                    "are unused; skewed: the hottest 10% serve ≥ a quarter, or one expert ≥ 4× the mean; healthy: "
+                    "neither")
 
 
 def entropy_bits(p: np.ndarray) -> float:
@@ -57,9 +66,15 @@ def load_of(counts: np.ndarray) -> dict:
     }
 
 
-def verdict(load: dict) -> str:
+def verdict_min_tokens(experts: int) -> int:
+    return VERDICT_TOKENS_PER_EXPERT * experts
+
+
+def verdict(load: dict, tokens: int) -> str:
     if load["hot10_share"] is None:
         return "unused"
+    if tokens < verdict_min_tokens(load["experts"]):
+        return TOO_FEW
     if load["hot10_share"] >= 0.5 or load["unused"] * 2 >= load["experts"]:
         return "collapsed"
     if load["hot10_share"] >= 0.25 or load["max_over_mean"] >= 4:
@@ -88,12 +103,14 @@ def layer_stats(trace: RoutingTrace) -> dict:
     for layer in trace.layers:
         counts = expert_counts(trace, layer)
         load = load_of(counts)
+        tokens = int((trace.layer == layer).sum())
         out[str(layer)] = {
-            "tokens": int((trace.layer == layer).sum()),
+            "tokens": tokens,
             "counts": counts.tolist(),
             **load,
             **health_of(trace.weights[trace.layer == layer]),
-            "verdict": verdict(load),
+            "verdict": verdict(load, tokens),
+            "verdict_min_tokens": verdict_min_tokens(load["experts"]),
         }
     return out
 
@@ -107,7 +124,8 @@ def overall_stats(layers: dict) -> dict:
     keys = ("max_over_mean", "cv", "hot10_share", "load_entropy_bits", "weight_entropy_bits", "top1_share_mean",
             "top1_confident_share")
     return {**{k: mean(k) for k in keys}, "unused": sum(v["unused"] for v in layers.values()),
-            "unhealthy_layers": {l: v["verdict"] for l, v in layers.items() if v["verdict"] != "healthy"}}
+            "unhealthy_layers": {l: v["verdict"] for l, v in layers.items() if v["verdict"] not in ("healthy", TOO_FEW)},
+            "too_few_tokens_layers": [l for l, v in layers.items() if v["verdict"] == TOO_FEW]}
 
 
 def specialisation(trace: RoutingTrace) -> dict:

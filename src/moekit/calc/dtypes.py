@@ -58,13 +58,48 @@ DTYPES: dict[str, DType] = {
 # A KV cache holds activations, not weights: block-quantised 4-bit formats do not apply.
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
 
-ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16"}
+# The one dtype vocabulary of every command (run, serve, bench, profile, simulate, calc, pack): each
+# name below means the dtype it maps to, whichever command reads it.
+ALIASES = {"float32": "fp32", "f32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+           "f16": "fp16", "float8": "fp8", "fp8_e4m3": "fp8"}
+
+# The names torch spells them with: the engine's `dtype` strings.
+TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+# What the native engine runs at (--dtype of run, serve, bench, profile).
+ENGINE_DTYPES = ("fp32", "bf16")
+
+
+def canonical_dtype(name: str) -> str:
+    """'bfloat16', ' BF16 ' → 'bf16': the vocabulary's own name of NAME (unchecked)."""
+    key = str(name).strip().lower()
+    return ALIASES.get(key, key)
+
+
+def spellings(allowed) -> str:
+    """'fp32 (float32) or bf16 (bfloat16)': the names a refusal offers, each with its long alias."""
+    long_names = {short: long for long, short in ALIASES.items() if long in ("float32", "bfloat16", "float16", "float8")}
+    names = [f"{d} ({long_names[d]})" if d in long_names else d for d in allowed]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
+def dtype_choice(name: str, allowed, option: str = "--dtype") -> str:
+    """NAME, in any spelling of the vocabulary, as its canonical name, when it is one of ALLOWED."""
+    key = canonical_dtype(name)
+    if key not in allowed:
+        raise MoekitError(f"{option} {name!r}: this command takes {spellings(allowed)}")
+    return key
+
+
+def engine_dtype(name: str, option: str = "--dtype") -> str:
+    """--dtype of a command that runs the engine, as torch names it ('bf16' → 'bfloat16')."""
+    return TORCH_NAMES[dtype_choice(name, ENGINE_DTYPES, option)]
 
 
 def get_dtype(name: str) -> DType:
-    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    key = canonical_dtype(name)
     if key not in DTYPES:
-        raise MoekitError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)}")
+        raise MoekitError(f"unknown dtype {name!r}; known: {', '.join(DTYPES)} (or float32, bfloat16, float16)")
     return DTYPES[key]
 
 

@@ -17,7 +17,7 @@ from moekit.calc.dtypes import DTYPES
 from moekit.calc.formulas import LayerFormula, ModelFormula, Term, model_formula, total
 from moekit.calc.kv_cache import cached_tokens, kv_elems_per_token, mamba_state_elems
 from moekit.calc.memory import activation_dtype_bytes, ffn_width_per_token, scores_per_token
-from moekit.calc.report import ModelReport
+from moekit.calc.report import ModelReport, not_fitting
 from moekit.calc.roofline import Bound, params_within
 from moekit.calc.traffic import expected_distinct_experts
 from moekit.spec.model_spec import AttentionSpec, MoESpec
@@ -361,8 +361,14 @@ def sla_section(r: ModelReport) -> list[str]:
         f"    → at most {u.n(s.max_params)} ({u.params(s.max_params)}) parameters per token ({s.binds} binds)"
         f" = {u.pct(s.max_share)} of this model's {u.params(r.counts.total_params)}",
         f"    this model touches {u.params(s.model_params)} ({u.pct(s.model_share)}) and needs {s.model_ms:,.3f} ms:"
-        f" it {'meets' if s.meets else 'misses'} the budget",
-    ] + _sla_beyond(r)
+        f" it {_verdict(s)}",
+    ] + ([] if s.fits_memory else [f"    it does NOT fit: {not_fitting(r, s)}"]) + _sla_beyond(r)
+
+
+def _verdict(s) -> str:
+    if s.fits_memory:
+        return f"{'meets' if s.meets else 'misses'} the budget"
+    return f"{'would meet' if s.model_ms <= s.budget_ms else 'would miss'} the budget if it fit in memory"
 
 
 def _sla_beyond(r: ModelReport) -> list[str]:

@@ -9,7 +9,8 @@ from moekit.calc.hardware import Hardware
 from moekit.calc.memory import MemoryPlan, memory_plan
 from moekit.calc.params import ParamCounts, count_params
 from moekit.calc.request import CalcRequest
-from moekit.calc.roofline import SLA, Bound, Roofline, roofline, sla
+from moekit.calc import units as u
+from moekit.calc.roofline import SLA, Bound, Roofline, paging, roofline, sla
 from moekit.calc.traffic import StepTraffic, step_traffic
 from moekit.spec.model_spec import ModelSpec
 
@@ -35,7 +36,9 @@ def build_report(spec: ModelSpec, request: CalcRequest, hardware: Optional[Hardw
     if hardware is not None:
         roof = roofline(spec, request.dtype, plan, single, batched, hardware, request.gpus, request.context)
         if request.sla_ms is not None:
-            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, _step_at(spec, counts, request))
+            paged = paging(roof, plan.weights.routed_experts, request.dtype.bytes_for(round(single.expert_params)))
+            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, _step_at(spec, counts, request),
+                         paged)
     return ModelReport(spec, request, counts, plan, single, batched, roof, budget)
 
 
@@ -135,3 +138,15 @@ def flatten(d: dict, prefix: str = "") -> dict:
         else:
             row[name] = value
     return row
+
+
+def not_fitting(r: ModelReport, s) -> str:
+    """What would make a model that does not fit true to its budget: more devices, or the expert store
+    paging from the host at a stated cost per token."""
+    gpus = f"needs --gpus {s.devices_needed} at {r.request.dtype.name}"
+    if not s.expert_memory_bytes:
+        return gpus + " (even without its routed experts it does not fit)"
+    total = s.model_ms + s.paged_ms
+    return (f"{gpus}; or --expert-memory {u.nbytes(s.expert_memory_bytes)} with {u.pct(s.paged_share)} of the experts "
+            f"paged from host: +{u.ms(s.paged_ms / 1000)} per token over {s.host_link} = {u.ms(total / 1000)}, "
+            f"{'meets' if total <= s.budget_ms else 'misses'} the budget")

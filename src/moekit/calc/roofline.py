@@ -153,6 +153,43 @@ class SLA:
     headroom: float = 0.0  # budget / this model's batch-1 step: how many times over it meets
     max_batch: int = 0  # the most sequences one decode step serves within the budget (0: not even 1)
     max_batch_binds: str = "latency"  # "latency" (the budget) or "memory" (the devices' capacity)
+    # A model that does not fit meets no budget: what would make it fit, and what paging would cost.
+    fits_memory: bool = True
+    devices_needed: int = 1  # of this kind, at this dtype, to hold the whole memory plan
+    expert_memory_bytes: int = 0  # device memory left for routed experts beside everything else
+    paged_share: float = 0.0  # of the routed experts' bytes, left on the host
+    paged_ms: float = 0.0  # per token at batch 1: the paged share of a token's expert bytes over HOST_LINK
+    host_link: str = ""
+
+
+# The host-to-device link paged experts cross: named, not measured (PCIe 5.0 x16's nominal rate).
+HOST_LINK = ("PCIe 5.0 x16", 64e9)
+
+
+@dataclass(frozen=True)
+class Paging:
+    """Where a model that does not fit stands: devices to hold it, or experts paged from the host."""
+
+    devices_needed: int
+    expert_memory_bytes: int
+    paged_share: float
+    paged_ms: float
+
+
+def paging(roof: Roofline, routed_expert_bytes: int, expert_bytes_per_token: float,
+           link_bytes_s: float = HOST_LINK[1]) -> Paging:
+    """Devices needed at this dtype, and the store's alternative: every routed expert that does not
+    fit stays on the host, and a token reads the missing share of its experts over the link (routing
+    assumed uniform: a chosen expert is on the host with the paged share's probability)."""
+    per_device = roof.capacity_bytes // roof.gpus
+    budget = max(0, roof.capacity_bytes - (roof.memory_bytes - routed_expert_bytes))
+    share = 0.0 if not routed_expert_bytes else max(0.0, 1 - budget / routed_expert_bytes)
+    return Paging(
+        devices_needed=-(-roof.memory_bytes // per_device),
+        expert_memory_bytes=min(budget, routed_expert_bytes),
+        paged_share=share,
+        paged_ms=share * expert_bytes_per_token / link_bytes_s * 1000,
+    )
 
 
 def params_within(budget_s: float, roof: Roofline, dtype: DType, single: StepTraffic) -> tuple[float, float]:
@@ -195,6 +232,7 @@ def sla(
     single: StepTraffic,
     total_params: int,
     step_at: Optional[Callable[[int], tuple[StepTraffic, int]]] = None,
+    paged: Optional[Paging] = None,
 ) -> SLA:
     """The budget inverted; with step_at (see batch_within), also the largest batch it serves."""
     by_bw, by_c = params_within(budget_ms / 1000, roof, dtype, single)
@@ -211,9 +249,14 @@ def sla(
         model_params=roof.params_per_token,
         model_share=roof.params_per_token / total_params,
         model_ms=model_ms,
-        meets=model_ms <= budget_ms,
+        meets=model_ms <= budget_ms and roof.fits,
         whole_model_fits=best >= total_params,
         headroom=budget_ms / model_ms,
         max_batch=batch,
         max_batch_binds=batch_binds,
+        fits_memory=roof.fits,
+        **({} if paged is None else {"devices_needed": paged.devices_needed,
+                                     "expert_memory_bytes": paged.expert_memory_bytes,
+                                     "paged_share": paged.paged_share, "paged_ms": paged.paged_ms,
+                                     "host_link": f"{HOST_LINK[0]}, {HOST_LINK[1] / 1e9:g} GB/s nominal"}),
     )

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from moekit.calc import units as u
 from moekit.calc.claims import uniform_moe
-from moekit.calc.report import ModelReport
+from moekit.calc.report import ModelReport, not_fitting
 
 Cell = Callable[[ModelReport], Optional[str]]
 
@@ -83,8 +83,11 @@ def _max_params(r: ModelReport, s) -> str:
 
 
 def _this_model(r: ModelReport, s) -> str:
+    if not s.fits_memory:
+        return f"{u.ms(s.model_ms / 1000)} if it fit: does NOT fit, {not_fitting(r, s)}"
     verdict = f"meets ({s.headroom:,.1f}× headroom)" if s.meets else "MISSES"
     return f"{u.ms(s.model_ms / 1000)}: {verdict}"
+
 
 
 def _max_batch(r: ModelReport, s) -> Optional[str]:

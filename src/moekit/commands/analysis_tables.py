@@ -16,6 +16,22 @@ def _table(title: str, head: list[str]):
     return table
 
 
+def verdict_caption(layers: dict) -> str:
+    """Under the load table: why a layer has no verdict, or what the verdicts mean."""
+    from moekit.analysis.load_stats import TOO_FEW, VERDICT_MEANINGS, VERDICT_TOKENS_PER_EXPERT
+
+    short = {l: s for l, s in layers.items() if s["verdict"] == TOO_FEW}
+    lines = [f"layer {l}: too few tokens for a verdict (n={s['tokens']:,}; need ≥ {VERDICT_TOKENS_PER_EXPERT} × "
+             f"{s['experts']} experts = {s['verdict_min_tokens']:,}): the numbers only" for l, s in short.items()]
+    if len(short) == len(layers) and len({(s["tokens"], s["verdict_min_tokens"]) for s in short.values()}) == 1:
+        s = next(iter(short.values()))
+        lines = [f"too few tokens for a verdict (n={s['tokens']:,}; need ≥ {VERDICT_TOKENS_PER_EXPERT} × "
+                 f"{s['experts']} experts = {s['verdict_min_tokens']:,} per layer): the numbers only"]
+    if len(short) < len(layers):
+        lines.append(VERDICT_MEANINGS)
+    return "\n".join(lines)
+
+
 def print_tables(console, stats: dict) -> None:
     model = stats["model"]["model"] if stats["model"] else "model unknown"
     load = _table(f"{stats['trace']} ({model}): {stats['entries']:,} token × layer entries · expert load",
@@ -27,6 +43,7 @@ def print_tables(console, stats: dict) -> None:
                      str(s["unused"]), f"{s['load_entropy_bits']:.2f} of {s['load_entropy_max_bits']:.2f}", s["verdict"])
         health.add_row(l, f"{s['weight_entropy_bits']:.2f}", _pct(s["top1_share_mean"]), _pct(s["top1_confident_share"]),
                        _pct(stats["reuse"][l]["same_experts"]), _pct(stats["reuse"][l]["overlap"]))
+    load.caption, load.caption_justify = verdict_caption(stats["layers"]), "left"
     console.print(load)
     console.print(health)
 

@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 
 from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_needed, operators_to_build
-from moekit.commands.options import COMPILE, NO_VERIFY
+from moekit.calc.dtypes import engine_dtype
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY
 from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
@@ -53,7 +54,7 @@ def decode(
                                 "(--vs llama.cpp: int8 against its q8_0)."),
     llama_cpp_dir: Optional[Path] = typer.Option(None, "--llama-cpp-dir", help="Where benchmarks/build_llama_cpp.sh "
                                                  "built llama.cpp (default: bench-out/llama.cpp); GGUFs go to its gguf/."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16 (both sides)."),
+    dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE + " Both sides."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
@@ -72,6 +73,7 @@ def decode(
     from moekit.engine.loader import load_engine
     from moekit.model import gemv
 
+    dtype = engine_dtype(dtype)
     if vs not in (None, *BASELINES):
         raise MoekitError(f"--vs {vs}: the baselines are {', '.join(BASELINES)}")
     checkpoint = checkpoint if checkpoint is not None else default_checkpoint()
@@ -180,7 +182,7 @@ def offload(
                                help="Text prompt (needs tokenizer.json); else --prompt-len random ids."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Random prompt ids when the folder has no tokenizer."),
     tokens: int = typer.Option(32, "--tokens", help="New tokens (greedy)."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="float32 or bfloat16 (every run)."),
+    dtype: str = typer.Option("bf16", "--dtype", help=ENGINE_DTYPE + " Every run."),
     threads: int = typer.Option(1, "--threads", help="CPU threads for every run."),
     json_path: Optional[Path] = typer.Option(None, "--json-out", help="Also write every run's raw result here."),
     json_out: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
@@ -190,6 +192,7 @@ def offload(
     from moekit.engine.default_model import default_checkpoint
     from moekit.bench.offload import OffloadBench, run_bench, summary_rows
 
+    dtype = engine_dtype(dtype)
     if vs not in (None, "accelerate"):
         raise MoekitError(f"--vs {vs}: the only baseline here is accelerate")
     if tokens < 2 or threads < 1:

@@ -9,7 +9,7 @@ import typer
 
 HELP = """Size an expert cache without running the model: replay a routing trace (from `moekit run ... --trace t.parquet`) through each policy and slot count.
 
-Each MoE layer keeps SLOTS experts; every forward (the prefill, then each decode step) uses the distinct experts its tokens chose. Reports hit rates overall, at decode and per layer, misses per generated token and evictions. `belady` knows the future: the best any policy could do. A live `moekit run --expert-memory` without prefetch gets the same hit rate at the same slots: a share (25%) is of the model's experts per layer, which the trace records, rounded down as the live store rounds it.
+Each MoE layer keeps SLOTS experts; every forward (the prefill, then each decode step) uses the distinct experts its tokens chose. Reports hit rates overall, at decode and per layer, the prompt's misses apart from the decode's (per decoded token, at most K per MoE layer) and evictions. `belady` knows the future: the best any policy could do. A live `moekit run --expert-memory` without prefetch gets the same hit rate at the same slots: a share (25%) is of the model's experts per layer, which the trace records, rounded down as the live store rounds it.
 
 Examples:
 
@@ -78,7 +78,12 @@ def _summary_table(report: dict):
         f"{len(report['layers'])} MoE layers × {experts}, {report['generated_tokens']:,} generated tokens"
     )
     table = Table(title=title)
-    for name in ("policy", "slots", "share", "pinned", "hit rate", "decode hit", "miss/token", "evictions"):
+    bound = report["max_misses_per_decoded_token"]
+    table.caption = ("prefill misses: the prompt's forward, counted once. decode miss/token: misses of the decode "
+                     "steps per decoded token" + (f" (at most {bound}: K experts in each MoE layer)" if bound else ""))
+    table.caption_justify = "left"
+    for name in ("policy", "slots", "share", "pinned", "hit rate", "decode hit", "prefill misses", "decode miss/token",
+                 "evictions"):
         table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
     for r in report["results"]:
         table.add_row(
@@ -88,7 +93,8 @@ def _summary_table(report: dict):
             str(r["pinned"]),
             _pct(r["hit_rate"]),
             _pct(r["decode_hit_rate"]),
-            "-" if r["misses_per_token"] is None else f"{r['misses_per_token']:.2f}",
+            f"{r['prefill_misses']:,}",
+            "-" if r["decode_misses_per_token"] is None else f"{r['decode_misses_per_token']:.2f}",
             f"{r['evictions']:,}",
         )
     return table

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 from typing import List, Optional
 
 import typer
@@ -39,8 +40,9 @@ def calc(
     ),
     dtype: Optional[str] = typer.Option(
         None, "--dtype", metavar="DTYPE",
-        help="Weight storage: fp32, bf16, fp16, fp8, int8, int4, mxfp4. Default: the checkpoint's "
-        "quantization_config (mxfp4, fp8) where it has one, else bf16.",
+        help="Weight storage: fp32, bf16, fp16, fp8, int8, int4, mxfp4 (also float32, bfloat16, float16). Default: "
+        "the form the checkpoint stores (a GGUF's tensor type, quantization_config, config.json's dtype), named on "
+        "stderr; else bf16.",
     ),
     kv_dtype: Optional[str] = typer.Option(
         None,
@@ -48,9 +50,10 @@ def calc(
         metavar="DTYPE",
         help="KV cache dtype: fp32, bf16, fp16, fp8, int8. Default: the weight dtype if 16/32-bit float, else bf16.",
     ),
-    context: str = typer.Option(
-        "4096", "--context", metavar="TOKENS", help="Tokens in each sequence's KV cache when the next is decoded."
-    ),
+    context: Optional[str] = typer.Option(
+        None, "--context", metavar="TOKENS", show_default=False,
+        help="Tokens in each sequence's KV cache when the next is decoded. Default: 4096, or the model's "
+             "max_position_embeddings when smaller."),
     batch: str = typer.Option("1", "--batch", metavar="N", help="Sequences decoded together in one step."),
     gpus: str = typer.Option(
         "1", "--gpus", metavar="N", help="Devices of the --hardware kind sharing weights, cache and work evenly."
@@ -82,9 +85,16 @@ def calc(
     from moekit.spec import load_spec
 
     specs = [(source, load_spec(source)) for source in models]
-    request = parse_request(dtype or _stored_dtype(models), kv_dtype, context, batch, hardware, gpus, sla_ms)
-    device = get_hardware(request.hardware) if request.hardware else None
-    reports = [build_report(spec, request, device) for _, spec in specs]
+    reports, device = [], None
+    for source, spec in specs:
+        stored, where = stored_dtype(source) if dtype is None else (dtype, None)
+        planned, note = model_context(spec, context)
+        request = parse_request(stored, kv_dtype, planned, batch, hardware, gpus, sla_ms)
+        device = device or (get_hardware(request.hardware) if request.hardware else None)
+        for line in (note, where and f"{spec.name}: planning at {stored}, as stored ({where}); --dtype plans another"):
+            if line:
+                typer.echo(f"note: {line}", err=True)
+        reports.append(build_report(spec, request, device))
 
     if explain:
         _print_explanations(reports, [source for source, _ in specs])
@@ -100,20 +110,56 @@ def calc(
         Console().print(report_table(reports))
 
 
-def _stored_dtype(models: List[str]) -> str:
-    """The weight format the checkpoints were published in: mxfp4 (gpt-oss) or fp8 (DeepSeek-V3)
-    when every one's config.json declares that quantization_config, else bf16."""
+# Stored forms a checkpoint states, in the dtype vocabulary (GGUF tensor types, quantization_config methods).
+STORED_FORMS = {"Q8_0": "int8", "Q4_0": "int4", "BF16": "bf16", "F16": "fp16", "F32": "fp32", "MXFP4": "mxfp4",
+                "mxfp4": "mxfp4", "fp8": "fp8"}
+
+
+def stored_dtype(source: str) -> tuple[str, Optional[str]]:
+    """(dtype, where it is stated) of the form a checkpoint stores its weights in: a GGUF's most common
+    tensor type among the routed experts' (else all), a quantization_config (mxfp4, fp8 blocks), or
+    config.json's torch_dtype / dtype; bf16 (stated nowhere) for a preset or a config that says none."""
+    from collections import Counter
+
     from moekit.calc.claims import raw_config
+    from moekit.calc.dtypes import canonical_dtype
     from moekit.spec import list_presets
 
-    presets = list_presets()
-    found = set()
-    for source in models:
-        config = raw_config(source, presets) or {}
-        qc = config.get("quantization_config")
-        found.add(qc.get("quant_method") if isinstance(qc, dict) else None)
-    (method,) = found if len(found) == 1 else (None,)
-    return method if method in ("mxfp4", "fp8") else "bf16"
+    path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        from moekit.weights.gguf_file import read_gguf
+
+        tensors = read_gguf(path).tensors.values()
+        experts = [t.qtype for t in tensors if "_exps" in t.name] or [t.qtype for t in tensors]
+        qtype = Counter(experts).most_common(1)[0][0] if experts else None
+        if qtype in STORED_FORMS:
+            return STORED_FORMS[qtype], f"its GGUF tensors are {qtype}"
+        return "bf16", None
+    config = raw_config(source, list_presets()) or {}
+    qc = config.get("quantization_config")
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method in STORED_FORMS:
+        return STORED_FORMS[method], f"quantization_config: {method}"
+    stated = config.get("torch_dtype") or config.get("dtype")
+    if source not in list_presets() and isinstance(stated, str) and canonical_dtype(stated) in ("fp32", "bf16", "fp16"):
+        return canonical_dtype(stated), f"config.json: {stated}"
+    return "bf16", None
+
+
+def model_context(spec, context: Optional[str]) -> tuple[object, Optional[str]]:
+    """(--context to plan, a note): the model's own limit when it is below the 4,096 default, and a
+    word when a given --context exceeds what the model was built for."""
+    from moekit.calc.request import DEFAULT_CONTEXT, positive_int
+
+    limit = spec.max_position_embeddings
+    if context is None:
+        if limit < DEFAULT_CONTEXT:
+            return limit, f"{spec.name}: planning a {limit:,}-token context, its max_position_embeddings"
+        return DEFAULT_CONTEXT, None
+    if positive_int("--context", context) > limit:
+        return context, (f"{spec.name}: --context {int(context):,} exceeds its max_position_embeddings ({limit:,}); "
+                         f"planned anyway, though the model was not built for it")
+    return context, None
 
 
 def _print_explanations(reports, sources) -> None:

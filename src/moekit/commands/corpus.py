@@ -13,8 +13,8 @@ app = typer.Typer(help="Build the training corpus from local packages.", no_args
 BUILD_HELP = """Build a cleaned, deduplicated, domain-labelled corpus under OUT.
 
 Domains: manpages (English technical prose), python (stdlib source), shell (scripts), fortunes
-(short English prose), chinese (manpages-zh). Missing Debian packages are installed with apt-get
-when run as root; --no-install only lists them. Writes OUT/{train,heldout}/<domain>.jsonl and
+(short English prose), chinese (manpages-zh). Missing Debian packages are only listed; --install
+installs them with apt-get (as root). Writes OUT/{train,heldout}/<domain>.jsonl and
 OUT/manifest.json.
 
 Example:  moekit corpus build data/corpus
@@ -24,7 +24,8 @@ Example:  moekit corpus build data/corpus
 @app.command("build", help=BUILD_HELP)
 def build_cmd(
     out: Path = typer.Argument(..., help="Folder to write the corpus into."),
-    no_install: bool = typer.Option(False, "--no-install", help="Only say which Debian packages are missing."),
+    install: bool = typer.Option(False, "--install/--no-install", help="Install missing Debian packages with "
+                                 "apt-get (as root). Default: only say which are missing; their domains stay empty."),
     seed: int = typer.Option(1234, help="Seed of the train/held-out split and the size cap."),
     heldout: float = typer.Option(0.05, help="Share of documents held out, per domain."),
     max_mb: float = typer.Option(12.0, "--max-mb", help="At most this many MB of text per domain."),
@@ -42,8 +43,9 @@ def build_cmd(
     sources = default_sources()
     need = packages.missing([p for s in sources for p in s.packages])
     if need:
-        if no_install:
-            typer.echo(f"missing Debian packages: {' '.join(need)} (install: apt-get install {' '.join(need)})")
+        if not install:
+            typer.echo(f"missing Debian packages: {' '.join(need)}; their domains will be empty (install them with "
+                       f"--install, as root, or: sudo apt-get install {' '.join(need)})")
         elif not is_root():
             typer.echo(f"missing Debian packages: {' '.join(need)}; not root, so not installing "
                        f"(run: sudo apt-get install {' '.join(need)}); their domains may be empty")

@@ -37,7 +37,12 @@ def evaluate(
 
     if window < 2 or max_tokens < 2:
         raise MoekitError("--window and --max-tokens must be at least 2")
+    from moekit.corpus.reader import empty_domains_note
+
     console = Console(stderr=True)
+    note = empty_domains_note(corpus, "heldout")
+    if note:
+        typer.echo(note, err=True)
     result = run_eval(resolve_checkpoint(target), corpus, window=window, max_tokens=max_tokens, device=device,
                       verify=not no_verify, progress=lambda d: console.print(f"scoring {d}…") if not as_json else None)
     if as_json:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from moekit.commands.fitted_table import Col, fitted_table, print_fitted
 from moekit.commands.options import NO_VERIFY
 from moekit.errors import MoekitError
 
@@ -33,17 +34,18 @@ def check_counts(**values: int) -> None:
             raise MoekitError(f"--{name.replace('_', '-')} must not be negative, got {value}")
 
 
-def load_for_routing(checkpoint: Optional[Path], device: str, threads: int, verify: bool = True):
-    """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads:
-    small models' GEMMs gain nothing from more, and on a busy machine a thread barrier costs a time slice."""
+def load_for_routing(checkpoint: Optional[Path], device: str, threads: Optional[int], verify: bool = True):
+    """The engine in fp32 (policies are compared on exact arithmetic), on `threads` CPU threads; None
+    keeps torch's default (every core), as `moekit run` does."""
     import torch
 
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
 
-    if threads < 1:
-        raise MoekitError(f"--threads must be at least 1, got {threads}")
-    torch.set_num_threads(threads)
+    if threads is not None:
+        if threads < 1:
+            raise MoekitError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
     return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device,
                        verify=verify)
 
@@ -59,9 +61,11 @@ def eval_routing(
     agree_tokens: int = typer.Option(32, "--agree-tokens", help="Tokens generated per continuation."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch. Default: torch's own (every "
+                                          "core), as `moekit run`."),
     plot: Optional[Path] = typer.Option(None, "--plot", metavar="PNG", help="Write the Pareto plot (active share vs bits per byte)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width (default: what fits)."),
 ) -> None:
     from moekit.analysis.policy_eval import evaluate_policies, model_k, parse_policies
     from moekit.analysis.sample import SAMPLE
@@ -89,22 +93,21 @@ def eval_routing(
     if as_json:
         typer.echo(json.dumps(result, indent=1))
         return
-    print_routing(Console(width=max(100, Console().width)), result)
+    print_routing(Console(), result, wide)
 
 
-def print_routing(console, result: dict) -> None:
-    from rich.table import Table
+ROUTING_COLUMNS = [Col("policy"), Col("bits/byte"), Col("Δ vs exact"), Col("experts/token/layer", essential=False),
+                   Col("active share"), Col("next-token agree", essential=False), Col("generated agree", essential=False)]
 
+
+def print_routing(console, result: dict, wide: bool = False) -> None:
     def pct(x):
         return "-" if x is None else f"{x:.1%}"
 
     for scope, rows in [("all domains", result["all"])] + [(f"domain {d}", r) for d, r in result["domains"].items()]:
-        table = Table(title=f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)")
-        for i, h in enumerate(["policy", "bits/byte", "Δ vs exact", "experts/token/layer", "active share",
-                               "next-token agree", "generated agree"]):
-            table.add_column(h, justify="left" if i == 0 else "right")
-        for name, r in rows.items():
-            table.add_row(name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}",
-                          f"{r['experts_per_token']:.3f}", f"{r['active_share']:.3%}", pct(r["next_token_agreement"]),
-                          pct(r["generated_agreement"]))
-        console.print(table)
+        cells = [[name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}", f"{r['experts_per_token']:.3f}",
+                  f"{r['active_share']:.3%}", pct(r["next_token_agreement"]), pct(r["generated_agreement"])]
+                 for name, r in rows.items()]
+        title = f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)"
+        table, dropped = fitted_table(title, ROUTING_COLUMNS, cells, console.width, wide)
+        print_fitted(console, table, dropped, wide)

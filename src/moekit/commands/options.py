@@ -1,5 +1,8 @@
 """Help texts of the options that several commands share (one wording, one place)."""
 
+# --dtype of every command that runs the engine (the one vocabulary: moekit.calc.dtypes).
+ENGINE_DTYPE = "fp32 or bf16 (also spelt float32, bfloat16)."
+
 # The --no-verify option of every command that loads a checkpoint.
 NO_VERIFY = ("Skip checking the weights against the crc32s of moekit-experts.json (checked as they load "
              "whenever that file is beside the checkpoint; `moekit checksum` writes it).")

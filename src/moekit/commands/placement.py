@@ -33,9 +33,8 @@ def placement(
     out: Optional[Path] = typer.Option(None, "--out", help="Write the placement JSON here."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
 ) -> None:
-    from moekit.dist.placement import linear_placement
-    from moekit.dist.plan import default_redundant, eplb_placement
-    from moekit.dist.simulate import Cost, read_forwards, simulate
+    from moekit.dist.plan import default_redundant, eplb_placement, split_forwards
+    from moekit.dist.simulate import read_forwards
 
     if out is not None and not out.parent.exists():
         raise MoekitError(f"--out {out}: folder {out.parent} does not exist")
@@ -44,39 +43,57 @@ def placement(
     if redundant is None:
         redundant = default_redundant(experts, ranks)
     plan = eplb_placement(forwards, ranks, redundant, ranks_per_node, groups)
-    unit = Cost(row_bytes=1)
-    planned = simulate(forwards, plan, unit)
-    linear = simulate(forwards, linear_placement(forwards.experts, ranks), unit) if ranks <= experts else None
-    rows = {l: (None if linear is None else linear[l].balancedness, planned[l].balancedness) for l in sorted(planned)}
-    overall = {"linear": None if linear is None else sum(r[0] for r in rows.values()) / len(rows),
-               "plan": sum(r[1] for r in rows.values()) / len(rows)}
-    doc = plan.to_json({"trace": str(trace), "balancedness": overall,
-                        "balancedness_per_layer": {str(l): {"linear": a, "plan": b} for l, (a, b) in rows.items()}})
+    fit, held = split_forwards(forwards)
+    scores = {"fitted": _balancedness(forwards, plan, ranks, experts),
+              "held-out": _balancedness(held, eplb_placement(fit, ranks, redundant, ranks_per_node, groups), ranks, experts)}
+    rows = {l: (scores["fitted"]["layers"][l], scores["held-out"]["layers"][l]) for l in sorted(scores["fitted"]["layers"])}
+    overall = {name: {k: v for k, v in s.items() if k != "layers"} for name, s in scores.items()}
+    doc = plan.to_json({"trace": str(trace), "balancedness": overall["fitted"], "balancedness_heldout": overall["held-out"],
+                        "heldout_tokens": held.tokens, "balancedness_per_layer": {
+                            str(l): {"linear": a["linear"], "plan": a["plan"], "heldout_linear": b["linear"],
+                                     "heldout_plan": b["plan"]} for l, (a, b) in rows.items()}})
     if out is not None:
         out.write_text(json.dumps(doc, indent=1) + "\n")
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    _print_table(rows, overall, ranks, redundant, out)
+    _print_table(rows, overall, ranks, redundant, out, held.tokens, forwards.tokens)
 
 
-def _print_table(rows: dict, overall: dict, ranks: int, redundant: int, out: Optional[Path]) -> None:
+def _balancedness(forwards, plan, ranks: int, experts: int) -> dict:
+    """Mean ÷ max tokens per rank of PLAN and of the even, in-order split, on FORWARDS: per layer and overall."""
+    from moekit.dist.placement import linear_placement
+    from moekit.dist.simulate import Cost, simulate
+
+    unit = Cost(row_bytes=1)
+    planned = simulate(forwards, plan, unit)
+    linear = simulate(forwards, linear_placement(forwards.experts, ranks), unit) if ranks <= experts else None
+    layers = {l: {"linear": None if linear is None else linear[l].balancedness, "plan": planned[l].balancedness}
+              for l in sorted(planned)}
+    mean = lambda key: None if linear is None and key == "linear" else sum(v[key] for v in layers.values()) / len(layers)
+    return {"linear": mean("linear"), "plan": mean("plan"), "layers": layers}
+
+
+def _print_table(rows: dict, overall: dict, ranks: int, redundant: int, out: Optional[Path], held: int, tokens: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
     def cell(x):
         return "—" if x is None else f"{x:.3f}"
 
-    table = Table(title=f"balancedness (mean ÷ max tokens per rank), {ranks} ranks, {redundant} redundant experts per layer")
-    table.add_column("layer", justify="right")
-    table.add_column("linear", justify="right")
-    table.add_column("plan", justify="right")
+    table = Table(title=f"balancedness (mean ÷ max tokens per rank), {ranks} ranks, {redundant} redundant experts per layer",
+                  caption=f"fitted: the plan scored on the trace it was made from (all {tokens:,} tokens per layer); "
+                          f"held-out: a plan made the same way from the first part, scored on the last {held:,} tokens",
+                  caption_justify="left")
+    for name in ("layer", "linear, fitted", "plan, fitted", "linear, held-out", "plan, held-out"):
+        table.add_column(name, justify="right")
     for l, (a, b) in rows.items():
-        table.add_row(str(l), cell(a), cell(b))
-    table.add_row("all", cell(overall["linear"]), cell(overall["plan"]))
+        table.add_row(str(l), cell(a["linear"]), cell(a["plan"]), cell(b["linear"]), cell(b["plan"]))
+    fit, ho = overall["fitted"], overall["held-out"]
+    table.add_row("all", cell(fit["linear"]), cell(fit["plan"]), cell(ho["linear"]), cell(ho["plan"]))
     console = Console()
     console.print(table)
-    if overall["linear"] is None:
+    if fit["linear"] is None:
         console.print(f"note: linear needs at least one expert per rank; {ranks} ranks have fewer experts than ranks")
     if out is not None:
         console.print(f"placement -> {out}")

@@ -9,7 +9,8 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.options import NO_VERIFY
+from moekit.calc.dtypes import engine_dtype
+from moekit.commands.options import ENGINE_DTYPE, NO_VERIFY
 from moekit.errors import MoekitError
 
 HELP = """Run PROMPTS (one per line) through CHECKPOINT and count each layer's expert use.
@@ -28,7 +29,7 @@ def profile(
     out: Path = typer.Option(..., "--out", help="Where to write the profile JSON."),
     max_new_tokens: int = typer.Option(32, "--max-new-tokens", help="Tokens generated per prompt (greedy)."),
     top: Optional[int] = typer.Option(None, "--top", help="Experts pinned per layer (default: a quarter of them)."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Profile a model larger than memory: as in `moekit run`."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
 ) -> None:
@@ -37,6 +38,7 @@ def profile(
     from moekit.engine.loader import load_engine
     from moekit.offload.profile import build_profile, read_prompts
 
+    dtype = engine_dtype(dtype)
     texts = read_prompts(prompts)
     if max_new_tokens < 1:
         raise MoekitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")

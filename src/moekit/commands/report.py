@@ -26,6 +26,23 @@ Examples:
 """
 
 
+class Stages:
+    """Progress of `moekit report`: a line on stderr as each stage starts (with the seconds so far),
+    so a log or a pipe sees it too, and the spinner's text updated within a stage."""
+
+    def __init__(self, spinner, echo):
+        import time
+
+        self.spinner, self.echo, self.clock, self.start, self.stage = spinner, echo, time.monotonic, time.monotonic(), None
+
+    def update(self, text: str) -> None:
+        stage = text.split("…")[0].split(":")[0]
+        if stage != self.stage:
+            self.stage = stage
+            self.echo(f"report [{self.clock() - self.start:5.1f} s] {text}")
+        self.spinner.update(text)
+
+
 def report(
     checkpoint: Optional[Path] = typer.Argument(None, metavar="CHECKPOINT", help="Checkpoint folder. Default: the bundled model."),
     prompts: Optional[Path] = typer.Option(None, "--prompts", metavar="JSONL",
@@ -43,7 +60,8 @@ def report(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Also keep the combined routing trace (*.parquet)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    threads: int = typer.Option(1, "--threads", help="CPU threads for torch."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch. Default: torch's own (every "
+                                          "core), as `moekit run`."),
 ) -> None:
     from moekit.analysis.analyze import analyze
     from moekit.analysis.policy_eval import evaluate_policies, model_k, parse_policies
@@ -60,6 +78,12 @@ def report(
         raise MoekitError(f"--trace {trace}: the trace is written as Parquet; name the file *.parquet")
     if min(per_domain, prompt_tokens, max_new_tokens) < 1 or eval_tokens < 2:
         raise MoekitError("--per-domain, --prompt-tokens and --max-new-tokens must be at least 1, --eval-tokens at least 2")
+    if corpus is not None:
+        from moekit.corpus.reader import empty_domains_note
+
+        note = empty_domains_note(corpus, "heldout")
+        if note:
+            typer.echo(note, err=True)
     chosen = read_prompts(prompts) if prompts is not None else corpus_prompts(corpus, per_domain)
     engine = load_for_routing(checkpoint, device, threads, verify=not no_verify)
     k = model_k(engine.spec)
@@ -68,7 +92,9 @@ def report(
     from rich.console import Console
 
     err = Console(stderr=True)
-    with err.status("running prompts…") as status:
+    with err.status("running prompts…") as spinner:
+        status = Stages(spinner, lambda line: typer.echo(line, err=True))
+        status.update(f"running prompts… 0/{len(chosen)}")
         from moekit.analysis.run_trace import trace_prompts
 
         table = trace_prompts(engine, chosen, prompt_tokens, max_new_tokens, policy,

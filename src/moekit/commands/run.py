@@ -14,8 +14,9 @@ from typing import Optional
 
 import typer
 
+from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
@@ -54,9 +55,20 @@ def parse_ids(text: Optional[str], what: str) -> Optional[list[int]]:
 
 
 def looks_like_path(text: str) -> bool:
-    """A lone argument meant as a checkpoint rather than a prompt: it has a path separator or names a file."""
+    """A lone argument that may have been meant as a checkpoint rather than a prompt: one line that has
+    a path separator, starts with ~, or names a file. Never raises, whatever the string."""
+    from moekit.engine.default_model import is_existing
+
     seps = {"/", "\\"} | ({os.altsep} if os.altsep else set())
-    return "\n" not in text and (any(sep in text for sep in seps) or Path(text).is_file())
+    return "\n" not in text and (any(sep in text for sep in seps) or text.startswith("~") or is_existing(text, "file"))
+
+
+def shown_prompt(text: str, width: int = 60) -> str:
+    """A prompt as the notes quote it: whole when short, else its start and its size (a pasted page
+    would drown the line)."""
+    if len(text) <= width:
+        return repr(text)
+    return f"{text[:width]!r}… ({len(text.encode('utf-8', 'surrogatepass')):,} bytes)"
 
 
 def sampling_temperature(temperature: Optional[float], top_p: Optional[float], top_k: Optional[int]) -> float:
@@ -156,7 +168,7 @@ def run(
     ),
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids instead of text."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens to generate at most."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE),
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
@@ -196,12 +208,17 @@ def run(
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams, check_sampling
 
+    dtype = engine_dtype(dtype)
     ids = parse_ids(prompt_ids, "--prompt-ids")
     checkpoint, prompt = split_checkpoint_and_prompt(first, second, ids_given=ids is not None)
+    if prompt is None and ids is None and first is not None:
+        what = "a checkpoint folder" if (checkpoint / "config.json").is_file() else "a folder, though no checkpoint (no config.json)"
+        raise MoekitError(f"{first!r} is {what}, so it was read as CHECKPOINT and no PROMPT follows: give a text "
+                          "PROMPT or --prompt-ids after it")
     if (prompt is None) == (ids is None):
         raise MoekitError("give either a text PROMPT or --prompt-ids, not both and not neither")
     if second is None and prompt is not None and looks_like_path(prompt):
-        typer.echo(f"note: {prompt!r} is no checkpoint folder, so it is the prompt for the bundled model "
+        typer.echo(f"note: {shown_prompt(prompt)} is no checkpoint folder, so it is the prompt for the bundled model "
                    f"({checkpoint}); name an existing folder to run your own", err=True)
     if max_new_tokens <= 0:
         raise MoekitError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -305,7 +322,7 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
 
     if on_token is not None:
         # Said once the engine accepted the request (a refused one stays a one-line error).
-        given = repr(prompt) if prompt is not None else f"{len(prompt_tokens)} token ids"
+        given = shown_prompt(prompt) if prompt is not None else f"{len(prompt_tokens)} token ids"
         header, streamed = f"{engine.spec.name} · {describe_sampling(sampling)} · prompt {given}:", on_token
 
         def on_token(step, row_ids):

@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 
+from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
@@ -75,7 +76,7 @@ def serve(
     ),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (loopback by default)."),
     port: int = typer.Option(8000, "--port", help="TCP port (0: any free port, printed at start)."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 or bfloat16."),
+    dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
@@ -104,7 +105,7 @@ def serve(
     import uvicorn
 
     from moekit.engine.default_model import default_checkpoint
-    from moekit.engine.loader import DTYPES, WEIGHTS as WEIGHT_CHOICES
+    from moekit.engine.loader import WEIGHTS as WEIGHT_CHOICES
     from moekit.serve.app import ServeConfig, create_app
     from moekit.spec import load_spec
 
@@ -115,8 +116,7 @@ def serve(
     if not gguf and not (folder / "config.json").is_file():
         raise MoekitError(f"{folder}: not a checkpoint folder (no config.json) nor a .gguf file")
     spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
-    if dtype not in DTYPES:
-        raise MoekitError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dtype = engine_dtype(dtype)
     if weights not in WEIGHT_CHOICES:
         raise MoekitError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     if not 0 <= port <= 65535:

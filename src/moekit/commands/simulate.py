@@ -39,16 +39,17 @@ def simulate(
     hardware: Optional[str] = typer.Option(None, "--hardware", help="Catalog GPU for the time estimate (h100, h200, a100, b200, mi300x)."),
     model: Optional[str] = typer.Option(None, "--model", help="Checkpoint, config.json or preset: hidden size and expert "
                                         "size (default: the bundled model when the trace is its)."),
-    dtype: str = typer.Option("bfloat16", "--dtype", help="Values on the wire and in the experts: float32, bfloat16, fp8."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Values on the wire and in the experts: fp32, bf16 or fp8 (also spelt float32, bfloat16)."),
     uniform: Optional[str] = typer.Option(None, "--uniform", metavar="MODEL", help="No trace: a uniform router on this "
                                           "model's shape (a preset such as deepseek-v3, or a config)."),
     tokens: int = typer.Option(256, "--tokens", help="With --uniform: tokens per forward (the global batch)."),
     forwards: int = typer.Option(8, "--forwards", help="With --uniform: forwards per layer."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
+    wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width (default: what fits)."),
 ) -> None:
     from moekit.dist.costs import check_dtype
 
-    check_dtype(dtype)
+    dtype = check_dtype(dtype)
     counts = _ranks(ranks)
     fwd, facts, name = _load(trace, uniform, model, tokens, forwards)
     from moekit.dist.costs import make_cost
@@ -61,7 +62,7 @@ def simulate(
     if as_json:
         typer.echo(json.dumps(doc))
         return
-    _print(doc)
+    _print(doc, wide)
 
 
 def _load(trace, uniform, model, tokens, forwards):
@@ -115,26 +116,34 @@ def _runs(fwd, counts, placement_file, redundant, groups, cost) -> list[dict]:
     return results
 
 
-def _print(doc: dict) -> None:
+def _print(doc: dict, wide: bool) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     from moekit.calc.units import nbytes
+    from moekit.commands.fitted_table import Col, fitted_table, print_fitted
 
     timed = doc["results"][0]["moe_time_per_forward_s"] is not None
-    table = Table(title=f"{doc['trace']} · {doc['model']} · {doc['tokens']} tokens per layer · {doc['dtype']}"
-                        + (f" · {doc['hardware']}" if doc["hardware"] else ""))
-    for name in ("ranks", "placement", "redundant", "balancedness", "bytes/token", "intra-node", "inter-node",
-                 "experts/rank"):
-        table.add_column(name, justify="right")
+    cols = [Col("ranks"), Col("placement"), Col("redundant", essential=False), Col("balancedness"), Col("bytes/token"),
+            Col("intra-node", essential=False), Col("inter-node", essential=False), Col("experts/rank")]
     if timed:
-        table.add_column("MoE µs/forward", justify="right")
-        table.add_column("of which all-to-all", justify="right")
+        cols += [Col("MoE µs/forward"), Col("of which all-to-all", essential=False)]
+    rows = []
     for r in doc["results"]:
         cells = [str(r["ranks"]), r["placement"], str(r["redundant"]), f"{r['balancedness']:.3f}",
                  nbytes(r["bytes_per_token"]), nbytes(r["intra_node_bytes_per_token"]),
                  nbytes(r["inter_node_bytes_per_token"]), nbytes(r["expert_bytes_per_rank"])]
-        if timed:
+        if timed and r["fits_memory"] is False:
+            cells += ["does not fit", "—"]
+        elif timed:
             cells += [f"{r['moe_time_per_forward_s'] * 1e6:.1f}", f"{r['a2a_time_per_forward_s'] / r['moe_time_per_forward_s']:.0%}"]
-        table.add_row(*cells)
-    Console(width=max(120, Console().width)).print(table)
+        rows.append(cells)
+    console = Console()
+    title = (f"{doc['trace']} · {doc['model']} · {doc['tokens']} tokens per layer · {doc['dtype']}"
+             + (f" · {doc['hardware']}" if doc["hardware"] else ""))
+    table, dropped = fitted_table(title, cols, rows, console.width, wide)
+    misfits = [r for r in doc["results"] if r["fits_memory"] is False]
+    if misfits:
+        table.caption = (f"does not fit: the routed experts on the fullest rank exceed one device's "
+                         f"{nbytes(misfits[0]['device_memory_bytes'])} (routed experts only; more ranks, or a smaller --dtype)")
+        table.caption_justify = "left"
+    print_fitted(console, table, dropped, wide)

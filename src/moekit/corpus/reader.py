@@ -46,9 +46,30 @@ def read_texts(folder: Path, split: str, domain: str) -> list[str]:
     return texts
 
 
+def empty_domains(folder: Path, split: str) -> list[str]:
+    """The domains with no text in `split`: built empty (their package was not installed) or an empty file."""
+    manifest = read_manifest(folder)
+    built_empty = set(manifest.get("empty_domains", []))
+    return [d for d in manifest["domains"]
+            if d in built_empty or ((p := Path(folder) / split / f"{d}.jsonl").is_file() and p.stat().st_size == 0)]
+
+
+def empty_domains_note(folder: Path, split: str) -> str | None:
+    """The line `eval` and `report` print when a corpus has domains without text (None: none)."""
+    empty = empty_domains(folder, split)
+    if not empty:
+        return None
+    return (f"note: {folder}: domain{'s' if len(empty) > 1 else ''} {', '.join(empty)} ha{'ve' if len(empty) > 1 else 's'} "
+            f"no {split} text (skipped; `moekit corpus build --install` fills {'them' if len(empty) > 1 else 'it'})")
+
+
 def read_split(folder: Path, split: str, only: list[str] | None = None) -> dict[str, list[str]]:
-    """domain → documents for every domain of the manifest (or `only` those)."""
-    names = domains(folder)
+    """domain → documents for every domain of the manifest that has text (or `only` those, which must):
+    one empty domain (a package not installed) leaves the others usable; `empty_domains` names it."""
+    empty = empty_domains(folder, split) if only is None else []
+    names = [d for d in domains(folder) if d not in empty]
+    if empty and not names:
+        raise CorpusError(f"{folder}: no domain has {split} documents ({', '.join(empty)} built empty)")
     if only is not None:
         unknown = [d for d in only if d not in names]
         if unknown:

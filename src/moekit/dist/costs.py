@@ -5,17 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from moekit.calc.dtypes import DTYPES, dtype_choice
 from moekit.dist.simulate import Cost, links_for
 from moekit.errors import MoekitError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1}
-PEAK_NAME = {"float32": "fp32", "bfloat16": "bf16", "fp8": "fp8"}
+WIRE_DTYPES = ("fp32", "bf16", "fp8")  # values on the wire and in the experts
 
 
-def check_dtype(dtype: str) -> int:
-    if dtype not in DTYPE_BYTES:
-        raise MoekitError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
-    return DTYPE_BYTES[dtype]
+def check_dtype(dtype: str) -> str:
+    """--dtype in the one vocabulary (bf16, bfloat16, ...) as its canonical name."""
+    return dtype_choice(dtype, WIRE_DTYPES)
 
 
 def spec_facts(spec) -> tuple[int, int, dict[int, int], int, int]:
@@ -58,12 +57,12 @@ def bundled_model_for(config_sha256: Optional[str]) -> Optional[str]:
 
 
 def make_cost(d: int, expert_params: int, dtype: str, hardware: Optional[str]) -> Cost:
-    size = check_dtype(dtype)
+    size = int(DTYPES[check_dtype(dtype)].bits) // 8
     if hardware is None:
         return Cost(row_bytes=d * size, expert_bytes=expert_params * size, expert_params=expert_params)
     from moekit.calc.hardware import get_hardware
 
     hw = get_hardware(hardware)
-    _, flops = hw.peak(PEAK_NAME[dtype])
+    _, flops = hw.peak(DTYPES[check_dtype(dtype)].compute)
     return Cost(row_bytes=d * size, expert_bytes=expert_params * size, expert_params=expert_params,
                 hbm=hw.bandwidth, flops=flops, links=links_for(hw.name), memory=hw.memory_bytes)

@@ -19,10 +19,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def balanced_packing(weight: np.ndarray, packs: int) -> tuple[np.ndarray, np.ndarray]:
+def balanced_packing(weight: np.ndarray, packs: int, ident: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """weight [X, n] loads of n items per row → (pack [X, n], slot [X, n]): the pack of each item
     and its position in the pack. Every pack gets n / packs items; items go heaviest first to the
-    pack with the smallest load among those with room."""
+    pack with the smallest load among those with room. ident [X, n] (optional): which logical item
+    each is; a copy then goes to a pack that lacks that item while one with room does, since a second
+    copy on the same rank fills a slot without taking load off any other."""
     rows, n = weight.shape
     if n % packs:
         raise ValueError(f"{n} items do not split into {packs} equal packs")
@@ -33,14 +35,21 @@ def balanced_packing(weight: np.ndarray, packs: int) -> tuple[np.ndarray, np.nda
     filled = np.zeros((rows, packs), dtype=np.int64)
     order = np.argsort(-weight, axis=1, kind="stable")  # heaviest first, lower index on ties
     every = np.arange(rows)
+    holds = np.zeros((rows, packs, int(ident.max()) + 1 if ident is not None else 0), dtype=bool)
     for i in range(n):
         item = order[:, i]
         open_load = np.where(filled < per, load, np.inf)
+        if ident is not None:
+            who = ident[every, item]
+            apart = np.where(holds[every, :, who], np.inf, open_load)
+            open_load = np.where(np.isfinite(apart).any(axis=1, keepdims=True), apart, open_load)
         target = np.argmin(open_load, axis=1)  # the lightest pack with room, lowest index on ties
         pack[every, item] = target
         slot[every, item] = filled[every, target]
         load[every, target] += weight[every, item]
         filled[every, target] += 1
+        if ident is not None:
+            holds[every, target, who] = True
     return pack, slot
 
 
@@ -92,7 +101,7 @@ def rebalance(weight: np.ndarray, physical: int, groups: int, nodes: int, ranks:
 
     # 3. the node's physical experts → its ranks, by load per copy.
     per_copy = np.take_along_axis(node_weight / node_count, phy2node, 1)  # [L * nodes, per_node]
-    rank_of, slot_of = balanced_packing(per_copy, ranks_per_node)
+    rank_of, slot_of = balanced_packing(per_copy, ranks_per_node, ident=phy2node)
     final = rank_of * (per_node // ranks_per_node) + slot_of  # position of each physical in its node
     in_node = np.zeros_like(phy2node)
     np.put_along_axis(in_node, final, phy2node, 1)  # [L * nodes, per_node] node-local expert index

@@ -20,6 +20,24 @@ def expert_loads(forwards: Forwards) -> dict[int, np.ndarray]:
             for l, fwd in forwards.layers.items()}
 
 
+def split_forwards(forwards: Forwards, heldout: float = 0.25) -> tuple[Forwards, Forwards]:
+    """(the first part, the last `heldout` share of the tokens): a plan fitted to the first is scored
+    on the second, tokens it never saw. Whole forwards when there are several (a prefill, then decode
+    steps), else the one forward's tokens in order."""
+    from dataclasses import replace
+
+    first = next(iter(forwards.layers.values()))
+    sizes = np.array([len(ids) for ids in first])
+    if len(sizes) > 1:
+        cut = int(np.searchsorted(np.cumsum(sizes), (1 - heldout) * sizes.sum()))
+        cut = min(max(cut, 1), len(sizes) - 1)
+        return (replace(forwards, layers={l: f[:cut] for l, f in forwards.layers.items()}),
+                replace(forwards, layers={l: f[cut:] for l, f in forwards.layers.items()}))
+    cut = min(max(int((1 - heldout) * sizes[0]), 1), max(sizes[0] - 1, 1))
+    return (replace(forwards, layers={l: [f[0][:cut]] for l, f in forwards.layers.items()}),
+            replace(forwards, layers={l: [f[0][cut:]] for l, f in forwards.layers.items()}))
+
+
 def default_redundant(experts: int, ranks: int) -> int:
     """The fewest spare slots that give every rank the same count, and at least one spare per rank
     when the experts already split evenly (replicas are what lets a plan beat linear)."""

@@ -206,6 +206,7 @@ def sim_report(forwards: Forwards, placement: Placement, sims: dict[int, LayerSi
                           "pairs_per_rank_mean": float(s.pairs.mean())} for l, s in sims.items()}
     intra = sum(s.intra_bytes for s in sims.values())
     inter = sum(s.inter_bytes for s in sims.values())
+    per_rank = max(sum(len(p.ranks[r]) for p in placement.layers.values()) for r in range(placement.ranks)) * cost.expert_bytes
     report = {
         "ranks": placement.ranks,
         "placement": placement.source,
@@ -217,9 +218,10 @@ def sim_report(forwards: Forwards, placement: Placement, sims: dict[int, LayerSi
         "intra_node_bytes_per_token": intra / tokens,
         "inter_node_bytes_per_token": inter / tokens,
         # Routed-expert weights on the fullest rank (copies included), against the device's memory.
-        "expert_bytes_per_rank": max(sum(len(p.ranks[r]) for p in placement.layers.values())
-                                     for r in range(placement.ranks)) * cost.expert_bytes,
+        "expert_bytes_per_rank": per_rank,
         "device_memory_bytes": cost.memory or None,
+        # A plan whose experts do not fit a rank runs at no speed: its time is an "if it fit" figure.
+        "fits_memory": per_rank <= cost.memory if cost.memory else None,
         "moe_time_per_forward_s": sum(s.time_s for s in sims.values()) / steps if cost.timed else None,
         "a2a_time_per_forward_s": sum(s.a2a_s for s in sims.values()) / steps if cost.timed else None,
         "layers": per_layer,

@@ -28,6 +28,17 @@ def default_checkpoint() -> Path:
     return path
 
 
+def is_existing(text: str, kind: str) -> bool:
+    """Whether TEXT names an existing folder (kind "dir") or file ("file"). Any string may come here
+    (a pasted paragraph, a NUL, 100 kB): one the OS cannot take as a path names nothing, so it is False,
+    never an error."""
+    try:
+        path = Path(text)
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except (OSError, ValueError):  # ENAMETOOLONG, an embedded NUL
+        return False
+
+
 def split_checkpoint_and_prompt(
     first: Optional[str], second: Optional[str], ids_given: bool = False
 ) -> tuple[Path, Optional[str]]:
@@ -36,6 +47,6 @@ def split_checkpoint_and_prompt(
     none means the bundled model."""
     if second is not None:
         return Path(first), second
-    if first is not None and (ids_given or Path(first).is_dir()):
+    if first is not None and (ids_given or is_existing(first, "dir")):
         return Path(first), None
     return default_checkpoint(), first

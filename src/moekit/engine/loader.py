@@ -12,13 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from moekit.calc.dtypes import engine_dtype
 from moekit.engine.generate import Generation, TokenCallback, generate
 from moekit.engine.meter import TokenActivation, dense_saving_bytes, meter, packed_expert_bytes
 from moekit.engine.sampling import SamplingParams
 from moekit.errors import CheckpointError, MoekitError
 from moekit.spec.model_spec import ModelSpec
 
-DTYPES = ("float32", "bfloat16")
 WEIGHTS = ("dtype", "int8", "int8-experts")  # the checkpoint's weights at dtype, or int8 (moekit.model.int8)
 
 Prompt = Union[str, Sequence[int]]
@@ -150,9 +150,7 @@ def resolve_device(device: str):
 def torch_dtype(dtype: str):
     import torch
 
-    if dtype not in DTYPES:
-        raise MoekitError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return getattr(torch, dtype)
+    return getattr(torch, engine_dtype(dtype, "dtype"))
 
 
 def load_engine(
@@ -173,6 +171,7 @@ def load_engine(
     from moekit.weights.checkpoint import base_checkpoint, open_checkpoint
 
     folder = Path(path)
+    dtype = engine_dtype(dtype, "dtype")  # any spelling of the vocabulary; the engine keeps torch's name
     tdtype = torch_dtype(dtype)
     if weights not in WEIGHTS:
         raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
@@ -196,6 +195,8 @@ def load_engine(
 
         # A resident load would run the checkpoint's float experts, not the packed int8/int4 ones.
         offload = OffloadOptions(expert_memory="100%")
+        notes.append("packed int8/int4 experts and no --expert-memory: every expert is loaded resident (the store "
+                     "holds them all, no paging); --expert-memory sets a budget")
     if offload is not None:
         from moekit.offload.attach import plan_offload
 

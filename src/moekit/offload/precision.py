@@ -24,6 +24,7 @@ import math
 from pathlib import Path
 from typing import Mapping, Optional
 
+from moekit.calc.dtypes import canonical_dtype
 from moekit.errors import MoekitError
 from moekit.offload.extents import ExpertExtents, our_shapes, pairs
 from moekit.spec.model_spec import ModelSpec
@@ -43,7 +44,7 @@ def is_quantized(dtype: str) -> bool:
 
 
 def parse_precision(text: str, option: str) -> str:
-    name = str(text).strip().lower()
+    name = canonical_dtype(text)  # the one vocabulary: bfloat16 is bf16 here as in run and calc
     if name not in STORED:
         raise MoekitError(f"{option} {text!r}: expected one of {', '.join(PRECISIONS)}")
     return name

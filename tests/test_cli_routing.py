@@ -54,7 +54,7 @@ def test_eval_routing_on_the_bundled_model(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("policy,says", [("adaptive:2x", "not a number"), ("topk:0", "1..2"), ("topk:9", "1..2"),
+@pytest.mark.parametrize("policy,says", [("adaptive:2x", "not a number"), ("topk:0", "1..128"), ("topk:129", "1..128"),
                                          ("fastest", "unknown routing policy")])
 def test_bad_policies(capsys, policy, says):
     assert says in fails(capsys, "run", "hello", "--max-new-tokens", "2", "--routing", policy)

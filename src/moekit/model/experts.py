@@ -187,7 +187,7 @@ class RoutedExperts(nn.Module):
         h = up_kernel.apply(x, gate_up, up_bias)
         return down_kernel.apply(self.act(h), down, down_bias)
 
-    def _apply(self, e: int, weights, x: torch.Tensor) -> torch.Tensor:
+    def _run_expert(self, e: int, weights, x: torch.Tensor) -> torch.Tensor:
         """apply_expert with what a WeightsOf gave: (gate_up, down) or a StandIn."""
         if isinstance(weights, StandIn):
             return self.apply_expert(e, weights.gate_up, weights.down, x, weights.kernels)
@@ -217,17 +217,17 @@ class RoutedExperts(nn.Module):
             return self._one_token_weighed_input(x, decision, weights)
         ids = decision.topk_ids.tolist()[0]
         scales = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
-        out = self._apply(ids[0], weights(ids[0]), x).mul_(scales[0])
+        out = self._run_expert(ids[0], weights(ids[0]), x).mul_(scales[0])
         for e, w in zip(ids[1:], scales[1:]):
-            out.add_(self._apply(e, weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
+            out.add_(self._run_expert(e, weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
         return out
 
     def _one_token_weighed_input(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         ids = decision.topk_ids.tolist()[0]
         scales = decision.topk_weights[0].to(x.dtype)  # [K] rounded as the reference rounds its scores
-        out = self._apply(ids[0], weights(ids[0]), x * scales[0])
+        out = self._run_expert(ids[0], weights(ids[0]), x * scales[0])
         for k, e in enumerate(ids[1:], start=1):
-            out.add_(self._apply(e, weights(e), x * scales[k]))
+            out.add_(self._run_expert(e, weights(e), x * scales[k]))
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
@@ -245,9 +245,9 @@ class RoutedExperts(nn.Module):
                 continue
             rows = slice(begin, begin + n)
             if self.weigh_input:
-                y = self._apply(e, weights(e), chosen[rows] * weight_of[rows, None].to(x.dtype))
+                y = self._run_expert(e, weights(e), chosen[rows] * weight_of[rows, None].to(x.dtype))
             else:
-                y = self._apply(e, weights(e), chosen[rows]) * weight_of[rows, None]
+                y = self._run_expert(e, weights(e), chosen[rows]) * weight_of[rows, None]
             # One index_add_ per expert, as the reference does: in bf16 a single call over all
             # experts would round the sums differently.
             out.index_add_(0, token_of[rows], y.to(x.dtype))

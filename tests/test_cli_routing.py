@@ -67,3 +67,11 @@ def test_empty_prompts_file(capsys, tmp_path):
     assert "no prompts" in fails(capsys, "report", "--prompts", empty, "--out", tmp_path / "r.html")
     empty.write_text("not json\n")
     assert "not a prompt line" in fails(capsys, "report", "--prompts", empty, "--out", tmp_path / "r.html")
+
+
+def test_run_with_gumbel_noise_takes_the_runs_seed(capsys):
+    args = ("run", "def parse_args(argv):", "--max-new-tokens", "12", "--json", "--routing", "gumbel:2")
+    runs = [json.loads(moekit(capsys, *args, "--seed", seed)[1])["token_ids"] for seed in ("3", "3", "4")]
+    _, exact, _ = moekit(capsys, "run", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert runs[0] != json.loads(exact)["token_ids"]

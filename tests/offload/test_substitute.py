@@ -31,7 +31,9 @@ def test_misses_run_the_int4_stand_in_and_are_counted(qwen):
     resident = greedy_runs(qwen, None, new=NEW)
     single, batch, stats = greedy_runs(qwen, OffloadOptions("25%", substitute="int4"), new=NEW)
     assert stats["substitute"] == "int4"
-    assert 0 < stats["substituted"] <= stats["accesses"] - stats["hits"] + stats["loads"]
+    # every miss runs a stand-in; so may a hit whose full copy is still loading
+    misses = round(stats["accesses"] * (1 - stats["hit_rate"]))
+    assert misses <= stats["substituted"] <= stats["accesses"] and stats["stall_s"] == 0.0
     assert stats["substitute_bytes"] > 0
     assert [len(r) for r in single] == [len(r) for r in resident[0]]
     # int4 copies of a random tiny model: the first greedy token of every prompt still agrees

@@ -54,7 +54,7 @@ def test_eval_routing_on_the_bundled_model(capsys, tmp_path):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("policy,says", [("adaptive:2x", "not a number"), ("topk:0", "1..2"), ("topk:9", "1..2"),
+@pytest.mark.parametrize("policy,says", [("adaptive:2x", "not a number"), ("topk:0", "1..128"), ("topk:129", "1..128"),
                                          ("fastest", "unknown routing policy")])
 def test_bad_policies(capsys, policy, says):
     assert says in fails(capsys, "run", "hello", "--max-new-tokens", "2", "--routing", policy)
@@ -67,3 +67,11 @@ def test_empty_prompts_file(capsys, tmp_path):
     assert "no prompts" in fails(capsys, "report", "--prompts", empty, "--out", tmp_path / "r.html")
     empty.write_text("not json\n")
     assert "not a prompt line" in fails(capsys, "report", "--prompts", empty, "--out", tmp_path / "r.html")
+
+
+def test_run_with_gumbel_noise_takes_the_runs_seed(capsys):
+    args = ("run", "def parse_args(argv):", "--max-new-tokens", "12", "--json", "--routing", "gumbel:2")
+    runs = [json.loads(moekit(capsys, *args, "--seed", seed)[1])["token_ids"] for seed in ("3", "3", "4")]
+    _, exact, _ = moekit(capsys, "run", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+    assert runs[0] != json.loads(exact)["token_ids"]

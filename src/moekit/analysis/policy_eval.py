@@ -10,6 +10,14 @@ eos, the first `max_tokens`), each window scored from its own start as `moekit e
 and, free-running, `generated agreement`: greedy continuations of `agree_tokens` tokens from the
 first `agree_prompts` held-out documents, the share of tokens before the first one that differs
 from exact routing's continuation.
+
+A batch's windows run side by side, so each position of the batch is what one decode step of
+`batch` rows would route together (a "step"). Per step and MoE layer:
+  experts/step    distinct experts with a non-zero weight: the expert weights a batched step reads
+  step overflow   assignments beyond capacity 1.0 (max(1, ceil(B·K/E)) per expert), over all assignments
+  paged hit rate  the steps replayed, layer by layer, through the store's SlotCache (LRU) with a
+                  quarter of the experts' slots: what --expert-memory at 25% would hit without prefetch
+and the policy's own counters (moekit.model.routing.PolicyStats): cache hits, overflow, dropped, rerouted.
 """
 
 from __future__ import annotations
@@ -33,6 +41,13 @@ class PolicyScore:
     share: float = 0.0  # Σ over tokens of active share
     agree: int = 0  # positions whose argmax equals exact's
     generated: list[float] = field(default_factory=list)  # per prompt: share before the first difference
+    steps: int = 0  # (step, MoE layer) pairs
+    step_experts: int = 0  # Σ distinct experts read per (step, layer)
+    step_assignments: int = 0
+    step_overflow: int = 0  # Σ assignments beyond capacity 1.0
+    paged_hits: int = 0
+    paged_accesses: int = 0
+    counters: dict = field(default_factory=dict)  # PolicyStats' fields, added over batches
 
     def as_dict(self, exact: Optional["PolicyScore"]) -> dict:
         bpb = self.nll_bits / self.bytes if self.bytes else None
@@ -46,7 +61,49 @@ class PolicyScore:
             "active_share": self.share / self.tokens if self.tokens else None,
             "next_token_agreement": self.agree / self.tokens if self.tokens else None,
             "generated_agreement": sum(self.generated) / len(self.generated) if self.generated else None,
+            "experts_per_step": self.step_experts / self.steps if self.steps else None,
+            "step_overflow": self.step_overflow / self.step_assignments if self.step_assignments else None,
+            "paged_hit_rate": self.paged_hits / self.paged_accesses if self.paged_accesses else None,
+            "cache_hit_rate": (self.counters["cache_hits"] / self.counters["cache_lookups"]
+                               if self.counters.get("cache_lookups") else None),
+            "counters": dict(self.counters),
         }
+
+    def add(self, other: "PolicyScore") -> None:
+        """Pool `other` into this score (domains into all)."""
+        for name in ("tokens", "bytes", "nll_bits", "experts", "share", "agree", "steps", "step_experts",
+                     "step_assignments", "step_overflow", "paged_hits", "paged_accesses"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.generated += other.generated
+        add_counters(self.counters, other.counters)
+
+
+def add_counters(into: dict, counters: dict) -> None:
+    for name, value in counters.items():
+        into[name] = into.get(name, 0) + value
+
+
+def step_loads(decisions: list, rows: int, valid, experts: int, cap_k: int) -> dict:
+    """Per MoE layer, per step (position) of the batch: the sorted distinct experts its real tokens
+    read at a non-zero weight, and the assignments beyond capacity 1.0 → {layer: (steps, overflow, assignments)}."""
+    from moekit.model.routing_policies import capacity_of
+
+    out = {}
+    cap = capacity_of(1.0, rows, cap_k, experts)
+    for layer, d in decisions:
+        ids = d.topk_ids.cpu().view(rows, -1, d.topk_ids.shape[1])  # [B, W, K]
+        used = (d.topk_weights.cpu() != 0).view_as(ids) & valid[:, :, None]  # [B, W, K]
+        steps, overflow, assignments = [], 0, 0
+        for t in range(ids.shape[1]):
+            chosen = ids[:, t][used[:, t]]
+            if chosen.numel() == 0:
+                continue
+            load = torch.bincount(chosen, minlength=experts)
+            overflow += int((load - cap).clamp_min(0).sum())
+            assignments += int(chosen.numel())
+            steps.append(tuple(int(e) for e in load.nonzero().flatten()))
+        out[layer] = (steps, overflow, assignments)
+    return out
 
 
 def token_bytes(tokenizer, vocab: int) -> torch.Tensor:
@@ -66,7 +123,8 @@ def _windows(stream: list[int], window: int) -> list[list[int]]:
 
 
 def _score_batch(decoder, group: list[list[int]], policy):
-    """One right-padded batch → (logits [B, W, V], valid [B, W], ids [B, W], experts [B*W, L] per layer)."""
+    """One right-padded batch → (logits [B, W, V], valid [B, W], ids [B, W], experts [B*W, L] per layer,
+    the decisions, the run's counters)."""
     from moekit.model.routing import PolicyRun
 
     # Right padding: pads follow every real token, so neither attention nor a policy's state
@@ -75,37 +133,42 @@ def _score_batch(decoder, group: list[list[int]], policy):
     rows, width = ids.shape  # [B, W]
     valid = torch.arange(width)[None, :] < torch.tensor([len(c) for c in group])[:, None]  # [B, W]
     decisions: list = []
+    run = PolicyRun(policy, rows)
     with torch.inference_mode():
         positions = torch.arange(width, device=decoder.device)[None].expand(rows, width)
-        logits = decoder(ids.to(decoder.device), decoder.new_cache(rows, width), positions, decisions,
-                         policy=PolicyRun(policy, rows))
+        logits = decoder(ids.to(decoder.device), decoder.new_cache(rows, width), positions, decisions, policy=run)
     experts = {}
     for layer, d in decisions:
         chosen = d.topk_ids.cpu()
         repeat = torch.zeros_like(chosen, dtype=torch.bool)
         for j in range(1, chosen.shape[1]):
             repeat[:, j] = (chosen[:, :j] == chosen[:, j : j + 1]).any(dim=1)
-        experts[layer] = (~repeat).sum(dim=1)  # [B*W] distinct experts
-    return logits.float().cpu(), valid, ids, experts
+        experts[layer] = ((~repeat) & (d.topk_weights.cpu() != 0)).sum(dim=1).clamp_min(1)  # [B*W] distinct experts
+    return logits.float().cpu(), valid, ids, experts, decisions, vars(run.stats)
 
 
 def score_policies(engine, streams: dict[str, list[int]], policies: list, window: int = 256, batch: int = 8,
                    progress=lambda text: None) -> dict[str, dict[str, PolicyScore]]:
     """domain → str(policy) → PolicyScore; policies[0] must be exact (the reference)."""
     from moekit.engine.meter import params_per_token
+    from moekit.offload.policies import LRU
+    from moekit.offload.slot_cache import SlotCache
 
     params = params_per_token(engine.spec)
+    experts_e, k = model_experts(engine.spec), model_k(engine.spec)
     nbytes = token_bytes(engine.tokenizer, engine.spec.vocab_size)
     out: dict[str, dict[str, PolicyScore]] = {}
     for domain, stream in streams.items():
         chunks = _windows(stream, window)
         scores = {str(p): PolicyScore() for p in policies}
+        # one paged store per policy and layer, warm across the domain's batches
+        paged = {str(p): {} for p in policies}
         for begin in range(0, len(chunks), batch):
             group = chunks[begin : begin + batch]
             exact_top = None
             for policy in policies:
                 progress(f"{domain}: {policy} ({min(begin + batch, len(chunks))}/{len(chunks)} windows)")
-                logits, valid, ids, experts = _score_batch(engine.decoder, group, policy)
+                logits, valid, ids, experts, decisions, counters = _score_batch(engine.decoder, group, policy)
                 target_ok = valid[:, 1:]
                 logp = torch.log_softmax(logits[:, :-1], dim=-1)
                 nll = -logp.gather(-1, ids[:, 1:, None])[..., 0]
@@ -123,6 +186,18 @@ def score_policies(engine, streams: dict[str, list[int]], policies: list, window
                 active = params.active({}) + sum(params.expert_each[l] * used[i].double()
                                                  for i, l in enumerate(sorted(experts)))
                 s.share += float((active / params.total_params).sum())
+                add_counters(s.counters, counters)
+                for layer, (steps, overflow, assignments) in step_loads(decisions, len(group), valid, experts_e, k).items():
+                    cache = paged[str(policy)].setdefault(layer, SlotCache(max(1, experts_e // 4), LRU()))
+                    before = cache.hits, cache.misses
+                    for needed in steps:
+                        cache.call(needed)
+                    s.paged_hits += cache.hits - before[0]
+                    s.paged_accesses += cache.hits + cache.misses - before[0] - before[1]
+                    s.steps += len(steps)
+                    s.step_experts += sum(len(x) for x in steps)
+                    s.step_overflow += overflow
+                    s.step_assignments += assignments
         out[domain] = scores
     return out
 
@@ -160,14 +235,7 @@ def summary(scores: dict[str, dict[str, PolicyScore]], policies: list) -> dict:
     for name in names:
         total = PolicyScore()
         for per in scores.values():
-            s = per[name]
-            total.tokens += s.tokens
-            total.bytes += s.bytes
-            total.nll_bits += s.nll_bits
-            total.experts += s.experts
-            total.share += s.share
-            total.agree += s.agree
-            total.generated += s.generated
+            total.add(per[name])
         pooled[name] = total
     return {
         "policies": names,
@@ -184,7 +252,12 @@ def model_k(spec) -> int:
     return max(ks)
 
 
-def parse_policies(text: str, k: int) -> list:
+def model_experts(spec) -> int:
+    """The model's E (the fewest routed experts of any MoE layer: what a policy may widen to)."""
+    return min(spec.layers[l].ffn.num_experts for l in spec.moe_layers)
+
+
+def parse_policies(text: str, k: int, num_experts: Optional[int] = None) -> list:
     """'top2,top1,adaptive:0.85' → [Exact(), TopK(2), TopK(1), Adaptive(0.85)]: exact routing first
     (every policy is measured against it), duplicates dropped."""
     from moekit.model.routing import Exact, parse_policy
@@ -192,15 +265,15 @@ def parse_policies(text: str, k: int) -> list:
     parts = [p for p in (t.strip() for t in text.split(",")) if p]
     if not parts:
         raise MoekitError(f"--policies {text!r}: name at least one policy (e.g. topk:1,adaptive:0.85)")
-    policies = [Exact()] + [parse_policy(p, k) for p in parts]
+    policies = [Exact()] + [parse_policy(p, k, num_experts) for p in parts]
     return list(dict.fromkeys(policies))
 
 
 def evaluate_policies(engine, corpus: Path, policies: list, max_tokens: int, window: int, agree_prompts: int,
-                      agree_tokens: int, progress=lambda text: None) -> dict:
+                      agree_tokens: int, progress=lambda text: None, batch: int = 8) -> dict:
     """The whole of `moekit eval-routing`: scores, agreement, and the JSON-ready summary."""
     streams = held_out_streams(engine, corpus, max_tokens)
-    scores = score_policies(engine, streams, policies, window=window, progress=progress)
+    scores = score_policies(engine, streams, policies, window=window, batch=batch, progress=progress)
     if agree_prompts > 0 and agree_tokens > 0:
         from moekit.corpus.reader import read_split
 
@@ -208,6 +281,6 @@ def evaluate_policies(engine, corpus: Path, policies: list, max_tokens: int, win
         firsts = {d: [engine.encode(t)[:window] or [0] for t in docs[:agree_prompts]] for d, docs in held.items()}
         agreement(engine, firsts, policies, agree_tokens, scores, progress=progress)
     out = summary(scores, policies)
-    out.update({"corpus": str(corpus), "window": window, "max_tokens_per_domain": max_tokens,
+    out.update({"corpus": str(corpus), "window": window, "batch": batch, "max_tokens_per_domain": max_tokens,
                 "agree_prompts": agree_prompts, "agree_tokens": agree_tokens})
     return out

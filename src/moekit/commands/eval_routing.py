@@ -14,7 +14,7 @@ from moekit.errors import MoekitError
 
 HELP = """Measure routing policies against the family's exact routing on a corpus's held-out split.
 
-Per policy, on every domain and pooled: bits per byte (and the change against exact routing), routed experts per token, the mean active share, the share of positions whose greedy next token equals exact routing's, and the share of a greedy continuation generated before it first differs from exact routing's. Policies: topk:k, adaptive:τ (top-1 alone when its share of the combine is >= τ), topp:p, ema:α (router logits smoothed across tokens), reuse (the previous token's experts while the top-1 is unchanged).
+Per policy, on every domain and pooled: bits per byte (and the change against exact routing), routed experts per token, the mean active share, the share of positions whose greedy next token equals exact routing's, and the share of a greedy continuation generated before it first differs from exact routing's. The --batch windows run side by side, so each position is one batched step: per step, the distinct experts read, the assignments beyond capacity 1.0, and the hit rate of a paged store holding a quarter of the experts (LRU). Policies: topk:k (k up to E), adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed], minconf:c, split:k:w, cache:N[:q] (its hit rate is shown), loadaware:Δ[:f[:decay]], capacity:f:drop|reroute, and P+reset:N (docs/ROUTING.md).
 
 Examples:
 
@@ -59,6 +59,8 @@ def eval_routing(
     window: int = typer.Option(256, "--window", help="Tokens per scored window."),
     agree_prompts: int = typer.Option(4, "--agree-prompts", help="Documents per domain continued greedily under each policy."),
     agree_tokens: int = typer.Option(32, "--agree-tokens", help="Tokens generated per continuation."),
+    batch: int = typer.Option(8, "--batch", help="Windows scored side by side: the rows of one batched step "
+                              "(load control's capacity is per step)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     threads: Optional[int] = typer.Option(None, "--threads", help="CPU threads for torch. Default: torch's own (every "
@@ -67,22 +69,24 @@ def eval_routing(
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
     wide: bool = typer.Option(False, "--wide", help="Every column, whatever the terminal's width (default: what fits)."),
 ) -> None:
-    from moekit.analysis.policy_eval import evaluate_policies, model_k, parse_policies
+    from moekit.analysis.policy_eval import evaluate_policies, model_experts, model_k, parse_policies
     from moekit.analysis.sample import SAMPLE
 
     if window < 2 or max_tokens < 2:
         raise MoekitError("--window and --max-tokens must be at least 2")
     check_counts(agree_prompts=agree_prompts, agree_tokens=agree_tokens)
+    if batch < 1:
+        raise MoekitError(f"--batch must be at least 1, got {batch}")
     if plot is not None and not plot.parent.exists():
         raise MoekitError(f"--plot {plot}: folder {plot.parent} does not exist")
     engine = load_for_routing(checkpoint, device, threads, verify=not no_verify)
-    chosen = parse_policies(policies, model_k(engine.spec))
+    chosen = parse_policies(policies, model_k(engine.spec), model_experts(engine.spec))
     from rich.console import Console
 
     err = Console(stderr=True)
     with err.status("scoring…") as status:
         result = evaluate_policies(engine, corpus if corpus is not None else SAMPLE, chosen, max_tokens, window,
-                                   agree_prompts, agree_tokens, progress=lambda text: status.update(text))
+                                   agree_prompts, agree_tokens, progress=lambda text: status.update(text), batch=batch)
     result["model"] = engine.spec.name
     if plot is not None:
         import base64
@@ -97,7 +101,9 @@ def eval_routing(
 
 
 ROUTING_COLUMNS = [Col("policy"), Col("bits/byte"), Col("Δ vs exact"), Col("experts/token/layer", essential=False),
-                   Col("active share"), Col("next-token agree", essential=False), Col("generated agree", essential=False)]
+                   Col("active share"), Col("next-token agree", essential=False), Col("generated agree", essential=False),
+                   Col("experts/step", essential=False), Col("step overflow", essential=False),
+                   Col("paged hits (25%)", essential=False), Col("cache hits", essential=False)]
 
 
 def print_routing(console, result: dict, wide: bool = False) -> None:
@@ -106,7 +112,8 @@ def print_routing(console, result: dict, wide: bool = False) -> None:
 
     for scope, rows in [("all domains", result["all"])] + [(f"domain {d}", r) for d, r in result["domains"].items()]:
         cells = [[name, f"{r['bits_per_byte']:.4f}", f"{r['delta_bits_per_byte']:+.4f}", f"{r['experts_per_token']:.3f}",
-                  f"{r['active_share']:.3%}", pct(r["next_token_agreement"]), pct(r["generated_agreement"])]
+                  f"{r['active_share']:.3%}", pct(r["next_token_agreement"]), pct(r["generated_agreement"]),
+                  f"{r['experts_per_step']:.2f}", pct(r["step_overflow"]), pct(r["paged_hit_rate"]), pct(r["cache_hit_rate"])]
                  for name, r in rows.items()]
         title = f"{result['model']} · routing policies · {scope} ({next(iter(rows.values()))['tokens']:,} tokens)"
         table, dropped = fitted_table(title, ROUTING_COLUMNS, cells, console.width, wide)

@@ -193,6 +193,9 @@ def run(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Guess each layer's experts ahead of it and read them "
                                   "on worker threads (off by default: see docs/BENCHMARKS.md)."),
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    substitute: Optional[str] = typer.Option(None, "--substitute", metavar="int4", help="With --expert-memory: keep an "
+                                             "int4 copy of every expert resident and run it on a miss instead of "
+                                             "waiting, the full copy read behind (HOBBIT; docs/ROUTING.md)."),
     expert_parallel: Optional[str] = typer.Option(
         None, "--expert-parallel", metavar="N|auto", help="Shard the routed experts over N ranks of this machine "
         "(launched here), or over torchrun's ranks with auto (see docs/SCALING.md)."),
@@ -201,8 +204,10 @@ def run(
     ep_timeout: float = typer.Option(120.0, "--ep-timeout", help="With --expert-parallel: seconds a rank waits for "
                                      "the others before failing."),
     routing: Optional[str] = typer.Option(
-        None, "--routing", metavar="POLICY", help="A routing policy instead of the family's exact routing: topk:k, "
-        "adaptive:τ, topp:p, ema:α, reuse (their cost: moekit eval-routing, docs/ROUTING.md)."),
+        None, "--routing", metavar="POLICY", help="A routing policy instead of the family's exact routing: topk:k "
+        "(k up to E), adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed] (else --seed), minconf:c, split:k:w, "
+        "cache:N[:q], loadaware:Δ[:f[:decay]], capacity:f:drop|reroute, P+reset:N (their cost: moekit "
+        "eval-routing, docs/ROUTING.md)."),
 ) -> None:
     from moekit.engine.default_model import split_checkpoint_and_prompt
     from moekit.engine.loader import load_engine
@@ -233,10 +238,13 @@ def run(
     if expert_memory is not None:
         from moekit.offload.options import OffloadOptions
 
+        from moekit.offload.substitute import parse_substitute
+
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
-                                 prefetch_extra=prefetch_extra)
-    elif pin is not None or prefetch or cache != "lru":
-        raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
+                                 prefetch_extra=prefetch_extra,
+                                 substitute=parse_substitute(substitute) if substitute is not None else None)
+    elif pin is not None or prefetch or cache != "lru" or substitute is not None:
+        raise MoekitError("--cache, --pin, --prefetch and --substitute need --expert-memory")
     if weights != "dtype" and (expert_parallel is not None or placement is not None):
         raise MoekitError(f"--weights {weights} with --expert-parallel is not supported yet")
     if routing is not None and (expert_parallel is not None or placement is not None):
@@ -262,7 +270,7 @@ def run(
         engine.decoder.compiled.warm_up((1,))  # before the clock starts: the timing line is decode only
     try:
         _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
-                             _routing_policy(engine, routing))
+                             _routing_policy(engine, routing, seed))
     finally:
         engine.close()
 
@@ -285,14 +293,21 @@ def _manifest_progress():
     return progress
 
 
-def _routing_policy(engine, text: Optional[str]):
-    """--routing's policy, checked against the model's K; None keeps the family's routing."""
+def _routing_policy(engine, text: Optional[str], seed: Optional[int] = None):
+    """--routing's policy, checked against the model's K and E; None keeps the family's routing.
+    gumbel:σ without a seed of its own takes --seed."""
     if text is None:
         return None
-    from moekit.analysis.policy_eval import model_k
-    from moekit.model.routing import parse_policy
+    from dataclasses import replace
 
-    return parse_policy(text, model_k(engine.spec))
+    from moekit.analysis.policy_eval import model_experts, model_k
+    from moekit.model.routing import parse_policy
+    from moekit.model.routing_policies import Gumbel
+
+    policy = parse_policy(text, model_k(engine.spec), model_experts(engine.spec))
+    if isinstance(policy, Gumbel) and policy.seed is None and seed is not None:
+        return replace(policy, seed=seed)
+    return policy
 
 
 def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,

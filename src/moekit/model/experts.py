@@ -11,7 +11,7 @@ token, just runs its K experts. tests/model/test_experts.py checks that the two 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,17 @@ from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
 
-WeightsOf = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert id → its prepared (gate_up, down)
+class StandIn(NamedTuple):
+    """An expert's low-precision copy run in its place (an expert store's miss served without a
+    stall, HOBBIT): its weights and the kernels they are laid out for."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    kernels: tuple
+
+
+# expert id → its prepared (gate_up, down), or a StandIn
+WeightsOf = Callable[[int], Union[tuple[torch.Tensor, torch.Tensor], StandIn]]
 
 
 class RoutedExperts(nn.Module):
@@ -165,13 +175,23 @@ class RoutedExperts(nn.Module):
         """Expert e on x [N, D] → [N, D]."""
         return self.apply_expert(e, *self.resident_weights(e), x)
 
-    def apply_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D]."""
+    def apply_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
+                     kernels: Optional[tuple] = None) -> torch.Tensor:
+        """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D].
+        kernels: the weights' own (a StandIn's), else the layer's for expert e."""
         up_bias = self.gate_up_bias[e] if self.gate_up_bias is not None else None
         down_bias = self.down_bias[e] if self.down_bias is not None else None
-        up_kernel, down_kernel = self.kernels if self.expert_kernels is None else self.expert_kernels[e]
+        if kernels is None:
+            kernels = self.kernels if self.expert_kernels is None else self.expert_kernels[e]
+        up_kernel, down_kernel = kernels
         h = up_kernel.apply(x, gate_up, up_bias)
         return down_kernel.apply(self.act(h), down, down_bias)
+
+    def _run_expert(self, e: int, weights, x: torch.Tensor) -> torch.Tensor:
+        """apply_expert with what a WeightsOf gave: (gate_up, down) or a StandIn."""
+        if isinstance(weights, StandIn):
+            return self.apply_expert(e, weights.gate_up, weights.down, x, weights.kernels)
+        return self.apply_expert(e, *weights, x)
 
     def forward(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """x [T, D] → Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]), [T, D]."""
@@ -197,17 +217,17 @@ class RoutedExperts(nn.Module):
             return self._one_token_weighed_input(x, decision, weights)
         ids = decision.topk_ids.tolist()[0]
         scales = decision.topk_weights.tolist()[0]  # Python floats: no tensor op per scalar
-        out = self.apply_expert(ids[0], *weights(ids[0]), x).mul_(scales[0])
+        out = self._run_expert(ids[0], weights(ids[0]), x).mul_(scales[0])
         for e, w in zip(ids[1:], scales[1:]):
-            out.add_(self.apply_expert(e, *weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
+            out.add_(self._run_expert(e, weights(e), x).mul_(w))  # in place, the same roundings as out + y·w
         return out
 
     def _one_token_weighed_input(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         ids = decision.topk_ids.tolist()[0]
         scales = decision.topk_weights[0].to(x.dtype)  # [K] rounded as the reference rounds its scores
-        out = self.apply_expert(ids[0], *weights(ids[0]), x * scales[0])
+        out = self._run_expert(ids[0], weights(ids[0]), x * scales[0])
         for k, e in enumerate(ids[1:], start=1):
-            out.add_(self.apply_expert(e, *weights(e), x * scales[k]))
+            out.add_(self._run_expert(e, weights(e), x * scales[k]))
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
@@ -225,9 +245,9 @@ class RoutedExperts(nn.Module):
                 continue
             rows = slice(begin, begin + n)
             if self.weigh_input:
-                y = self.apply_expert(e, *weights(e), chosen[rows] * weight_of[rows, None].to(x.dtype))
+                y = self._run_expert(e, weights(e), chosen[rows] * weight_of[rows, None].to(x.dtype))
             else:
-                y = self.apply_expert(e, *weights(e), chosen[rows]) * weight_of[rows, None]
+                y = self._run_expert(e, weights(e), chosen[rows]) * weight_of[rows, None]
             # One index_add_ per expert, as the reference does: in bf16 a single call over all
             # experts would round the sums differently.
             out.index_add_(0, token_of[rows], y.to(x.dtype))

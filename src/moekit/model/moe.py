@@ -30,7 +30,7 @@ class Router(Linear):
         policy: None for the family's routing, else a routing.LayerPolicy (its state is the caller's)."""
         bias = self.selection_bias.float() if self.selection_bias is not None else None
         if policy is not None:
-            return policy.route(self.logits(x), self.spec, bias)
+            return policy.route(self.logits(x), self.spec, bias, x)
         if top_k is None:
             return route(self.logits(x), self.spec, bias)
         return route_rows(self.logits(x), self.spec, bias, top_k)

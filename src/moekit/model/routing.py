@@ -17,7 +17,8 @@ Every order ends with × scaling (routed_scaling_factor).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import torch
@@ -61,13 +62,18 @@ def _score_then_topk(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | 
     topk_ids, weights = _choose(scores, spec, selection_bias)
     if weights is None:
         weights = scores.gather(1, topk_ids)  # [T, K] the unsteered scores of the chosen
+    return topk_ids, _normalised(weights, spec)
+
+
+def _normalised(weights: Tensor, spec: RouterSpec) -> Tensor:
+    """[T, K] scores of the chosen → the family's combine weights (before routed scaling)."""
     if spec.normalize and spec.norm_p is not None:
-        weights = weights / torch.norm(weights, p=spec.norm_p, dim=-1, keepdim=True)  # DBRX's p-norm
-    elif spec.normalize:
+        return weights / torch.norm(weights, p=spec.norm_p, dim=-1, keepdim=True)  # DBRX's p-norm
+    if spec.normalize:
         # deepseek adds 1e-20 (sigmoid scores never sum to 0); the softmax families divide plainly
         eps = 1e-20 if spec.scoring == "sigmoid" else 0.0
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + eps)
-    return topk_ids, weights
+        return weights / (weights.sum(dim=-1, keepdim=True) + eps)
+    return weights
 
 
 def _topk_then_score(logits: Tensor, spec: RouterSpec) -> tuple[Tensor, Tensor]:
@@ -112,10 +118,19 @@ def route(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None = None
     return RoutingDecision(topk_ids=topk_ids, topk_weights=weights)
 
 
+def with_k(spec: RouterSpec, k: int) -> RouterSpec:
+    """The family's rule with k experts per token; k above what DeepSeek's group limit leaves
+    (topk_group groups of E/n_group) widens the limit to the fewest groups that hold k."""
+    if spec.n_group > 1 and k > spec.topk_group * (spec.num_experts // spec.n_group):
+        per_group = spec.num_experts // spec.n_group
+        return replace(spec, top_k=k, topk_group=min(spec.n_group, -(-k // per_group)))
+    return replace(spec, top_k=k)
+
+
 def route_rows(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None, top_k: Sequence[int]) -> RoutingDecision:
     """Token t routed exactly as the family routes with K = top_k[t] (1 <= k <= the model's K).
 
-    Fewer experts means the family's own rule over fewer: renormalised over the k kept where the
+    Fewer experts (or more: `with_k`) means the family's own rule over them: renormalised over the k kept where the
     family normalises (mixtral, qwen with norm_topk_prob, deepseek), the raw scores of the k kept
     where it does not (qwen without norm_topk_prob, olmoe), a softmax over k logits where top-K
     comes first (gpt_oss, granitemoe). Routing is row-wise, so each group of equal k is routed on
@@ -124,14 +139,14 @@ def route_rows(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None, 
     """
     widths = sorted(set(int(k) for k in top_k))
     if len(widths) == 1:
-        return route(logits, replace(spec, top_k=widths[0]), selection_bias)
+        return route(logits, with_k(spec, widths[0]), selection_bias)
     tokens, width = logits.shape[0], widths[-1]
     ids = torch.empty((tokens, width), dtype=torch.int64, device=logits.device)  # [T, K]
     weights = torch.zeros((tokens, width), dtype=torch.float32, device=logits.device)  # [T, K]
     ks = torch.tensor([int(k) for k in top_k], device=logits.device)  # [T]
     for k in widths:
         rows = (ks == k).nonzero().squeeze(1)
-        part = route(logits[rows], replace(spec, top_k=k), selection_bias)
+        part = route(logits[rows], with_k(spec, k), selection_bias)
         ids[rows, :k] = part.topk_ids
         ids[rows, k:] = part.topk_ids[:, :1]
         weights[rows, :k] = part.topk_weights
@@ -157,7 +172,7 @@ class Exact:
 
 @dataclass(frozen=True)
 class TopK:
-    """`topk:k` (or `topk`): k experts per token instead of the model's K."""
+    """`topk:k` (or `topk`): k experts per token instead of the model's K; up to E (more than K widens)."""
 
     k: int
 
@@ -205,8 +220,9 @@ class Reuse:
         return "reuse"
 
 
-RoutingPolicy = Union[Exact, TopK, Adaptive, TopP, Smooth, Reuse]
-POLICY_FORMS = "exact, topk:k, adaptive:τ, topp:p, ema:α, reuse"
+RoutingPolicy = Union[Exact, TopK, Adaptive, TopP, Smooth, Reuse]  # and moekit.model.routing_policies' knobs
+POLICY_FORMS = ("exact, topk:k, adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed], minconf:c, split:k:w, "
+                "cache:N[:q], loadaware:Δ[:f[:decay]], capacity:f:drop|reroute, and P+reset:N")
 
 
 def _number(text: str, value: str, example: str) -> float:
@@ -219,9 +235,14 @@ def _number(text: str, value: str, example: str) -> float:
     return number
 
 
-def parse_policy(text: str, model_k: int) -> RoutingPolicy:
-    """'topk:1', 'top1', 'adaptive:0.85', 'topp:0.9', 'ema:0.95', 'ema', 'reuse', 'exact' -> the
-    policy, checked against the model's K; one line naming the problem otherwise."""
+def parse_policy(text: str, model_k: int, num_experts: Optional[int] = None) -> RoutingPolicy:
+    """'topk:1', 'top1', 'adaptive:0.85', 'topp:0.9', 'ema:0.95', 'ema', 'reuse', 'exact' (and the
+    knobs of moekit.model.routing_policies) -> the policy, checked against the model's K and E
+    (topk above K widens; without E it stops at K); one line naming the problem otherwise."""
+    from moekit.model import routing_policies
+
+    if "+" in text:
+        return routing_policies.parse_combined(text, model_k, num_experts)
     name, _, value = text.strip().lower().partition(":")
     if name.startswith("top") and name[3:].isdigit() and not value:
         name, value = "topk", name[3:]
@@ -232,9 +253,10 @@ def parse_policy(text: str, model_k: int) -> RoutingPolicy:
     if name == "topk":
         if not value.strip().isdigit():
             raise MoekitError(f"routing policy {text!r}: topk needs a whole number of experts, e.g. topk:1")
-        k = int(value)
-        if not 1 <= k <= model_k:
-            raise MoekitError(f"routing policy {text!r}: k must be 1..{model_k} (the model routes {model_k} per token)")
+        k, most = int(value), max(model_k, num_experts or model_k)
+        if not 1 <= k <= most:
+            raise MoekitError(f"routing policy {text!r}: k must be 1..{most} (the model routes {model_k} per token"
+                              f"{f' of {num_experts} experts' if num_experts else ''})")
         return TopK(k)
     if name == "adaptive" and value:
         tau = _number(text, value, "adaptive:0.85")
@@ -251,6 +273,9 @@ def parse_policy(text: str, model_k: int) -> RoutingPolicy:
         if not 0 <= alpha < 1:
             raise MoekitError(f"routing policy {text!r}: α must be in [0, 1)")
         return Smooth(alpha)
+    knob = routing_policies.parse_knob(text, name, value, model_k, num_experts)
+    if knob is not None:
+        return knob
     raise MoekitError(f"unknown routing policy {text!r}; the forms are {POLICY_FORMS}")
 
 
@@ -285,9 +310,7 @@ def weights_for(logits: Tensor, spec: RouterSpec, ids: Tensor) -> Tensor:
         weights = _score_chosen(logits.gather(1, ids), spec)
     else:
         scores = logits.sigmoid() if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
-        weights = scores.gather(1, ids)
-        if spec.normalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+        weights = _normalised(scores.gather(1, ids), spec)
     return weights * spec.scaling if spec.scaling != 1.0 else weights
 
 
@@ -298,6 +321,38 @@ class LayerState:
     smoothed: Optional[Tensor] = None  # [B, E] moving average of the router logits
     top1: Optional[Tensor] = None  # [B] the exact top-1 expert
     ids: Optional[Tensor] = None  # [B, K] the experts the token used
+    decisions: Optional[OrderedDict] = None  # cache:N's LRU, quantised router input → (ids [K], weights [K])
+    penalty: Optional[Tensor] = None  # [E] loadaware's decaying logit penalty
+    noise: Optional[torch.Generator] = None  # gumbel's seeded generator
+    seen: int = 0  # tokens each row has routed through this layer (reset:N counts them)
+    layer: int = 0
+
+    def clear(self) -> None:
+        """Forget what the row's past tokens left (reset:N); the noise stream and the count go on."""
+        self.smoothed = self.top1 = self.ids = self.decisions = self.penalty = None
+
+
+@dataclass
+class PolicyStats:
+    """Counters over one PolicyRun, all layers added (what serve's /metrics reads).
+
+    routed      token × layer decisions the policy made
+    cache_hits  of cache_lookups, decisions cache:N served from its LRU
+    overflow    assignments beyond an expert's capacity in their step (capacity, loadaware: before the penalty)
+    dropped     of those, assignments given weight 0 (capacity:f:drop, or reroute finding no expert with room)
+    rerouted    of those, assignments moved to the token's next choice with room (capacity:f:reroute)
+    penalised   assignments loadaware moved off the expert exact routing chose
+    resets      times reset:N cleared a layer's state
+    """
+
+    routed: int = 0
+    cache_lookups: int = 0
+    cache_hits: int = 0
+    overflow: int = 0
+    dropped: int = 0
+    rerouted: int = 0
+    penalised: int = 0
+    resets: int = 0
 
 
 def _smooth(logits: Tensor, spec: RouterSpec, bias: Optional[Tensor], alpha: float, state: LayerState, rows: int):
@@ -327,9 +382,17 @@ def _reuse(logits: Tensor, spec: RouterSpec, bias: Optional[Tensor], state: Laye
 
 
 def route_policy(logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tensor], policy: RoutingPolicy,
-                 state: Optional[LayerState] = None, rows: int = 1) -> RoutingDecision:
+                 state: Optional[LayerState] = None, rows: int = 1, inputs: Optional[Tensor] = None,
+                 stats: Optional[PolicyStats] = None) -> RoutingDecision:
     """logits [B*T, E] of `rows` rows, row-major → the policy's decision. Stateful policies (ema,
-    reuse) read and update `state` token by token in each row's order; the others need none."""
+    reuse, cache, loadaware) read and update `state` token by token in each row's order; the others
+    need none. inputs [B*T, D]: the router's input (cache:N keys on it); stats: counters to add to."""
+    from moekit.model import routing_policies
+
+    if isinstance(policy, routing_policies.KNOBS):
+        return routing_policies.route_knob(logits, spec, selection_bias, policy,
+                                           state if state is not None else LayerState(), rows, inputs,
+                                           stats if stats is not None else PolicyStats())
     if isinstance(policy, Smooth):
         return _smooth(logits, spec, selection_bias, policy.alpha, state if state is not None else LayerState(), rows)
     if isinstance(policy, Reuse):
@@ -347,9 +410,10 @@ class PolicyRun:
     def __init__(self, policy: RoutingPolicy, rows: int):
         self.policy, self.rows = policy, rows
         self.states: dict[int, LayerState] = {}
+        self.stats = PolicyStats()
 
     def at(self, layer: int) -> "LayerPolicy":
-        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState()), self.rows)
+        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState(layer=layer)), self.rows, self.stats)
 
 
 @dataclass
@@ -359,6 +423,8 @@ class LayerPolicy:
     policy: RoutingPolicy
     state: LayerState
     rows: int
+    stats: PolicyStats = field(default_factory=PolicyStats)
 
-    def route(self, logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tensor]) -> RoutingDecision:
-        return route_policy(logits, spec, selection_bias, self.policy, self.state, self.rows)
+    def route(self, logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tensor],
+              inputs: Optional[Tensor] = None) -> RoutingDecision:
+        return route_policy(logits, spec, selection_bias, self.policy, self.state, self.rows, inputs, self.stats)

@@ -245,6 +245,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     the experts are when not in folder's moekit-experts.json (a GGUF's; its files are absolute)."""
     from moekit.offload.manifest import load_or_build_manifest
     from moekit.offload.reader import ExpertReader
+    from moekit.offload.substitute import stand_in_bytes, stand_ins
 
     spec = decoder.spec
     if decoder.device.type != "cpu":
@@ -290,6 +291,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     pinned: dict[int, list[int]] = {}
     slotted = [i for i in moe_layers(spec) if all(kinds[i, e] is None for e in range(spec.layers[i].ffn.num_experts))]
     slots = slot_weights(kernels.get(None), (probe_up, probe_down), plan.slots, len(slotted))
+    substitute_bytes = 0
     for i in moe_layers(spec):
         experts: RoutedExperts = decoder.layers[i].ffn.experts
         width = experts.num_experts
@@ -302,8 +304,10 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         cache = SlotCache(plan.slots, policy, pinned=layer_pins)
         disk = [manifest.experts[i, e].nbytes for e in range(width)]
         held = [sizes[i, e] for e in range(width)]
+        ins = stand_ins(reader, kinds, i, width, verify) if options.substitute else []
+        substitute_bytes += stand_in_bytes(ins)
         stores[i] = LayerStore(i, cache, load, disk, held, pool, clock, retain=retain,
-                               slots=slots[slotted.index(i)] if slots and i in slotted else ())
+                               slots=slots[slotted.index(i)] if slots and i in slotted else (), stand_ins=ins)
         experts.store = stores[i]
         pinned[i] = list(layer_pins)
     try:
@@ -331,5 +335,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         notes=notes,
         precision=precision,
         budget=plan.budget_bytes,
+        substitute=options.substitute or "",
+        substitute_bytes=substitute_bytes,
     )
 

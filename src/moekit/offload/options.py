@@ -20,3 +20,4 @@ class OffloadOptions:
     prefetch: bool = False
     prefetch_extra: int = 4  # experts guessed per token beyond its K: recall 87% on the demo model
     workers: int = 2  # threads reading experts from disk
+    substitute: Optional[str] = None  # "int4": a miss runs the expert's resident int4 copy (offload/substitute.py)

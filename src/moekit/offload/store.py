@@ -42,6 +42,7 @@ class LayerStats:
     forwards: int = 0
     first_accesses: int = 0  # ... of the layer's first forward: the prompt pass (the prefill)
     first_hits: int = 0
+    substituted: int = 0  # accesses served by the expert's stand-in (a miss, or its load still under way)
 
     @property
     def hit_rate(self) -> float:
@@ -61,6 +62,7 @@ class LayerStats:
             "disk_bytes": self.disk_bytes,
             "prefetch_precision": precision,
             "prefetch_recall": recall,
+            "substituted": self.substituted,
         }
 
 
@@ -95,6 +97,7 @@ class LayerStore:
         clock: StoreClock,
         retain: bool = True,  # False: the "no cache" baseline, every use reads the expert again
         slots: Sequence[Weights] = (),  # memory for the resident experts, loads write into it
+        stand_ins: Sequence = (),  # per expert: a StandIn run while its full copy is not resident
     ):
         self.layer = layer
         self.retain = retain
@@ -119,6 +122,7 @@ class LayerStore:
         # Without slots (experts held as read: blocks, packed rows) a dropped expert is freed.
         self._slot_count = len(slots)
         self._slot_ptrs = frozenset(w[0].data_ptr() for w in slots)
+        self.stand_ins = stand_ins
 
     # --- residency -----------------------------------------------------------------------------
 
@@ -213,6 +217,12 @@ class LayerStore:
             self.last_misses.add(e)  # this forward's misses: a batch charges each row its own
         self._prefetched.discard(e)
         self._drop(access.evicted)
+        if self.stand_ins and not (e in self._weights and self._weights[e].done()):
+            # Substitution: never wait. The full copy loads behind; until it is in, the stand-in runs.
+            if e not in self._weights:
+                self._start_load(e, background=True)
+            self.stats.substituted += 1
+            return self.stand_ins[e]
         if e not in self._weights:
             self._start_load(e, background=False)
         try:
@@ -306,6 +316,8 @@ class ExpertStore:
     notes: list[str] = field(default_factory=list)  # what the user should know (clamps, caps)
     precision: str = ""  # what the experts are held as, e.g. "int8" or "128 bf16 + 384 int4"
     budget: Optional[int] = None  # --expert-memory in bytes, when less than every slot full of the largest expert
+    substitute: str = ""  # "int4": every expert's stand-in resident (moekit.offload.substitute)
+    substitute_bytes: int = 0  # what the stand-ins hold, beyond the budget
 
     def expert_nbytes(self, layer: int, e: int) -> int:
         """Bytes expert e of `layer` holds once loaded (what a token that uses it reads)."""
@@ -339,6 +351,9 @@ class ExpertStore:
             "prefetch_precision": overall["prefetch_precision"],
             "prefetch_recall": overall["prefetch_recall"],
             "stall_s": self.clock.stall_s,
+            "substitute": self.substitute or None,
+            "substitute_bytes": self.substitute_bytes,
+            "substituted": overall["substituted"],
             "peak_resident_expert_bytes": self.clock.peak_resident_bytes,
             "layers": per_layer,
         }

@@ -6,6 +6,8 @@ Legend: T tokens, E routed experts, K experts per token.
                           P_i = mean router probability of i. 1.0 when routing is uniform; f carries
                           no gradient, so the loss pushes probability away from overloaded experts.
   z-loss (ST-MoE):        mean_t logsumexp(logits_t)², keeping router logits small.
+  entropy:                mean_t H(p_t), p_t the token's router distribution: a regulariser whose
+                          sign decides whether it sharpens (> 0) or flattens (< 0) routing.
 """
 
 from __future__ import annotations
@@ -41,9 +43,15 @@ def z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
 
 
+def routing_entropy(probs: Tensor) -> Tensor:
+    """Mean per-token entropy of the router distribution, in nats (log E when uniform): differentiable,
+    the regulariser's term."""
+    return -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()
+
+
 def router_entropy(probs: Tensor) -> float:
-    """Mean per-token entropy of the router distribution, in nats (log E when uniform)."""
-    return float(-(probs * probs.clamp_min(1e-20).log()).sum(-1).mean())
+    """routing_entropy as a number, for the logs."""
+    return float(routing_entropy(probs))
 
 
 def imbalance(load: Tensor) -> float:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -76,12 +77,21 @@ class TrainSettings:
     router_jitter: float = 0.0  # multiplicative noise on router inputs, uniform in [1-j, 1+j]
     capacity_factor: float = 1.25  # slots per expert = ceil(cf · T·K / E); 0 = no dropping
     bias_balance_rate: float = 0.0  # DeepSeek-style selection-bias update per step; 0 = off
+    # Each (token, expert) assignment dropped with this probability, the kept ones × 1/(1-p) as
+    # dropout does, so inference (every expert) needs no change; 0 = off.
+    expert_dropout: float = 0.0
+    # + coef × the mean per-token entropy of the router's distribution (nats): > 0 sharpens the
+    # router (confident top-1s, what adaptive routing drops experts on), < 0 flattens it; 0 = off.
+    entropy_coef: float = 0.0
     domain_mix: str = "sqrt"  # how often each domain is sampled: "uniform", "size" or "sqrt" (of its tokens)
     log_every: int = 10
     checkpoint_every: int = 200
     device: str = "cpu"
     threads: int = 0  # torch CPU threads; 0 = torch's default
     save_dtype: str = "bfloat16"  # dtype of the exported Hub checkpoint
+
+
+OFF_BY_DEFAULT = ("expert_dropout", "entropy_coef")
 
 
 @dataclass(frozen=True)
@@ -92,7 +102,8 @@ class TrainConfig:
     def identity(self) -> str:
         """What makes two runs the same run (steps may grow on --resume; logging/saving cadence may change)."""
         train = {k: v for k, v in asdict(self.train).items()
-                 if k not in ("steps", "log_every", "checkpoint_every", "device", "threads", "corpus")}
+                 if k not in ("steps", "log_every", "checkpoint_every", "device", "threads", "corpus")
+                 and not (k in OFF_BY_DEFAULT and v == 0.0)}  # runs from before these settings stay the same runs
         blob = json.dumps({"model": self.model, "train": train}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -157,6 +168,10 @@ def check_sizes(config: dict, train: TrainSettings, where: str) -> None:
             fail(f"[train] {name} must be at least 1")
     if train.capacity_factor < 0 or train.router_jitter < 0 or not 0 <= train.router_jitter < 1:
         fail("[train] capacity_factor must be >= 0 and router_jitter in [0, 1)")
+    if not 0 <= train.expert_dropout < 1:
+        fail(f"[train] expert_dropout must be in [0, 1), got {train.expert_dropout}")
+    if not math.isfinite(train.entropy_coef):
+        fail(f"[train] entropy_coef must be a finite number, got {train.entropy_coef}")
     if train.domain_mix not in ("uniform", "size", "sqrt"):
         fail(f"[train] domain_mix must be uniform, size or sqrt, got {train.domain_mix!r}")
     if train.save_dtype not in ("float32", "bfloat16"):

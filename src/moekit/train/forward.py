@@ -25,6 +25,7 @@ from moekit.train.aux_losses import (
     capacity_positions,
     load_balance_loss,
     router_probs,
+    routing_entropy,
     z_loss,
 )
 
@@ -33,7 +34,8 @@ from moekit.train.aux_losses import (
 class RoutingOptions:
     capacity_factor: float = 0.0  # 0: every assignment is served
     jitter: float = 0.0
-    generator: torch.Generator | None = None  # the jitter's noise
+    expert_dropout: float = 0.0  # each assignment dropped with this probability, the kept × 1/(1-p)
+    generator: torch.Generator | None = None  # the jitter's and the dropout's noise
 
 
 @dataclass
@@ -45,6 +47,7 @@ class LayerRouting:
     balance: Tensor  # scalar, differentiable
     z: Tensor  # scalar, differentiable
     probs: Tensor  # [T, E] detached
+    entropy: Tensor  # scalar, differentiable: mean per-token entropy of probs, nats
 
 
 def experts_dispatch(experts, x: Tensor, topk_ids: Tensor, weights: Tensor, kept: Tensor, slots: int) -> Tensor:
@@ -85,7 +88,12 @@ def moe_forward(moe: MoE, x: Tensor, options: RoutingOptions) -> tuple[Tensor, L
         kept = capacity_keep(decision.topk_ids, e, slots)
     else:
         slots, kept = 0, torch.ones_like(decision.topk_ids, dtype=torch.bool)
-    out = experts_dispatch(moe.experts, flat, decision.topk_ids, decision.topk_weights, kept, slots)
+    weights = decision.topk_weights
+    if options.expert_dropout > 0:
+        draw = torch.rand(kept.shape, generator=options.generator, device=kept.device)  # [T, K]
+        kept = kept & (draw >= options.expert_dropout)
+        weights = weights / (1 - options.expert_dropout)
+    out = experts_dispatch(moe.experts, flat, decision.topk_ids, weights, kept, slots)
     if moe.shared is not None:
         shared = moe.shared(flat)
         if moe.shared_gate is not None:
@@ -98,6 +106,7 @@ def moe_forward(moe: MoE, x: Tensor, options: RoutingOptions) -> tuple[Tensor, L
         balance=load_balance_loss(probs, decision.topk_ids),
         z=z_loss(logits),
         probs=probs.detach(),
+        entropy=routing_entropy(probs),
     )
     return out.view(b, s, d), routing
 

@@ -43,14 +43,17 @@ class StepResult:
 def train_step(decoder, optimizer, cfg: TrainConfig, inputs, targets, step: int) -> StepResult:
     t = cfg.train
     gen = None
-    if t.router_jitter > 0:
+    if t.router_jitter > 0 or t.expert_dropout > 0:
         gen = torch.Generator(device=inputs.device).manual_seed(t.seed * 7_919 + step)
-    options = RoutingOptions(capacity_factor=t.capacity_factor, jitter=t.router_jitter, generator=gen)
+    options = RoutingOptions(capacity_factor=t.capacity_factor, jitter=t.router_jitter, expert_dropout=t.expert_dropout,
+                             generator=gen)
     logits, routings = train_forward(decoder, inputs, options)
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     balance = torch.stack([r.balance for r in routings]).mean() if routings else ce.new_zeros(())
     z = torch.stack([r.z for r in routings]).mean() if routings else ce.new_zeros(())
     loss = ce + t.aux_loss_coef * balance + t.z_loss_coef * z
+    if t.entropy_coef != 0 and routings:
+        loss = loss + t.entropy_coef * torch.stack([r.entropy for r in routings]).mean()
     lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -83,6 +86,7 @@ def metrics_line(result: StepResult, tokens_per_s: float, elapsed: float) -> dic
         layers.append({
             "load": [round(x, 5) for x in load.tolist()],
             "imbalance": round(imbalance(load), 4),
+            "load_cv": round(float(load.std(unbiased=False) / load.mean()), 4),
             "entropy": round(router_entropy(r.probs), 4),
             "dropped": round(1 - float(r.kept.float().mean()), 5),
         })
@@ -96,6 +100,8 @@ def metrics_line(result: StepResult, tokens_per_s: float, elapsed: float) -> dic
         "tokens_per_s": round(tokens_per_s, 1),
         "elapsed_s": round(elapsed, 1),
         "imbalance": round(sum(x["imbalance"] for x in layers) / max(1, len(layers)), 4),
+        "load_cv": round(sum(x["load_cv"] for x in layers) / max(1, len(layers)), 4),
+        "entropy": round(sum(x["entropy"] for x in layers) / max(1, len(layers)), 4),
         "layers": layers,
     }
 

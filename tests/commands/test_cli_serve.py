@@ -14,7 +14,7 @@ from cli_runner import moekit
     [
         (["--max-context", "5000"], "--max-context must be in 2..1024 (the model's context), got 5000"),
         (["--port", "99999"], "--port must be in 0..65535"),
-        (["--dtype", "fp16"], "--dtype must be one of float32, bfloat16"),
+        (["--dtype", "fp16"], "this command takes fp32 (float32) or bf16 (bfloat16)"),
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--queue-limit", "0"], "--queue-limit must be at least 1"),
         (["--grace", "-1"], "--grace must be >= 0"),

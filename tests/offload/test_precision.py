@@ -16,7 +16,7 @@ from offload_files import flip_byte, write_tiny
 from moekit.engine.loader import load_engine
 from moekit.errors import ExpertIntegrityError
 from moekit.model.linear import INT4, INT8, INT8_GEMV
-from moekit.offload.manifest import read_manifest
+from moekit.weights.manifest import read_manifest
 from moekit.offload.options import OffloadOptions
 from moekit.offload.pack import pack_experts
 from moekit.offload.pins import model_identity, profile_document

@@ -131,7 +131,7 @@ def test_a_corrupted_expert_fails_the_request_names_it_and_never_serves_wrong_we
     want = _ids(folder)[1]
     _ids(folder, OffloadOptions("25%"))  # first run writes the checksum manifest
     manifest = json.loads((folder / "moekit-experts.json").read_text())
-    from moekit.offload.manifest import from_json
+    from moekit.weights.manifest import from_json
 
     m = from_json(manifest)
     (layer, expert), ex = next(iter(sorted(m.experts.items())))

@@ -25,7 +25,7 @@ from gguf_convert import convert, rewrite_gguf, tiny_checkpoint  # noqa: E402
 from offload_files import flip_byte  # noqa: E402
 
 from moekit.engine.loader import load_engine  # noqa: E402
-from moekit.offload.gguf_extents import manifest_path  # noqa: E402
+from moekit.weights.gguf_extents import manifest_path  # noqa: E402
 from moekit.offload.options import OffloadOptions  # noqa: E402
 from moekit.weights.gguf_file import read_gguf  # noqa: E402
 

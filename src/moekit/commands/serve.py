@@ -7,8 +7,8 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, NO_VERIFY, WEIGHTS
+from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.options import COMPILE, KERNELS, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
@@ -74,6 +74,7 @@ def serve(
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
     queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
@@ -116,7 +117,9 @@ def serve(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache)
-    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
+    from moekit.ops import operators_used
+
+    announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
     config = ServeConfig(
         checkpoint=folder,
         model_name=served_model_name or folder.resolve().name,
@@ -132,6 +135,7 @@ def serve(
         admin_token=admin_token,
         verify=not no_verify,
         compile=compile_step,
+        kernels=kernels,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()

@@ -21,7 +21,7 @@ from moekit.offload.options import OffloadOptions
 from moekit.offload.pack import pack_experts
 from moekit.offload.pins import model_identity, profile_document
 from moekit.offload.precision import by_frequency, stored_kind, uniform, weight_bytes
-from moekit.offload.profile import count_experts
+from moekit.analysis.profile import count_experts
 from moekit.spec import load_spec
 
 PROMPTS = [[1, 17, 42, 99, 5, 63], [3, 4, 5, 6, 7, 8, 9, 10]]  # two rows: grouped and one-token paths

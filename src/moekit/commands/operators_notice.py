@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from moekit.errors import MoekitError
+
 BUILDING = ("building moekit's CPU operators for this machine, once (about a minute, two on a CPU with AVX-512); "
             "later runs load them")
 
@@ -25,6 +27,9 @@ def operators_to_build(needed: bool, kernels: str = "auto", cache: Optional[Path
 
 def announce_operator_build(needed: bool, kernels: str = "auto", cache: Optional[Path] = None) -> None:
     """Print BUILDING to stderr where operators_to_build(needed, kernels, cache) (cache: the builds'
-    folder, ~/.cache/moekit/ops by default)."""
+    folder, ~/.cache/moekit/ops by default); a --kernels that is neither auto nor reference is
+    refused here, before anything loads."""
+    if kernels not in ("auto", "reference"):
+        raise MoekitError(f"--kernels must be one of auto, reference, got {kernels!r}")
     if operators_to_build(needed, kernels, cache):
         typer.echo(f"note: {BUILDING}...", err=True)

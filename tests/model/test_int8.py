@@ -8,8 +8,9 @@ import torch
 
 from moekit.model import int8
 from moekit.model.linear import INT8, INT8_GEMV, ONEDNN, PLAIN, TRANSPOSED, Linear
+from moekit.ops.torch_private import onednn_bf16_supported
 
-ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_BF16 = onednn_bf16_supported()
 
 
 

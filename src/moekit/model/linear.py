@@ -70,7 +70,8 @@ def _apply_transposed(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Te
 
 
 def _apply_tiles(x: Tensor, tiled: Tensor, bias: Optional[Tensor]) -> Tensor:
-    y = ops.op("moekit", "rows_tiles")(x.reshape(-1, x.shape[-1]), tiled).view(*x.shape[:-1], -1)
+    rows = ops.op("moekit", "rows_tiles") if ops.available("rows_tiles") else ops.reference.rows_tiles
+    y = rows(x.reshape(-1, x.shape[-1]), tiled).view(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
 

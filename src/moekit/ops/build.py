@@ -145,8 +145,7 @@ def build(variant: Variant, cache: Path = DEFAULT_CACHE, extra_flags: tuple[str,
                     extra_include_paths=[str(csrc)], build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as err:  # a missing compiler, headers, or a flag it refuses: said, with the log kept
         log.write_text(f"flags: {' '.join(flags)}\n\n{err}\n")
-        first = next((ln.strip() for ln in str(err).splitlines() if "error" in ln.lower() and ln.strip()), type(err).__name__)
-        return BuildResult(variant, log=log, error=first[:200])
+        return BuildResult(variant, log=log, error=_first_error(str(err)) or type(err).__name__)
     if log.exists():
         log.unlink()  # a stale failure's log, from before a fix
     # Loaded globally, so that the compiled step's generated library finds the C entry points.
@@ -158,10 +157,10 @@ def _flags_hash(flags: tuple[str, ...]) -> str:
     return hashlib.sha256(" ".join(flags).encode()).hexdigest()[:8]
 
 
-def failed_log(cache: Path = DEFAULT_CACHE) -> Optional[Path]:
-    """The log of this machine's native build where it failed last time (so `ops status` can show it)."""
-    log = log_path(NATIVE, cache)
-    return log if log.exists() else None
+def _first_error(output: str) -> str:
+    """The compiler's first `error:` line of a failed build's output (the rest stays in the log)."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error:" in ln), lines[0] if lines else "")
 
 
 __all__ = ["BuildResult", "Variant", "NATIVE", "NARROW", "SCALAR", "build", "build_key", "is_built", "machine_variants"]

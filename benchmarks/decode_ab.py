@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parents[1]
 
 def tok_s(tree: Path, args) -> dict[int, float]:
     """batch → moekit tokens/s of one `bench decode` process run from tree."""
-    command = [sys.executable, "-m", "moekit", "bench", "decode", args.checkpoint, "--compile", "--dtype", args.dtype,
+    command = [sys.executable, "-m", "moekit", "bench", "decode", str(Path(args.checkpoint).resolve()), "--compile", "--dtype", args.dtype,
                "--weights", args.weights, "--batch", args.batch, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                "--threads", str(args.threads), "--json"]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
@@ -43,11 +43,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1, help="A B B A rounds")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of --order")
+    parser.add_argument("--order", default="ABBA", help="one round's sides in turn, A after and B before (default ABBA)")
     args = parser.parse_args()
     runs: dict[str, list[dict[int, float]]] = {"after": [], "before": []}
     for _ in range(args.rounds):
-        for side in ("after", "before", "before", "after"):
+        for side in ("after" if c == "A" else "before" for c in args.order):
             runs[side].append(tok_s(getattr(args, side), args))
             print(f"{side}: {runs[side][-1]}", file=sys.stderr, flush=True)
     for batch in sorted(runs["after"][0]):

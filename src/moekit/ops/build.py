@@ -140,6 +140,11 @@ def build(variant: Variant, cache: Path = DEFAULT_CACHE, extra_flags: tuple[str,
     folder = cache / key / variant.namespace
     folder.mkdir(parents=True, exist_ok=True)
     log = folder / "build.log"
+    built = folder / f"{variant.namespace}.so"
+    if built.exists():  # the folder's name holds the sources' hash: a library there is this version's
+        torch.ops.load_library(str(built))  # no ninja run and no lock file: a killed process cannot leave one
+        ctypes.CDLL(str(built), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
+        return BuildResult(variant, library=built)
     try:
         path = load(name=variant.namespace, sources=[str(csrc / s) for s in SOURCES], extra_cflags=flags,
                     extra_include_paths=[str(csrc)], build_directory=str(folder), is_python_module=False, verbose=False)

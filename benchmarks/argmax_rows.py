@@ -1,4 +1,4 @@
-"""Greedy decoding's token: moekit::rows_argmax (each build of moekit.model.gemv) against
+"""Greedy decoding's token: moekit::rows_argmax (each build of moekit.ops) against
 torch.argmax on the same fp32 logits, alternating in one process; checks they agree first.
 
     .venv/bin/python benchmarks/argmax_rows.py --vocab 32000 --batch 1,8 --threads 2
@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from moekit.model import gemv
+from moekit import ops
 
 
 def per_call_us(fn, x: torch.Tensor, calls: int) -> float:
@@ -31,10 +31,11 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if gemv.operators() is None:
-        raise SystemExit(gemv.status())
+    loaded = ops.load()
+    if not loaded.ok:
+        raise SystemExit(loaded.failures()[0])
     sides = {"torch.argmax": lambda x: x.argmax(dim=-1)}
-    sides.update({f"{space}::rows_argmax": gemv.op(space, "rows_argmax") for space in gemv.namespaces()})
+    sides.update({f"{space}::rows_argmax": ops.op(space, "rows_argmax") for space in ops.namespaces()})
     for b in (int(v) for v in args.batch.split(",")):
         x = torch.randn(b, args.vocab, generator=torch.Generator().manual_seed(b))
         want = x.argmax(dim=-1)

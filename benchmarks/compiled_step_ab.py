@@ -5,7 +5,7 @@ in one process: four engines of one checkpoint placed this, other, other, this (
     .venv/bin/python benchmarks/compiled_step_ab.py bench-out/ckpt/qwen3_moe-150m --against /tmp/step_before.py
 
 --this puts another file on the A side (two edited copies against each other, e.g. each forcing
-one build of the operators). --hollow swaps the gemv operators for ones that only allocate their
+one build of the operators). --hollow swaps the product operators for ones that only allocate their
 outputs, in both versions, so the times are everything in a step but its products (the graph's
 other kernels, Dynamo, the caller).
 """
@@ -26,31 +26,13 @@ from moekit.model.decoder import Decoder
 
 HERE = Path(__file__).resolve().parents[1] / "src/moekit/model/compiled_step.py"
 
-HOLLOW = r"""
-#include <torch/extension.h>
-torch::Tensor rows(torch::Tensor x, torch::Tensor w, bool grouped) { return torch::empty({x.size(0), w.size(0)}, x.options()); }
-torch::Tensor experts(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bool grouped) {
-    return torch::empty({x.size(0), ids.size(1), w.size(1)}, x.options());
-}
-TORCH_LIBRARY(hollow, m) {
-    m.def("rows_gemv(Tensor x, Tensor w, bool grouped=False) -> Tensor");
-    m.def("experts_gemv(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
-    // The tiles' operators hollowed under other names: a C entry point named after an operator alone
-    // (aoti_torch_cpu_rows_tiles) would be the real one's.
-    m.def("hollow_rows_tiles(Tensor x, Tensor w, bool grouped=False) -> Tensor");
-    m.def("hollow_experts_tiles(Tensor x, Tensor w, Tensor ids, bool grouped=False) -> Tensor");
-}
-TORCH_LIBRARY_IMPL(hollow, CPU, m) {
-    m.impl("rows_gemv", &rows); m.impl("experts_gemv", &experts);
-    m.impl("hollow_rows_tiles", &rows); m.impl("hollow_experts_tiles", &experts);
-}
-"""
+HOLLOW = Path(__file__).resolve().parent / "hollow_operators.cpp"
 
 
 def hollow_operators() -> None:
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
-    load_inline(name="bench_hollow_gemv2", cpp_sources=HOLLOW, is_python_module=False, extra_cflags=["-O2"])
+    load(name="bench_hollow_gemv3", sources=[str(HOLLOW)], is_python_module=False, extra_cflags=["-O2"])
     torch.library.register_fake("hollow::rows_gemv")(lambda x, w, grouped=False: x.new_empty((x.shape[0], w.shape[0])))
     for name in ("experts_gemv", "hollow_experts_tiles"):
         torch.library.register_fake(f"hollow::{name}")(
@@ -64,12 +46,15 @@ def step_module(path: Path, name: str, hollow: bool):
     if hollow:
         chooser = "return getattr(torch.ops, _namespace(gemv.kind_of(weight)))"  # older versions' one call site
         source = source.replace(chooser, "return torch.ops.hollow")
-        chooser = "return gemv.op(_namespace(gemv.kind_of(weight)), name)"  # this tree's
+        chooser = "return gemv.op(_namespace(gemv.kind_of(weight)), name)"  # versions with moekit.model.gemv
+        source = source.replace(chooser, "return getattr(torch.ops.hollow, name)")
+        chooser = "return ops.op(_namespace(ops.kind_of(weight)), name)"  # this tree's (moekit.ops)
         source = source.replace(chooser, "return getattr(torch.ops.hollow, name)")
         source = source.replace("torch.ops.moekit.rows_gemv", "torch.ops.hollow.rows_gemv")  # older versions
         source = source.replace("torch.ops.moekit.experts_gemv", "torch.ops.hollow.experts_gemv")
         for name in ("rows_tiles", "experts_tiles"):  # the tiles' operators (this tree's, AMX machines)
             source = source.replace(f'gemv.op("moekit", "{name}")', f"torch.ops.hollow.hollow_{name}")
+            source = source.replace(f'ops.op("moekit", "{name}")', f"torch.ops.hollow.hollow_{name}")
         if "torch.ops.hollow" not in source:
             raise SystemExit(f"{path}: found no gemv call to hollow out")
     spec = importlib.util.spec_from_loader(name, loader=None)

@@ -3,7 +3,7 @@ the bytes the experts hold.
 
     .venv/bin/python benchmarks/expert_precision.py [--model models/moekit-demo] [--profile-corpus data/corpus]
 
-1. A profile, as `moekit profile` writes it (moekit.offload.profile.build_profile): greedy
+1. A profile, as `moekit profile` writes it (moekit.analysis.profile.build_profile): greedy
    continuations of the first documents of each domain of the corpus's TRAIN split, so the experts
    called hot are not chosen on the text that is scored.
 2. Per split, `moekit pack --precision P` or `--precision-by-profile profile.json --hot bf16 --cold
@@ -45,7 +45,7 @@ def main() -> None:
     from moekit.engine.loader import load_engine
     from moekit.offload.pack import pack_experts
     from moekit.offload.precision import by_frequency, read_counts, uniform
-    from moekit.offload.profile import build_profile
+    from moekit.analysis.profile import build_profile
     from moekit.spec import load_spec
     from moekit.train.data import tokenize_domains
     from moekit.train.evaluate import windows

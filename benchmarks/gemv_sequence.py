@@ -1,12 +1,12 @@
 """The products of one decode step of the ~140M qwen3_moe shape (8 layers: qkv, o and router
 projections, gate_up and down of each row's 4 experts out of 32, then the 32000 × 512 head), on
 distinct weights per layer so that they stream from memory as in a real step, timed for the
-moekit::rows_gemv / experts_gemv operators of src/moekit/model/gemv.py, optionally against the same
-operators built from another version of that file, alternating in one process.
+moekit::rows_gemv / experts_gemv operators of src/moekit/ops/csrc, optionally against the same
+operators built from another version of that folder, alternating in one process.
 
     .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8
-    git show 0460671:src/moekit/model/gemv.py > /tmp/gemv_before.py
-    .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8 --against /tmp/gemv_before.py
+    git worktree add /tmp/before COMMIT
+    .venv/bin/python benchmarks/gemv_sequence.py --dtype bfloat16 --batch 8 --against /tmp/before/src/moekit/ops/csrc
 
 --dtype q8_0 times moekit::rows_q8 / experts_q8 on the same shapes quantized to q8_0 blocks (x fp32).
 With --against, it also says whether both versions' outputs are equal.
@@ -15,31 +15,23 @@ With --against, it also says whether both versions' outputs are equal.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load_inline
-
-from moekit.model.int8 import quantize_q8_0
+from moekit.ops import build as builds
+from moekit.ops.q8_0 import quantize_q8_0
 
 LAYERS, D, F, E, K, V = 8, 512, 256, 32, 4, 32000
 
 
-def build(tag: str, path: Path):
-    """The operators of `path`'s _SOURCE, registered under the namespace `tag`."""
-    spec = importlib.util.spec_from_file_location(tag, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[tag] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    source = module._SOURCE.replace("TORCH_LIBRARY(moekit, m)", f"TORCH_LIBRARY({tag}, m)")
-    source = source.replace("TORCH_LIBRARY_IMPL(moekit,", f"TORCH_LIBRARY_IMPL({tag},")
-    source = source.replace("@S@", "")  # the operators' plain names (a build's suffix, where the source has one)
-    load_inline(name=f"bench_{tag}", cpp_sources=source, is_python_module=False,
-                extra_cflags=["-O3", "-march=native", "-fopenmp"])
+def build(tag: str, csrc: Path):
+    """The operators of the sources in csrc, built natively and registered under the namespace `tag`
+    with their plain names (moekit.ops.build's defines, not an edit of the sources)."""
+    result = builds.build(builds.Variant(tag, "", ("-march=native",)), csrc=csrc)
+    if not result.ok:
+        raise SystemExit(result.line())
     return getattr(torch.ops, tag)
 
 
@@ -49,13 +41,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--against", type=Path, help="another gemv.py to time beside this one")
+    parser.add_argument("--against", type=Path, help="another version's src/moekit/ops/csrc to time beside this one")
     parser.add_argument("--grouped", action="store_true",
                         help="this tree's operators with their weight rows in groups (older versions have no choice)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    here = Path(__file__).resolve().parents[1] / "src/moekit/model/gemv.py"
-    variants = {"this": build("gemv_this", here)}
+    variants = {"this": build("gemv_this", builds.CSRC)}
     if args.against:
         variants["against"] = build("gemv_against", args.against)
     q8, b = args.dtype == "q8_0", args.batch

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from moekit.engine.loader import load_engine
-from moekit.offload.gguf_extents import checksum_gguf, manifest_path
+from moekit.weights.gguf_extents import checksum_gguf, manifest_path
 from moekit.offload.options import OffloadOptions
 from moekit.spec.loading import spec_from_gguf
 

@@ -20,7 +20,7 @@ import torch
 
 from moekit.engine.loader import load_engine
 from moekit.engine.trace import trace_table
-from moekit.offload.cache_sim import simulate_layer, trace_calls
+from moekit.analysis.cache_sim import simulate_layer, trace_calls
 from moekit.offload.options import OffloadOptions
 from moekit.offload.policies import LIVE_POLICIES, Belady, make_policy
 from moekit.offload.slot_cache import SlotCache

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moekit.engine.loader import load_engine
-from moekit.offload.manifest import read_manifest
+from moekit.weights.manifest import read_manifest
 from moekit.offload.options import OffloadOptions
 
 PROMPT = [1, 17, 42, 99, 5, 63, 120, 7, 300, 2048, 11, 12]

@@ -46,7 +46,7 @@ def main() -> None:
     import torch
 
     import moekit
-    from moekit.offload.manifest import checksum_checkpoint
+    from moekit.weights.manifest import checksum_checkpoint
     from moekit.spec import load_spec
 
     torch.set_num_threads(1)  # as the decode benchmarks: one thread, the other core free for the checks

@@ -8,7 +8,7 @@ __version__ = "0.1.0"
 
 
 def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, weights: str = "dtype",
-         verify: bool = True, compile: bool = False, **offload):
+         verify: bool = True, compile: bool = False, kernels: str = "auto", **offload):
     """Load a Hugging Face MoE checkpoint folder into the native engine.
 
     expert_memory ("25%", "2GiB", or bytes) pages routed experts from disk under that budget;
@@ -17,7 +17,8 @@ def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, 
     weights="int8" quantizes every projection to int8 (one scale per 32 inputs) once at load;
     "int8-experts" the routed experts only. verify=False skips checking the weights against the
     checksums of moekit-experts.json (checked on every load when one lies beside the checkpoint).
-    compile=True runs the decode steps as one compiled graph (engine.notes says when it cannot)."""
+    compile=True runs the decode steps as one compiled graph (engine.notes says when it cannot).
+    kernels="reference" never loads moekit's C++ operators: every product the plain PyTorch way."""
     from moekit.engine.loader import load_engine
 
     options = None
@@ -26,4 +27,4 @@ def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, 
 
         options = OffloadOptions(expert_memory=str(expert_memory), **offload)
     return load_engine(path, dtype=dtype, device=device, offload=options, weights=weights, verify=verify,
-                       compile=compile)
+                       compile=compile, kernels=kernels)

@@ -30,9 +30,9 @@ def test_greedy_picks_the_largest_logit():
 
 
 def test_greedy_is_torch_argmax_with_the_operators_registered_too():
-    from moekit.model import gemv
+    from moekit import ops
 
-    assert gemv.operators() is not None, gemv.status()  # from here greedy takes moekit::rows_argmax
+    assert ops.load().ok, ops.load().failures()  # from here greedy takes moekit::rows_argmax
     logits = torch.cat((_logits(1, vocab=32000), torch.zeros(1, 32000)))  # the last row: all tied
     logits[1, 7] = float("nan")
     assert next_tokens(logits, SamplingParams(), None).tolist() == logits.argmax(-1).tolist()

@@ -15,7 +15,7 @@ import moekit
 from hf_tiny import write_checkpoint
 from moekit.errors import CheckpointError
 from tests.offload.offload_files import flip_byte
-from moekit.offload.manifest import checksum_checkpoint, read_manifest, write_manifest
+from moekit.weights.manifest import checksum_checkpoint, read_manifest, write_manifest
 from moekit.spec import load_spec
 
 PROMPT = [1, 17, 42, 99, 5]

@@ -252,10 +252,10 @@ def _bf16_engines(folder):
                          ids=["qwen3_moe", "deepseek_v3", "qwen3_moe-widths-for-tiles", "deepseek_v3-widths-for-tiles"])
 def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path, family, tiles):
     """bf16 runs other kernels than the eager reference (bf16 pairs, AMX tiles, a batch widened to fp32
-    where gemv.widen_batch measured that faster here, or weights laid out in tiles), so logits agree
+    where moekit.ops.widen_batch measured that faster here, or weights laid out in tiles), so logits agree
     to bf16's rounding, not to 1e-4. With widths that fit, an AMX machine lays the weights out in
     tiles, and the eager prefill of the compiled engine reads them through the TILES kernel."""
-    from moekit.model.gemv import tiles_ready
+    from moekit.ops import tiles_ready
 
     folder = write_checkpoint(family, tmp_path / "q", **(TILES_FIT[family] if tiles else {}))
     eager, compiled = _bf16_engines(folder)
@@ -273,7 +273,7 @@ def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path
 
 def test_a_hot_swap_reaches_experts_laid_out_in_tiles(tmp_path):
     """replace_expert writes into the tiled stacks the compiled step (and the eager prefill) read."""
-    from moekit.model.gemv import tiles_ready
+    from moekit.ops import tiles_ready
 
     if not tiles_ready():
         pytest.skip("weights are laid out in tiles only where a batch's bf16 products run on AMX tiles")

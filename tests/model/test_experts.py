@@ -10,6 +10,7 @@ from moekit.model.linear import ONEDNN, PLAIN, TRANSPOSED
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
+from moekit.ops.torch_private import onednn_bf16_supported
 
 E, D, F = 6, 16, 12
 
@@ -53,7 +54,7 @@ def test_prepared_experts_equal_the_reference(dtype, tokens, k):
     want = experts_reference(ex, x, decision).float()
     ex.prepare()
     fast = TRANSPOSED if dtype == torch.float32 else ONEDNN
-    if fast is ONEDNN and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if fast is ONEDNN and not onednn_bf16_supported():
         fast = PLAIN
     assert ex.kernels == (fast, fast)  # fp32: out >= in for both [2F, D] and [D, F] at this size
     if fast is not PLAIN:

@@ -8,9 +8,19 @@ import torch
 
 from moekit.model import int8
 from moekit.model.linear import INT8, INT8_GEMV, ONEDNN, PLAIN, TRANSPOSED, Linear
+from moekit.ops.torch_private import onednn_bf16_supported
 
-ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_BF16 = onednn_bf16_supported()
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def operators_loaded():
+    """The operator loaded, as a run with int8 weights loads it (moekit.engine.loader.load_kernels):
+    without it int8_gemv is the reference, and these tests would hold the reference to itself."""
+    from moekit import ops
+
+    assert ops.load().ok, ops.load().failures()
 
 def _weight(out_f: int, in_f: int, seed: int = 0, dtype=torch.float32) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +96,7 @@ def test_the_operator_equals_the_dequantize_and_matmul_reference(dtype, rows, in
     assert (got.float() - want.float()).abs().max().item() <= tol * scale
 
 
-def test_the_operator_is_built_here():
+def test_the_operator_is_loaded_here():
     # A machine without a compiler falls back to the reference (and says so); this one has one.
     assert int8.gemv_operator() is not None, int8.gemv_status()
 

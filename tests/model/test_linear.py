@@ -9,8 +9,17 @@ import pytest
 import torch
 
 from moekit.model.linear import ONEDNN, PLAIN, TILES, TRANSPOSED, Linear, kernel_for, linear_reference
+from moekit.ops.torch_private import onednn_bf16_supported
 
-ONEDNN_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+ONEDNN_BF16 = onednn_bf16_supported()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def operators_loaded():
+    """The operators loaded, as a run that uses them loads them: TILES then runs moekit::rows_tiles."""
+    from moekit import ops
+
+    assert ops.load().ok, ops.load().failures()
 needs_onednn = pytest.mark.skipif(not ONEDNN_BF16, reason="this CPU build has no oneDNN bf16")
 
 # (kernel, dtype, relative tolerance): transposed sums in another order; oneDNN is F.linear's own backend.

@@ -168,7 +168,7 @@ def test_a_multimodal_checkpoint_runs_its_text_decoder(tmp_path):
 
 def test_paged_experts_generate_the_resident_tokens(tmp_path):
     """llama4's [E, D, 2F] / [E, F, D] stacks read one expert's slice each, transposed on read."""
-    from moekit.offload.extents import expert_extents
+    from moekit.weights.extents import expert_extents
     from moekit.offload.reader import ExpertReader
 
     build_reference("llama4_text").save_pretrained(tmp_path)

@@ -15,6 +15,7 @@ from moekit.model.linear import PLAIN, Linear
 from moekit.model.loading import load_into
 from moekit.spec import load_spec
 from moekit.weights.checkpoint import open_checkpoint
+from moekit.ops.torch_private import onednn_bf16_supported
 from tiny_checkpoints import CASES, prompt, write_checkpoint
 
 pytest.importorskip("transformers")
@@ -61,7 +62,7 @@ def test_prepared_decoder_computes_what_the_plain_one_does(folder, batch):
     assert (got - want).abs().max().item() < 1e-5
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 on this CPU")
+@pytest.mark.skipif(not onednn_bf16_supported(), reason="no oneDNN bf16 on this CPU")
 def test_prepared_bf16_decoder_rounds_as_the_plain_one(folder):
     case, path = folder
     ids = prompt(case.seed)

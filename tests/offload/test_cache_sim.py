@@ -18,7 +18,7 @@ from moekit import cli
 from moekit.engine.loader import load_engine
 from moekit.engine.trace import trace_model, write_trace
 from moekit.errors import MoekitError
-from moekit.offload.cache_sim import trace_calls
+from moekit.analysis.cache_sim import trace_calls
 from moekit.offload.policies import make_policy
 from moekit.offload.slot_cache import SlotCache, most_pins
 
@@ -182,7 +182,8 @@ def test_trace_grouping_on_a_hand_built_trace():
 
 _NO_TORCH = """
 import sys
-from moekit.offload import budget, cache_sim, policies, slot_cache
+from moekit.analysis import cache_sim
+from moekit.offload import budget, policies, slot_cache
 from moekit.commands import cache_sim as command
 calls = cache_sim.read_trace(sys.argv[1])
 cache_sim.simulate(calls, "lfu-aging", 2)

@@ -12,7 +12,7 @@ import pytest
 from cli_runner import moekit, refused
 from hf_tiny import write_checkpoint
 from offload_files import MOEKIT, flip_byte, readonly_copy, run_unprivileged, write_llama4_mxfp4
-from moekit.offload.manifest import MANIFEST_NAME, read_manifest
+from moekit.weights.manifest import MANIFEST_NAME, read_manifest
 from moekit.weights.checkpoint import read_header
 
 RUN = ["--prompt-ids", "1,17,42,99,5", "--max-new-tokens", "6", "--stop", "", "--json"]

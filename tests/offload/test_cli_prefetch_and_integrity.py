@@ -12,7 +12,7 @@ import pytest
 from cli_runner import moekit
 from hf_tiny import write_checkpoint
 from offload_files import flip_byte
-from moekit.offload.manifest import load_or_build_manifest
+from moekit.weights.manifest import load_or_build_manifest
 from moekit.offload.options import OffloadOptions
 from moekit.spec import load_spec
 

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from hf_tiny import write_checkpoint
 from offload_files import write_tiny
 from moekit.errors import CheckpointError
-from moekit.model.hub_names import hub_names
-from moekit.offload.extents import expert_extents, our_shapes, read_header
+from moekit.weights.hub_names import hub_names
+from moekit.weights.extents import expert_extents, our_shapes, read_header
 from moekit.spec import load_spec
 
 # One family per Hub layout, plus qwen2_moe's dense layer between MoE layers.
@@ -131,7 +131,7 @@ def test_corrupted_header_length_is_one_clear_error(tmp_path):
 
 def test_extents_and_manifest_import_without_torch():
     code = (
-        "import sys; import moekit.offload.extents, moekit.offload.manifest; "
+        "import sys; import moekit.weights.extents, moekit.weights.manifest; "
         "sys.exit(1 if 'torch' in sys.modules else 0)"
     )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -12,7 +12,7 @@ from cli_runner import moekit
 from hf_tiny import write_checkpoint
 from moekit.engine.loader import load_engine
 from moekit.engine.trace import trace_model, write_trace
-from moekit.offload.cache_sim import read_trace, result_dict, simulate
+from moekit.analysis.cache_sim import read_trace, result_dict, simulate
 from moekit.offload.options import OffloadOptions
 
 PROMPT = [5, 17, 42, 9, 77, 3, 101, 8, 64, 12]

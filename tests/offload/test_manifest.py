@@ -13,7 +13,7 @@ import pytest
 from hf_tiny import write_checkpoint
 from offload_files import readonly_copy, run_unprivileged
 from moekit.errors import MoekitError
-from moekit.offload.manifest import MANIFEST_NAME, load_or_build_manifest, read_manifest
+from moekit.weights.manifest import MANIFEST_NAME, load_or_build_manifest, read_manifest
 from moekit.spec import load_spec
 
 
@@ -103,7 +103,7 @@ def test_dense_model_has_nothing_to_manifest(tmp_path):
 
 def test_read_only_folder_keeps_the_manifest_in_memory(pristine):
     code = (
-        "import sys; from moekit.offload.manifest import load_or_build_manifest; from moekit.spec import load_spec; "
+        "import sys; from moekit.weights.manifest import load_or_build_manifest; from moekit.spec import load_spec; "
         "m = load_or_build_manifest(sys.argv[1], load_spec(sys.argv[1])); "
         "print(m.on_disk, m.built, len(m.experts))"
     )

@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from moekit.offload.manifest import MANIFEST_NAME, build_manifest, read_manifest, tensor_checks, write_manifest
+from moekit.weights.manifest import MANIFEST_NAME, build_manifest, read_manifest, tensor_checks, write_manifest
 from moekit.spec import load_spec
 from moekit.weights.checkpoint import open_checkpoint, placements
 from offload_files import write_tiny

@@ -14,8 +14,8 @@ from cli_runner import moekit
 from hf_tiny import write_checkpoint
 from offload_files import MOEKIT, flip_byte, readonly_copy, run_unprivileged, write_tiny
 from moekit.errors import ExpertIntegrityError, MoekitError
-from moekit.offload.extents import PACKED_NAME, expert_extents
-from moekit.offload.manifest import MANIFEST_NAME, load_or_build_manifest
+from moekit.weights.extents import PACKED_NAME, expert_extents
+from moekit.weights.manifest import MANIFEST_NAME, load_or_build_manifest
 from moekit.offload.pack import pack_experts
 from moekit.offload.reader import ExpertReader
 from moekit.spec import load_spec

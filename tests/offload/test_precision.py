@@ -16,12 +16,12 @@ from offload_files import flip_byte, write_tiny
 from moekit.engine.loader import load_engine
 from moekit.errors import ExpertIntegrityError
 from moekit.model.linear import INT4, INT8, INT8_GEMV
-from moekit.offload.manifest import read_manifest
+from moekit.weights.manifest import read_manifest
 from moekit.offload.options import OffloadOptions
 from moekit.offload.pack import pack_experts
 from moekit.offload.pins import model_identity, profile_document
 from moekit.offload.precision import by_frequency, stored_kind, uniform, weight_bytes
-from moekit.offload.profile import count_experts
+from moekit.analysis.profile import count_experts
 from moekit.spec import load_spec
 
 PROMPTS = [[1, 17, 42, 99, 5, 63], [3, 4, 5, 6, 7, 8, 9, 10]]  # two rows: grouped and one-token paths

@@ -14,8 +14,8 @@ from offload_files import flip_byte, write_tiny
 from moekit.errors import ExpertIntegrityError, MoekitError
 from moekit.model.decoder import Decoder
 from moekit.model.loading import load_into
-from moekit.offload.extents import expert_extents
-from moekit.offload.manifest import load_or_build_manifest
+from moekit.weights.extents import expert_extents
+from moekit.weights.manifest import load_or_build_manifest
 from moekit.offload.reader import ExpertReader
 from moekit.spec import load_spec
 from moekit.weights.checkpoint import open_checkpoint

@@ -63,7 +63,7 @@ def _pin_profile(folder, tmp_path):
     """(profile document, its file): the top 2 experts per layer over PROMPTS, as `moekit profile`
     writes it (the tiny checkpoint has no tokenizer: counted from token-id prompts)."""
     from moekit.offload.pins import model_identity, profile_document
-    from moekit.offload.profile import count_experts
+    from moekit.analysis.profile import count_experts
 
     engine = load_engine(folder)
     counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
@@ -110,7 +110,7 @@ def test_budgets_below_the_minimum_or_above_everything(qwen):
 def test_live_hits_equal_the_cache_simulation_of_the_same_trace(qwen, tmp_path):
     """Without prefetch, the store makes exactly the SlotCache.call sequence cache-sim replays."""
     from moekit.engine.trace import write_trace
-    from moekit.offload.cache_sim import read_trace, simulate
+    from moekit.analysis.cache_sim import read_trace, simulate
 
     engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lfu", prefetch=False))
     try:
@@ -131,7 +131,7 @@ def test_a_corrupted_expert_fails_the_request_names_it_and_never_serves_wrong_we
     want = _ids(folder)[1]
     _ids(folder, OffloadOptions("25%"))  # first run writes the checksum manifest
     manifest = json.loads((folder / "moekit-experts.json").read_text())
-    from moekit.offload.manifest import from_json
+    from moekit.weights.manifest import from_json
 
     m = from_json(manifest)
     (layer, expert), ex = next(iter(sorted(m.experts.items())))

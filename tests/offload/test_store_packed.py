@@ -16,7 +16,7 @@ from cli_runner import moekit, refused
 from moekit import load as moekit_load  # the Python API (`moekit` is the CLI runner here)
 from moekit.engine.loader import load_engine
 from moekit.errors import CheckpointError, ExpertIntegrityError
-from moekit.offload.manifest import load_or_build_manifest, read_manifest
+from moekit.weights.manifest import load_or_build_manifest, read_manifest
 from moekit.offload.options import OffloadOptions
 from moekit.offload.reader import ExpertReader
 from moekit.spec import load_spec
@@ -47,7 +47,7 @@ def _generate(folder, offload=None, dtype="float32"):
 
 
 def _prepared_bytes(spec, kind: str, block_in: int = 128) -> int:
-    """One expert as moekit.model.packed's prepared rows, from the format's definition: MXFP4 17
+    """One expert as moekit.ops.packed_layout's prepared rows, from the format's definition: MXFP4 17
     bytes per 32 inputs; FP8 a byte per weight plus an fp32 scale per row and column block."""
     moe = spec.layers[spec.moe_layers[0]].ffn
     d, f = moe.expert.hidden_size, moe.expert.width

@@ -53,7 +53,7 @@ def _touched(engine, prompt, new) -> set:
 
 
 def test_a_corrupted_paged_expert_fails_its_request_alone(tiny, tmp_path, serve_process):
-    from moekit.offload.manifest import from_json
+    from moekit.weights.manifest import from_json
 
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny, folder)

@@ -22,7 +22,7 @@ from gguf_convert import convert, rewrite_gguf, tiny_checkpoint
 from offload_files import flip_byte
 
 from moekit.engine.loader import load_engine
-from moekit.offload.gguf_extents import manifest_path
+from moekit.weights.gguf_extents import manifest_path
 from moekit.offload.options import OffloadOptions
 from moekit.weights.gguf_file import read_gguf
 

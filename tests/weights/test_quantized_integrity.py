@@ -10,7 +10,7 @@ import pytest
 from moekit.engine.loader import load_engine
 from moekit.errors import CheckpointError
 from tests.offload.offload_files import flip_byte
-from moekit.offload.manifest import checksum_checkpoint, read_manifest
+from moekit.weights.manifest import checksum_checkpoint, read_manifest
 from moekit.spec import load_spec
 from quantized_files import write_fp8, write_mxfp4
 

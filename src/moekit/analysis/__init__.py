@@ -5,7 +5,7 @@ and the HTML report that shows both.
   load_stats     expert load, router health, domain specialisation (numpy only)
   reuse_stats    reuse between consecutive tokens, co-activation, cross-layer prefetch headroom
   activation     experts, active parameters and share per token, by domain and position
-  hitrate        the expert-cache hit-rate curve (moekit.offload.cache_sim)
+  hitrate        the expert-cache hit-rate curve (moekit.analysis.cache_sim)
   analyze        all of the above as one JSON-ready dict (`moekit analyze`)
   policy_eval    routing policies scored with the engine (`moekit eval-routing`; torch)
   prompts, sample, run_trace   labelled prompts, the shipped held-out sample, tracing them

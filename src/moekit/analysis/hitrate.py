@@ -1,10 +1,10 @@
 """The expert-cache hit-rate curve of a trace: hit rate against slots per layer, replayed through
-moekit.offload.cache_sim (the live store's SlotCache), for LRU and for Belady's bound."""
+moekit.analysis.cache_sim (the live store's SlotCache), for LRU and for Belady's bound."""
 
 from __future__ import annotations
 
 from moekit.analysis.trace_data import RoutingTrace
-from moekit.offload.cache_sim import simulate, trace_calls
+from moekit.analysis.cache_sim import simulate, trace_calls
 
 CURVE_POLICIES = ("lru", "lfu", "belady")
 

@@ -35,16 +35,16 @@ def threaded_read_bandwidth(n_bytes: int = READ_BYTES, readings: int = READINGS)
 def product_read_bandwidth(n_bytes: int = READ_BYTES, readings: int = READINGS) -> Optional[float]:
     """bytes/s of moekit's one-row fp32 product (moekit::rows_gemv, the build and grouping the
     compiled step chooses for fp32) over an fp32 weight of n_bytes, at torch's thread count: the best
-    of `readings` after one. None where this process has not registered the operators (asking never
-    builds them: an eager benchmark does not pay for the build)."""
+    of `readings` after one. None where this process has not loaded the operators (`--kernels
+    reference`, a failed build)."""
     import torch
 
-    from moekit.model import gemv
+    from moekit import ops
 
-    if not hasattr(torch.ops.moekit, "rows_gemv"):
+    if not ops.available("rows_gemv"):
         return None
-    v = gemv.variant("float32")
-    product = gemv.op(v.namespace, "rows_gemv")
+    v = ops.variant("float32")
+    product = ops.op(v.namespace, "rows_gemv")
     weight = torch.ones(n_bytes // 4 // _PRODUCT_WIDTH, _PRODUCT_WIDTH)
     x = torch.ones(1, _PRODUCT_WIDTH)
     return weight.nbytes / _best_seconds(lambda: product(x, weight, v.grouped), readings)

@@ -8,9 +8,9 @@ from typing import Optional
 
 import typer
 
-from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_needed, operators_to_build
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY
+from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY
 from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
@@ -58,6 +58,7 @@ def decode(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     batch: str = typer.Option("1,8", "--batch", help="Comma-separated batch sizes."),
     tokens: int = typer.Option(32, "--tokens", help="New tokens per row."),
     prompt_len: int = typer.Option(16, "--prompt-len", help="Prompt tokens per row."),
@@ -71,7 +72,7 @@ def decode(
     from moekit.commands.bench_view import decode_in_steps
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import load_engine
-    from moekit.model import gemv
+    from moekit import ops
 
     dtype = engine_dtype(dtype)
     if vs not in (None, *BASELINES):
@@ -87,18 +88,20 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
-    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=False))
+    from moekit.ops import operators_used
+
+    announce_operator_build(operators_used(compile_step, weights, dtype, paged=False), kernels)
     engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights, verify=not no_verify,
-                         compile=compile_step)
+                         compile=compile_step, kernels=kernels)
     for note in engine.notes:
         typer.echo(note, err=True)
     baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
     bandwidth, source = roofline_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),
                               settings, vs if baseline is not None else None, lambda line: typer.echo(line, err=True))
-    kernels = gemv.chosen()
-    if kernels:
-        typer.echo("gemv operators: " + "; ".join(f"{kind} → {v}" for kind, v in kernels.items()), err=True)
+    chosen = ops.chosen()
+    if chosen:
+        typer.echo("gemv operators: " + "; ".join(f"{kind} → {v}" for kind, v in chosen.items()), err=True)
     note = baseline.info().get("note") if baseline is not None else None
     if note:
         typer.echo(f"{vs}: {note}", err=True)
@@ -120,7 +123,8 @@ def decode(
                     "threads": _threads(),
                     "bandwidth_bytes_s": bandwidth,
                     "bandwidth_source": source,
-                    "gemv": kernels,
+                    "gemv": chosen,
+                    "kernels": kernels,
                     "results": [r.as_dict() for r in results],
                 }
             )
@@ -208,8 +212,10 @@ def offload(
                          vs_accelerate=vs == "accelerate")
     from rich.console import Console
 
+    from moekit.ops import operators_used
+
     console = Console(stderr=True)
-    building = operators_to_build(operators_needed(False, "dtype", dtype, paged=True))
+    building = operators_to_build(operators_used(False, "dtype", dtype, paged=True))
     with console.status("starting" + (f": {BUILDING}" if building else "")) as status:
         results = run_bench(bench, minimum, on_start=lambda what: status.update(f"running: {what}"))
     rows = summary_rows(bench, results)

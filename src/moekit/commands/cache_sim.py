@@ -42,7 +42,7 @@ def cache_sim(
     ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of tables."),
 ) -> None:
-    from moekit.offload import cache_sim as sim
+    from moekit.analysis import cache_sim as sim
 
     policies = sim.parse_policies(policy)
     calls = sim.read_trace(trace)

@@ -1,6 +1,6 @@
 """`moekit checksum`: write (or complete, or check) moekit-experts.json beside a checkpoint.
 
-No torch: the manifest is plain byte ranges and crc32s (moekit.offload.manifest).
+No torch: the manifest is plain byte ranges and crc32s (moekit.weights.manifest).
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ def checksum(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     from moekit.calc.units import nbytes
-    from moekit.offload.manifest import checksum_checkpoint
+    from moekit.weights.manifest import checksum_checkpoint
     from moekit.spec.loading import spec_from_config
     from moekit.weights.checkpoint import read_config
 
-    if checkpoint.suffix == ".gguf" and checkpoint.is_file():  # its manifest beside it (moekit.offload.gguf_extents)
-        from moekit.offload.gguf_extents import checksum_gguf
+    if checkpoint.suffix == ".gguf" and checkpoint.is_file():  # its manifest beside it (moekit.weights.gguf_extents)
+        from moekit.weights.gguf_extents import checksum_gguf
         from moekit.spec.loading import spec_from_gguf
 
         spec = spec_from_gguf(checkpoint)

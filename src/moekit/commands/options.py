@@ -11,6 +11,11 @@ NO_VERIFY = ("Skip checking the weights against the crc32s of moekit-experts.jso
 WEIGHTS = ("dtype (the checkpoint's, at --dtype), int8 (every projection's weight int8, one scale per 32 "
            "inputs; activations rounded to int16 per 32 inside the products) or int8-experts (routed experts only).")
 
+# --kernels, on run, serve and bench decode (moekit.ops).
+KERNELS = ("auto: moekit's C++ operators where the run uses them (built once per machine, the kernel for each "
+           "kind of weight measured once and kept; `moekit ops status` shows both); reference: the plain PyTorch "
+           "path only (every product, attention and argmax as torch computes it).")
+
 # --compile, on run, serve and bench decode (moekit.model.compiled_step).
 COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "
            "seconds to a minute, cached on disk for later runs). Models or options it does not cover run eager, "

@@ -36,7 +36,7 @@ def profile(
     from rich.progress import Progress
 
     from moekit.engine.loader import load_engine
-    from moekit.offload.profile import build_profile, read_prompts
+    from moekit.analysis.profile import build_profile, read_prompts
 
     dtype = engine_dtype(dtype)
     texts = read_prompts(prompts)

@@ -15,8 +15,8 @@ from typing import Optional
 import typer
 
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY, WEIGHTS
+from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
@@ -173,6 +173,7 @@ def run(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", show_default=False,
         help="0 = greedy. Default: 0, or 1 when --top-p or --top-k is given (they sample)."),
@@ -260,9 +261,11 @@ def run(
                     sampling, stop_ids, report=lambda engine, sampling: _generate_and_report(
                         engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out))
         return
-    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
+    from moekit.ops import operators_used
+
+    announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
     engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress(),
-                         weights=weights, verify=not no_verify, compile=compile_step)
+                         weights=weights, verify=not no_verify, compile=compile_step, kernels=kernels)
     for note in engine.notes:
         typer.echo(f"note: {note}", err=True)
     if engine.decoder.compiled is not None:

@@ -8,8 +8,8 @@ from typing import Optional
 import typer
 
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.operators_notice import announce_operator_build, operators_needed
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, NO_VERIFY, WEIGHTS
+from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS
 from moekit.errors import MoekitError
 
 DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
@@ -81,6 +81,7 @@ def serve(
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
     compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
     queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
@@ -139,7 +140,9 @@ def serve(
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
     elif pin is not None or prefetch or cache != "lru":
         raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
-    announce_operator_build(operators_needed(compile_step, weights, dtype, paged=offload is not None))
+    from moekit.ops import operators_used
+
+    announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
     config = ServeConfig(
         checkpoint=folder,
         model_name=served_model_name or (folder.stem if gguf else folder.resolve().name),
@@ -156,6 +159,7 @@ def serve(
         verify=not no_verify,
         compile=compile_step,
         prefix_cache_bytes=prefix_cache_bytes,
+        kernels=kernels,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()

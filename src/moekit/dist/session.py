@@ -185,7 +185,7 @@ def _manifest_first(job: Job, me: Rank, progress) -> None:
     import torch.distributed as dist
 
     from moekit.dist.layer import ExchangeError
-    from moekit.offload.manifest import load_or_build_manifest
+    from moekit.weights.manifest import load_or_build_manifest
     from moekit.spec import load_spec
 
     if me.rank == 0:

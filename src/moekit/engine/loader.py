@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from moekit import ops
 from moekit.calc.dtypes import engine_dtype
 from moekit.engine.generate import Generation, TokenCallback, generate
 from moekit.engine.meter import TokenActivation, dense_saving_bytes, meter, packed_expert_bytes
@@ -155,7 +156,7 @@ def torch_dtype(dtype: str):
 
 def load_engine(
     path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None,
-    weights: str = "dtype", verify: bool = True, compile: bool = False,
+    weights: str = "dtype", verify: bool = True, compile: bool = False, kernels: str = "auto",
 ) -> Engine:
     """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
     (None: every weight resident). progress(done, total) reports a first-run checksum manifest.
@@ -165,10 +166,14 @@ def load_engine(
     (moekit.weights.checkpoint; the resident load never writes one); False skips it, said in notes.
     A first paged run writes the manifest even then: it is the store's map of where experts are.
     compile: run the decode steps as one compiled graph (moekit.model.compiled_step); where this
-    model or these options cannot, the engine runs eager and the notes say why."""
+    model or these options cannot, the engine runs eager and the notes say why.
+    kernels: "auto" loads moekit's C++ operators where this run uses them (`operators_used`; built
+    once per machine, a failed build one line in notes naming its log, the reference then running),
+    "reference" never loads them: every product, attention and argmax the plain PyTorch way."""
     from moekit.model.decoder import Decoder
     from moekit.spec import load_spec
     from moekit.weights.checkpoint import base_checkpoint, open_checkpoint
+    from moekit.weights.quantized import quant_method
 
     folder = Path(path)
     dtype = engine_dtype(dtype, "dtype")  # any spelling of the vocabulary; the engine keeps torch's name
@@ -179,6 +184,8 @@ def load_engine(
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
     plan, notes = None, []
+    notes.extend(load_kernels(kernels, ops.operators_used(compile, weights, dtype, offload is not None,
+                                                      packed=quant_method(ckpt.config, folder) is not None)))
     gguf_tokenizer = gguf_manifest = None
     if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized,
         from moekit.weights.gguf_checkpoint import engine_parts  # where the store finds its experts
@@ -245,6 +252,16 @@ def load_engine(
     )
 
 
+def load_kernels(kernels: str, used: bool) -> list[str]:
+    """Load the operators for a run that uses them (--kernels auto); the notes: one line per build
+    that failed, naming the compiler's log. Nothing for --kernels reference."""
+    if kernels not in ops.KERNELS:
+        raise MoekitError(f"--kernels must be one of {', '.join(ops.KERNELS)}, got {kernels!r}")
+    if kernels == "reference" or not used:
+        return []
+    return ops.load().failures()
+
+
 def _compile_decode(decoder, paged: bool) -> str:
     """Install the compiled decode step, or say why the engine stays eager."""
     from moekit.model.compiled_step import unsupported
@@ -258,7 +275,7 @@ def _compile_decode(decoder, paged: bool) -> str:
 
 def _packed_in_blocks(folder: Path) -> bool:
     """Whether `folder` is a packed checkpoint whose experts are (partly) int8/int4 blocks."""
-    from moekit.offload.extents import PACKED_NAME
+    from moekit.weights.extents import PACKED_NAME
 
     if not (folder / PACKED_NAME).is_file():
         return False

@@ -237,7 +237,7 @@ def decode_step_bytes(spec: ModelSpec, gen: Generation, bytes_per_param: int,
 
 def packed_expert_bytes(decoder) -> Optional[ExpertBytes]:
     """(layer, expert) → the bytes that resident expert holds, when the checkpoint's experts were
-    kept packed (MXFP4 4.25 bits a weight, FP8 8.25: moekit.model.packed); None otherwise."""
+    kept packed (MXFP4 4.25 bits a weight, FP8 8.25: moekit.ops.packed_layout); None otherwise."""
     from moekit.model.experts import RoutedExperts
 
     each: dict[int, int] = {}

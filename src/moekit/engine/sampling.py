@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from moekit.errors import MoekitError
-from moekit.model import gemv
+from moekit import ops
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ def make_generator(params: SamplingParams, device: torch.device | str) -> Option
 
 def greedy(logits: Tensor) -> Tensor:
     """[B, V] -> [B] int64; ties go to the lowest id, as torch.argmax (and transformers) does
-    (moekit.model.gemv.rows_argmax: torch.argmax's indices, faster where the operators are built)."""
-    return gemv.rows_argmax(logits)
+    (moekit.ops.rows_argmax: torch.argmax's indices, faster where the operators are built)."""
+    return ops.rows_argmax(logits)
 
 
 def filter_top_k(logits: Tensor, k: int) -> Tensor:

@@ -5,7 +5,7 @@ fixed cost (dispatch, allocation, one-row GEMMs that MKL and oneDNN run well bel
 is most of a token's time. Written as plain tensor algebra with no data-dependent Python, the whole
 step compiles into one graph of a few dozen kernels:
   - every projection is moekit::rows_gemv and the chosen experts moekit::experts_gemv (two small
-    C++ operators, moekit.model.gemv, that stream fp32/bf16 weight rows at memory speed and read the
+    C++ operators, moekit.ops, that stream fp32/bf16 weight rows at memory speed and read the
     experts in place from the stacks); where they cannot be built, a projection of one row is the
     reduction `(x[:, None, :] * W).sum(-1)`, which Inductor vectorises, and the experts are read by
     indirect indexing `W[topk_ids]`, which compiled code reads in place (eager, the same expression
@@ -25,7 +25,7 @@ directly (moekit.model.direct_graph: the graph's own shape guards, no Dynamo fra
 It reads the Decoder's parameters in the Hub layout (the decoder is prepared with
 `kernels=False`), so it costs no second copy of the weights, except on a machine with AMX, where
 a bf16 decoder's projections and expert stacks are first laid out in tiles (`lay_out_tiles`,
-moekit.model.gemv.to_tiles: ~20% faster batch products, ~10% one-row ones, measured), in place of
+moekit.ops.to_tiles: ~20% faster batch products, ~10% one-row ones, measured), in place of
 the Hub layout, and the eager forward reads them through the TILES kernel. The eager forward of
 the same decoder (or, for tiles, of a plain one) stays the reference: tests/model/test_compiled_step.py holds the two to identical greedy
 tokens and fp32 logits within 1e-4 for every family it runs.
@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from moekit.model import gemv
+from moekit import ops
 from moekit.model.attention import Attention
 from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
@@ -57,21 +57,22 @@ from moekit.model.mlp import MLP
 from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm, RMSNorm, rms_normalize
 from moekit.model.routing import RoutingDecision, route
+from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 tiles: bool = False) -> torch.Tensor:
     """x [B, in], weight [out, in] (Hub layout) → [B, out]: moekit::rows_gemv where it is built
-    (moekit.model.gemv); else one row as a reduction, which Inductor vectorises over `in` and
+    (moekit.ops); else one row as a reduction, which Inductor vectorises over `in` and
     parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
     int8`): moekit::rows_q8, the eager int8 kernel's own operator. tiles: a bf16 weight in the tiles
     layout (lay_out_tiles), moekit::rows_tiles, the eager TILES kernel's own operator."""
     if tiles:
-        y = gemv.op("moekit", "rows_tiles")(x, weight)
+        y = ops.op("moekit", "rows_tiles")(x, weight)
     elif weight.dtype == torch.uint8:
-        y = _op(weight, "rows_q8")(x, weight, _grouped(gemv.kind_of(weight)))
+        y = _op(weight, "rows_q8")(x, weight, _grouped(ops.kind_of(weight)))
     elif _has_gemv():
-        kind = gemv.kind_of(weight)
+        kind = ops.kind_of(weight)
         y = _op(weight, "rows_gemv")(_widened(x, kind), weight, _grouped(kind)).to(x.dtype)
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
@@ -84,13 +85,13 @@ def _project(m: Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def lay_out_tiles(decoder) -> None:
-    """Where bf16 weights stream faster in tiles here (moekit.model.gemv.tiles_ready: an AMX machine),
+    """Where bf16 weights stream faster in tiles here (moekit.ops.tiles_ready: an AMX machine),
     every plain bf16 projection that fits (moekit.model.linear.TILES) and every plain bf16 expert
     stack (RoutedExperts.lay_out_tiles) in that layout, in place of the Hub layout: still one copy.
     The eager forward (prefill, tiers) runs the same operator through the TILES kernel."""
-    linears = [m for m in decoder.modules() if isinstance(m, Linear) and m.kernel is PLAIN and gemv.tiles_fit(m.weight)]
+    linears = [m for m in decoder.modules() if isinstance(m, Linear) and m.kernel is PLAIN and ops.tiles_fit(m.weight)]
     stacks = [m for m in decoder.modules() if isinstance(m, RoutedExperts) and m.tiles_fit()]
-    if not (linears or stacks) or not gemv.tiles_ready():
+    if not (linears or stacks) or not ops.tiles_ready():
         return
     for m in linears:
         m.prepare(TILES)
@@ -120,49 +121,49 @@ def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:
     return t
 
 
-# Which build of the operators runs each kind of weight here, and whether in groups: gemv.variant,
-# measured once per process before tracing (CompiledStep.__init__). Dynamo calls these two while it
+# Which build of the operators runs each kind of weight here, and whether in groups: ops.variant,
+# measured once per machine (persisted) before tracing (CompiledStep.__init__). Dynamo calls these two while it
 # traces and bakes their answers into the graph as constants.
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _namespace(kind: str) -> str:
-    return gemv.variant(kind).namespace
+    return ops.variant(kind).namespace
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _grouped(kind: str) -> bool:
-    return gemv.variant(kind).grouped
+    return ops.variant(kind).grouped
 
 
-@torch._dynamo.assume_constant_result
+@assume_constant_result
 def _widen_batch(kind: str) -> bool:
-    return gemv.widen_batch(kind)
+    return ops.widen_batch(kind)
 
 
 def _widened(x: torch.Tensor, kind: str) -> torch.Tensor:
     """x as a product on this kind of weight takes it: a batch's rows widened to fp32 where that
-    measured faster here than bf16 pairs (gemv.widen_batch; the product is cast back to x's dtype,
+    measured faster here than bf16 pairs (ops.widen_batch; the product is cast back to x's dtype,
     so the rounding points stay where they are), else x itself. A lone row keeps the pairs."""
     return x.float() if x.shape[0] != 1 and _widen_batch(kind) else x
 
 
 def _op(weight: torch.Tensor, name: str):
     """The operator `name` of the build chosen for this kind of weight."""
-    return gemv.op(_namespace(gemv.kind_of(weight)), name)
+    return ops.op(_namespace(ops.kind_of(weight)), name)
 
 
 def _has_gemv() -> bool:
-    # Read while Dynamo traces (a constant in the graph): whether moekit.model.gemv registered its ops.
-    return hasattr(torch.ops.moekit, "rows_gemv")
+    # Read while Dynamo traces (a constant in the graph): whether the command loaded the operators.
+    return ops.available("rows_gemv")
 
 
 def _has_latent_attend() -> bool:
     # Read while Dynamo traces, as _has_gemv: MLA's attention over the cache as moekit::latent_attend.
-    return hasattr(torch.ops.moekit, "latent_attend")
+    return ops.available("latent_attend")
 
 
 def _has_attend() -> bool:
     # Read while Dynamo traces, as _has_gemv: grouped-query attention over the cache as moekit::attend.
-    return hasattr(torch.ops.moekit, "attend")
+    return ops.available("attend")
 
 
 def _mlp(mlp: MLP, x: torch.Tensor) -> torch.Tensor:
@@ -176,10 +177,10 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
     if ex.int8_stacks is not None:
         return _int8_experts(ex, x, ids, w)
     if ex.kernels == (TILES, TILES):
-        experts_tiles = gemv.op("moekit", "experts_tiles")
+        experts_tiles = ops.op("moekit", "experts_tiles")
         h = experts_tiles(x[:, None, :], ex.gate_up, ids)  # [B, K, 2F]
     elif _has_gemv():
-        kind = gemv.kind_of(ex.gate_up)
+        kind = ops.kind_of(ex.gate_up)
         h = _op(ex.gate_up, "experts_gemv")(_widened(x, kind)[:, None, :], ex.gate_up, ids, _grouped(kind)).to(x.dtype)  # [B, K, 2F]
     else:
         h = (x[:, None, None, :] * ex.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
@@ -189,7 +190,7 @@ def _experts(ex: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> t
     if ex.kernels == (TILES, TILES):
         y = experts_tiles(a, ex.down, ids)  # [B, K, D]
     elif _has_gemv():
-        kind = gemv.kind_of(ex.down)
+        kind = ops.kind_of(ex.down)
         y = _op(ex.down, "experts_gemv")(_widened(a, kind), ex.down, ids, _grouped(kind)).to(a.dtype)  # [B, K, D]
     else:
         y = (a[:, :, None, :] * ex.down[ids]).sum(-1)
@@ -258,7 +259,7 @@ def _attention(attn: Attention, x, stack, at, slot, cos, sin_signed, visible) ->
     grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
     if attn.sinks is None and _has_attend():
         # The cache read in place; the graph's own attention widened it to fp32 copies every layer.
-        out = torch.ops.moekit.attend(grouped, keys, values, allowed, attn.scale).to(x.dtype)  # [B, Hkv, G, hd]
+        out = ops.op("moekit", "attend")(grouped, keys, values, allowed, attn.scale).to(x.dtype)  # [B, Hkv, G, hd]
         return _project(attn.o_proj, out.reshape(b, h * hd))
     product = contract if b == 1 else torch.einsum
     logits = product("bkgd,bksd->bkgs", grouped, keys.float()) * attn.scale  # [B, Hkv, G, S]
@@ -297,7 +298,7 @@ def _latent_attention(attn: MLAttention, x, stack, at, slot, cos, sin_signed, vi
     if _has_latent_attend():
         # The cache read in place, (row, head) pairs on both threads; Inductor's loops for the
         # same ran on one (1.5 µs per cached position per layer on deepseek_v3-1b at bf16).
-        out = torch.ops.moekit.latent_attend(query, cached, visible, attn.scale, r).to(x.dtype)
+        out = ops.op("moekit", "latent_attend")(query, cached, visible, attn.scale, r).to(x.dtype)
     else:
         cached = cached.float()
         product = contract if b == 1 else torch.einsum
@@ -355,7 +356,7 @@ def unsupported(decoder) -> Optional[str]:
     if any(isinstance(m, Linear) and m.kernel not in (PLAIN, TILES, INT8, INT8_GEMV) for m in decoder.modules()):
         return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
     if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()) and not _has_gemv():
-        return "int8 weights need the gemv operators, which could not be built here"
+        return "int8 weights need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
     for block in decoder.layers:
         if block.before_attn is not None or block.before_ffn is not None:
             return "a prefetcher is attached (the expert store)"
@@ -380,7 +381,7 @@ def unsupported(decoder) -> Optional[str]:
             if ex.expert_kernels is not None or (ex.kernels not in ((PLAIN, PLAIN), (TILES, TILES)) and ex.int8_stacks is None):
                 return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
             if ex.int8_stacks is not None and not _has_gemv():
-                return "int8 experts need the gemv operators, which could not be built here"
+                return "int8 experts need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
     rope = decoder.rope.spec
     if rope.interleaved or rope.fp32:
         return "interleaved or fp32 RoPE is not in the compiled step yet"
@@ -389,7 +390,7 @@ def unsupported(decoder) -> Optional[str]:
 
 def _mark_step(ids, slot, positions, key_mask) -> None:
     """Mark the batch and the visible length of one step's inputs as dynamic sizes."""
-    mark = torch._dynamo.mark_dynamic
+    mark = mark_dynamic
     if ids.shape[0] > 1:  # a size of 1 is always specialised; batch 1 gets its own graph
         for t in (ids, slot, positions, key_mask):
             mark(t, 0)
@@ -400,7 +401,7 @@ def _mark_step(ids, slot, positions, key_mask) -> None:
 def _mark_held(stack, tables) -> None:
     """Mark the cache's rows and slots and the rope tables' length as dynamic sizes. A mark stays on
     its tensor, so these, which live across steps, are marked once (CompiledStep._held)."""
-    mark = torch._dynamo.mark_dynamic
+    mark = mark_dynamic
     for t in tables:
         mark(t, 0)
     if stack.shape[1] > 1:
@@ -418,8 +419,6 @@ class _Recorder:
         self._inductor = step._inductor
 
     def __call__(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
         run = compile_fx(gm, example_inputs, config_patches=self._inductor)
         step = self._step()
         if step is not None:
@@ -456,10 +455,9 @@ class CompiledStep:
         self.decoder = decoder
         lay_out_tiles(decoder)  # an AMX machine's bf16 weights, once, before tracing reads their kernels
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
-        gemv.operators()  # built (once per machine) before tracing; where it cannot be, the reductions
-        for kind in gemv.KINDS:
-            gemv.variant(kind)  # measured now, not while Dynamo traces
-            gemv.widen_batch(kind)
+        for kind in ops.KINDS:  # the operators are the command's to load (moekit.ops.load); where not, the reductions
+            ops.variant(kind)  # chosen now (measured once per machine), not while Dynamo traces
+            ops.widen_batch(kind)
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         self._marked = None  # a weak reference to the cache stack last marked (_held)
         # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph
@@ -473,7 +471,7 @@ class CompiledStep:
         # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
         self._inductor = {"cpp_wrapper": cpp_wrapper}
         if cpp_wrapper:  # the C++ calls the operators' C entry points, not the boxed dispatcher
-            self._inductor["aot_inductor.custom_ops_to_c_shims"] = gemv.c_shims()
+            self._inductor["aot_inductor.custom_ops_to_c_shims"] = ops.c_shims()
         # Inductor compiles each graph through _Recorder, which hands it to _record to keep how to call it
         # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
         # graph's guards call it directly, the rest go through Dynamo.

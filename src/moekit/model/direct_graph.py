@@ -25,7 +25,8 @@ from types import CodeType
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
+
+from moekit.ops.torch_private import SYMPY_INTERP, detect_fake_mode
 
 HELD, INPUT, SIZE, STRIDE = "held", "input", "size", "stride"
 
@@ -149,7 +150,7 @@ def _symbol_source(value, fakes: dict[int, object]) -> Optional[Source]:
 def _guards(fakes: list) -> CodeType | None | bool:
     """The shape guards over the inputs' fake tensors, compiled; None where there are none; False
     where no shape environment can be found (then the graph is not called directly)."""
-    mode = torch._guards.detect_fake_mode()
+    mode = detect_fake_mode()
     if mode is None or mode.shape_env is None:
         return False
     code = mode.shape_env.produce_guards_expression(fakes, ignore_static=False)

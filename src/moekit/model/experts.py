@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from moekit.model import gemv
+from moekit import ops
 from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
@@ -98,7 +98,7 @@ class RoutedExperts(nn.Module):
     kept_packed = False  # True once keep_packed() has set the weights
 
     def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
-        """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.model.packed), each expert's
+        """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.ops.packed_layout), each expert's
         prepared bytes given, in place of the full-precision stacks, which are dropped unfilled."""
         self._hold(kernels, gate_up, down)
         self.kept_packed = True
@@ -113,16 +113,16 @@ class RoutedExperts(nn.Module):
     def tiles_fit(self) -> bool:
         """Whether lay_out_tiles applies: resident plain-kernel stacks, bf16, of widths that fit."""
         return (self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
-                and gemv.tiles_fit(self.gate_up) and gemv.tiles_fit(self.down))
+                and ops.tiles_fit(self.gate_up) and ops.tiles_fit(self.down))
 
     def lay_out_tiles(self) -> None:
         """The stacks [E, out, in] (where tiles_fit), each expert in the tiles layout
-        (moekit.model.gemv.to_tiles), still one stack each: the compiled decode step's layout on an
+        (moekit.ops.to_tiles), still one stack each: the compiled decode step's layout on an
         AMX machine."""
         if not self.tiles_fit():
             raise RuntimeError("RoutedExperts.lay_out_tiles: the stacks are not plain bf16 ones that fit the tiles")
         for name in ("gate_up", "down"):
-            setattr(self, name, nn.Parameter(gemv.to_tiles(getattr(self, name).detach()), requires_grad=False))
+            setattr(self, name, nn.Parameter(ops.to_tiles(getattr(self, name).detach()), requires_grad=False))
         self._weights = (tuple(self.gate_up), tuple(self.down))
         self.kernels = (TILES, TILES)
 

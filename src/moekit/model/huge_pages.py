@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch
 
+from moekit.ops.torch_private import storage_use_count
+
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 64 << 10  # smaller storages stay put: they sit in a few pages either way
 ALIGN = 64  # a cache line, and a multiple of every element size
@@ -115,7 +117,7 @@ def move_to_huge_pages(module: torch.nn.Module, advice: Optional[int] = None) ->
             _repoint(t, target, (base + at) // t.element_size() + offset)
         # Our `old` is one reference; any other means a holder outside the modules (a view, a
         # store): put the tensors back so that it still shares their memory.
-        if torch._C._storage_Use_Count(old._cdata) > 1:
+        if storage_use_count(old) > 1:
             for t, offset in zip(tensors, offsets):
                 _repoint(t, old, offset)
             moved.kept.append(f"a {n / 1e6:.1f} MB storage is also held outside the model")

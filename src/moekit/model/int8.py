@@ -11,20 +11,19 @@ accumulated in fp32 and cast back to the engine's dtype.
 
   int8_reference   x rounded as above, the whole weight dequantized to fp32, F.linear: what the
                    kernels must equal.
-  q8 gemv          moekit::rows_q8, a small C++ operator (moekit.model.gemv, built once per machine
-                   with -march=native, cached by torch): reads the 34-byte blocks and multiplies
+  q8 gemv          moekit::rows_q8, a small C++ operator (moekit.ops, built once per machine
+                   and CPU from csrc/q8.cpp): reads the 34-byte blocks and multiplies
                    them with the rounded x in integers, without materialising the weight; up to GEMV_ROWS rows of x, threads over
                    `out`. The compiled decode step calls the same operator (and experts_q8).
   dequantize+mm    the reference's arithmetic; used for more rows (prefill), and everywhere when
                    the operator cannot be built here (no compiler) or measures slower.
 
-Which of the two runs one-row products is measured once per process (`choose_gemv`), never
-assumed from the CPU. tests/model/test_int8.py holds the kernel to the reference.
+Which of the two runs one-row products is measured once per machine and persisted (`choose_gemv`),
+never assumed from the CPU. tests/model/test_int8.py holds the kernel to the reference.
 """
 
 from __future__ import annotations
 
-import time
 from functools import lru_cache, partial
 from typing import Optional
 
@@ -32,50 +31,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-BLOCK = 32
-BLOCK_BYTES = 2 + BLOCK  # float16 scale, then 32 int8
+from moekit import ops
+from moekit.ops.select import mean_time
+from moekit.ops.q8_0 import BLOCK, BLOCK_BYTES, dequantize_q8_0, quantize_q8_0, round_to_q16  # noqa: F401 (the layout, re-used here)
+
 GEMV_ROWS = 16  # x rows up to which the operator runs; more rows amortise a dequantized weight
 PROBE_ROWS = 1024  # choose_gemv times at most this many output rows: the per-row cost is what differs
-
-
-def quantize_q8_0(weight: Tensor) -> Tensor:
-    """weight [out, in] (any float dtype) → uint8 [out, nb * 34], q8_0 blocks along `in`."""
-    out_features, in_features = weight.shape
-    nb = -(-in_features // BLOCK)
-    w = weight.detach().to(torch.float32, copy=True)  # worked on in place below
-    if nb * BLOCK != in_features:
-        w = F.pad(w, (0, nb * BLOCK - in_features))
-    blocks = w.view(out_features, nb, BLOCK)
-    d = blocks.abs().amax(dim=-1, keepdim=True).div_(127)  # [out, nb, 1]
-    blocks.mul_(torch.where(d == 0, torch.zeros_like(d), 1 / d))
-    q = blocks.add_(torch.copysign(torch.full_like(blocks, 0.5), blocks)).trunc_().to(torch.int8)  # roundf
-    packed = torch.empty(out_features, nb, BLOCK_BYTES, dtype=torch.uint8)
-    packed[..., :2] = d.to(torch.float16).view(torch.uint8)
-    packed[..., 2:] = q.view(torch.uint8)
-    return packed.view(out_features, nb * BLOCK_BYTES)
-
-
-def dequantize_q8_0(packed: Tensor, in_features: int) -> Tensor:
-    """uint8 [out, nb * 34] → fp32 [out, in_features]."""
-    out_features = packed.shape[0]
-    blocks = packed.view(out_features, -1, BLOCK_BYTES)
-    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [out, nb, 1]
-    q = blocks[..., 2:].contiguous().view(torch.int8).float()  # [out, nb, 32]
-    return (q * d).view(out_features, -1)[:, :in_features]
-
-
-Q16_MAX = 32767
-
-
-def round_to_q16(x: Tensor) -> Tensor:
-    """x [.., in] → fp32 [.., in]: each block of 32 inputs as s · q, s = max|x| / 32767 and q = x / s
-    rounded to nearest even, as moekit::rows_q8 rounds it (a block of zeros stays zero)."""
-    width = x.shape[-1]
-    nb = -(-width // BLOCK)
-    blocks = F.pad(x.float(), (0, nb * BLOCK - width)).unflatten(-1, (nb, BLOCK))  # [.., nb, 32]
-    s = blocks.abs().amax(dim=-1, keepdim=True) / Q16_MAX
-    q = torch.where(s == 0, torch.zeros_like(blocks), torch.round(blocks / s))
-    return (q * s).flatten(-2)[..., :width]
 
 
 def int8_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -85,22 +46,13 @@ def int8_reference(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> 
     return y.to(x.dtype)
 
 
-@lru_cache(maxsize=1)
 def gemv_operator():
-    """moekit::rows_q8 (moekit.model.gemv, the operator the compiled decode step calls too), with
-    the build and the row grouping measured fastest here (gemv.variant), or None where it cannot be built
-    (the reason is in `gemv_status`)."""
-    from moekit.model import gemv
-
-    ops = gemv.operators()
-    if ops is None:
-        _STATUS["gemv"] = gemv.status().replace("gemv operators", "q8 operator")
+    """moekit::rows_q8 of the build and row grouping chosen for q8_0 weights here (moekit.ops.variant),
+    or None where this process has not loaded the operators (--kernels reference, a failed build)."""
+    if not ops.available("rows_q8"):
         return None
-    chosen = gemv.variant("q8_0")
-    return partial(gemv.op(chosen.namespace, "rows_q8"), grouped=chosen.grouped)
-
-
-_STATUS: dict[str, str] = {}
+    chosen = ops.variant("q8_0")
+    return partial(ops.op(chosen.namespace, "rows_q8"), grouped=chosen.grouped)
 
 
 def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -115,33 +67,25 @@ def int8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tenso
     return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
 
 
-def mean_time(fn, *args, repeats: int = 10) -> float:
-    """Seconds per call of fn(*args), after one untimed call (kernel choice at load)."""
-    fn(*args)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn(*args)
-    return (time.perf_counter() - start) / repeats
-
-
 @lru_cache(maxsize=None)
 def choose_gemv(in_features: int, out_features: int, dtype: torch.dtype) -> str:
     """'gemv' or 'reference': whichever runs one row of this shape faster here, measured once per
-    process on up to PROBE_ROWS of its output rows (best of three alternating rounds, so a noisy
-    neighbour hurts both alike)."""
-    if gemv_operator() is None:
-        return "reference"
-    gen = torch.Generator().manual_seed(0)
-    packed = quantize_q8_0(torch.randn(min(out_features, PROBE_ROWS), in_features, generator=gen))
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    with torch.inference_mode():
-        rounds = [(mean_time(int8_gemv, x, packed), mean_time(int8_reference, x, packed)) for _ in range(3)]
-    fast, plain = min(r[0] for r in rounds), min(r[1] for r in rounds)
-    return "gemv" if fast < plain else "reference"
+    machine on up to PROBE_ROWS of its output rows (best of three alternating rounds, so a noisy
+    neighbour hurts both alike) and persisted (moekit.ops.operator_wins)."""
+
+    def timing() -> tuple[float, float]:
+        gen = torch.Generator().manual_seed(0)
+        packed = quantize_q8_0(torch.randn(min(out_features, PROBE_ROWS), in_features, generator=gen))
+        x = torch.randn(1, in_features, generator=gen).to(dtype)
+        with torch.inference_mode():
+            rounds = [(mean_time(int8_gemv, x, packed), mean_time(int8_reference, x, packed)) for _ in range(3)]
+        return min(r[0] for r in rounds), min(r[1] for r in rounds)
+
+    return "gemv" if ops.operator_wins("q8_0", in_features, out_features, dtype, timing) else "reference"
 
 
 def gemv_status() -> str:
-    return _STATUS.get("gemv", "the q8 operator is built" if gemv_operator() is not None else "")
+    return "the q8 operator is loaded" if gemv_operator() is not None else "the q8 operator is not loaded: the reference runs"
 
 
 def quantize_decoder(decoder, experts_only: bool = False) -> str:

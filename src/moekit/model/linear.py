@@ -16,7 +16,7 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
               (F.linear is oneDNN too).
   tiles       bf16 on a CPU with AMX, for the compiled decode step only (moekit.model.compiled_step
               lays a bf16 decoder's projections and expert stacks out so): moekit::rows_tiles on blocks
-              of 16 rows stored tile by tile (moekit.model.gemv.to_tiles), same shape as the Hub weight;
+              of 16 rows stored tile by tile (moekit.ops.to_tiles), same shape as the Hub weight;
               a batch's products stream it ~20% faster than the Hub layout, one row's ~10% (measured).
               Another summation order than F.linear's (fp32 chains over 32-input steps).
   int8        int8 weights in q8_0 blocks (moekit.model.int8), by request only (`--weights int8`),
@@ -25,9 +25,9 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
               for few rows, chosen per shape by measuring which of the two is faster here.
   int4        weight-only 4-bit in q4_0 blocks (moekit.model.int4): dequantize + F.linear in fp32;
               written by `moekit pack --precision int4` (or a profile's cold experts) only.
-  mxfp4, fp8  weights kept as published (moekit.model.packed): gpt-oss's MXFP4 and DeepSeek's
+  mxfp4, fp8  weights kept as published (moekit.ops.packed_layout): gpt-oss's MXFP4 and DeepSeek's
               block-scaled FP8 routed experts, dequantized per use (exactly) and F.linear;
-              mxfp4-gemv, fp8-gemv (moekit.model.packed_gemv) read the packed rows in a compiled few-row
+              mxfp4-gemv, fp8-gemv (moekit.ops.fp8_gemv) read the packed rows in a compiled few-row
               product, chosen per shape by measuring, as int8-gemv is.
 
 `Kernel.hub` gives a prepared weight back in the Hub layout [out, in], exactly (int8 and int4 excepted),
@@ -46,8 +46,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moekit.model import gemv, int4, int8
-from moekit.model import packed, packed_gemv
+from moekit import ops
+from moekit.model import int4, int8
+from moekit.ops import packed_layout as packed
+from moekit.ops.torch_private import onednn_bf16_supported, onednn_linear, onednn_reorder
 
 
 def linear_reference(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -68,18 +70,18 @@ def _apply_transposed(x: Tensor, weight_t: Tensor, bias: Optional[Tensor]) -> Te
 
 
 def _apply_tiles(x: Tensor, tiled: Tensor, bias: Optional[Tensor]) -> Tensor:
-    gemv.operators()  # built once per machine, registered once per process (cached)
-    y = gemv.op("moekit", "rows_tiles")(x.reshape(-1, x.shape[-1]), tiled).view(*x.shape[:-1], -1)
+    rows = ops.op("moekit", "rows_tiles") if ops.available("rows_tiles") else ops.reference.rows_tiles
+    y = rows(x.reshape(-1, x.shape[-1]), tiled).view(*x.shape[:-1], -1)
     return y if bias is None else y + bias
 
 
 def _pack(weight: Tensor) -> Tensor:
     # The batch-size hint 1 tunes the blocking for decode; larger M (prefill, batch 8) still works.
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+    return onednn_reorder(weight)
 
 
 def _apply_packed(x: Tensor, packed: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return onednn_linear(x, packed, bias)
 
 
 def _unpack(packed: Tensor, in_features: int) -> Tensor:
@@ -103,7 +105,7 @@ class Kernel:
 PLAIN = Kernel("plain", lambda w: w, linear_reference, layout=lambda w: w)
 TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed, lambda w, in_features: w.t(), layout=lambda w: w.t())
 ONEDNN = Kernel("onednn", _pack, _apply_packed, _unpack)
-TILES = Kernel("tiles", gemv.to_tiles, _apply_tiles, lambda w, in_features: gemv.from_tiles(w))
+TILES = Kernel("tiles", ops.to_tiles, _apply_tiles, lambda w, in_features: ops.from_tiles(w))
 
 
 INT8 = Kernel("int8", int8.quantize_q8_0, int8.int8_reference, int8.dequantize_q8_0)
@@ -112,26 +114,26 @@ INT8_GEMV = Kernel("int8-gemv", int8.quantize_q8_0, int8.int8_gemv, int8.dequant
 INT4 = Kernel("int4", int4.quantize_q4_0, int4.int4_reference, int4.dequantize_q4_0)
 
 
-# Weights kept as published (moekit.model.packed): gpt-oss's MXFP4 experts, DeepSeek's FP8 experts.
+# Weights kept as published (moekit.ops.packed_layout): gpt-oss's MXFP4 experts, DeepSeek's FP8 experts.
 MXFP4 = Kernel("mxfp4", packed.mxfp4_prepare, packed.mxfp4_apply, packed.mxfp4_hub)
-MXFP4_GEMV = Kernel("mxfp4-gemv", packed.mxfp4_prepare, packed_gemv.mxfp4_gemv, packed.mxfp4_hub)
+MXFP4_GEMV = Kernel("mxfp4-gemv", packed.mxfp4_prepare, ops.mxfp4_gemv, packed.mxfp4_hub)
 
 
 def mxfp4_kernel_for(in_features: int, out_features: int, dtype: torch.dtype) -> Kernel:
     """The compiled MXFP4 operator where it measured faster for one row of this shape, else the reference."""
-    return MXFP4_GEMV if packed_gemv.choose(in_features, out_features, dtype) == "gemv" else MXFP4
+    return MXFP4_GEMV if ops.packed_operator_wins(in_features, out_features, dtype) else MXFP4
 
 
 def fp8_kernel(block_in: int = 128, gemv: bool = False) -> Kernel:
     """The block-scaled FP8 kernel for column blocks `block_in` wide (128 in every published
-    checkpoint): the reference, or with gemv the compiled operator (moekit.model.packed_gemv).
+    checkpoint): the reference, or with gemv the compiled operator (moekit.ops.fp8_gemv).
     One Kernel per (block_in, gemv), however the arguments are spelled."""
     return _fp8_kernel(int(block_in), bool(gemv))
 
 
 @lru_cache(maxsize=None)
 def _fp8_kernel(block_in: int, gemv: bool) -> Kernel:
-    apply = packed_gemv.fp8_gemv if gemv else packed.fp8_apply
+    apply = ops.fp8_gemv if gemv else packed.fp8_apply
     return Kernel(
         f"fp8-{block_in}" + ("-gemv" if gemv else ""),
         lambda w: packed.fp8_prepare(w, block_in),
@@ -142,7 +144,7 @@ def _fp8_kernel(block_in: int, gemv: bool) -> Kernel:
 
 def fp8_kernel_for(in_features: int, out_features: int, dtype: torch.dtype, block_in: int = 128) -> Kernel:
     """The compiled FP8 operator where it measured faster for one row of this shape, else the reference."""
-    return fp8_kernel(block_in, packed_gemv.choose(in_features, out_features, dtype, block_in) == "gemv")
+    return fp8_kernel(block_in, ops.packed_operator_wins(in_features, out_features, dtype, block_in))
 
 
 def int8_kernel_for(weight: Tensor, dtype: torch.dtype) -> Kernel:
@@ -156,7 +158,7 @@ CPU_KERNELS: dict[torch.dtype, Kernel] = {torch.float32: TRANSPOSED, torch.bfloa
 
 
 def _onednn_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return onednn_bf16_supported()
 
 
 def kernel_for(weight: Tensor) -> Kernel:

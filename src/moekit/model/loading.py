@@ -18,7 +18,7 @@ from torch import Tensor
 
 from moekit.errors import CheckpointError
 from moekit.model.attention import Attention
-from moekit.model.hub_names import HubNames, hub_names
+from moekit.weights.hub_names import HubNames, hub_names
 from moekit.model.mlp import MLP
 from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm

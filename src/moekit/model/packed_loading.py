@@ -1,4 +1,4 @@
-"""Routed experts loaded straight from a quantized checkpoint's bytes, kept packed (moekit.model.packed).
+"""Routed experts loaded straight from a quantized checkpoint's bytes, kept packed (moekit.ops.packed_layout).
 
 The loader (moekit.model.loading) asks `kept_experts` for each MoE block of a quantized checkpoint
 (moekit.weights.quantized). Two published layouts stay packed:
@@ -15,7 +15,7 @@ filled one layer at a time, each expert's bytes copied once out of the memory ma
 Under an expert store (`--expert-memory`) the same two layouts are paged packed: the loader only
 records each MoE block's PackedFormat (method, FP8 block, the kernels chosen here for a resident
 load of this shape), and the store reads one expert's published bytes into the same prepared rows
-(`mxfp4_expert`, moekit.model.packed.fp8_rows), so paged tokens are the resident packed tokens.
+(`mxfp4_expert`, moekit.ops.packed_layout.fp8_rows), so paged tokens are the resident packed tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Callable, Optional
 import torch
 
 from moekit.errors import CheckpointError
-from moekit.model import packed as kernels
-from moekit.model.hub_names import HubNames
+from moekit.ops import packed_layout as kernels
+from moekit.weights.hub_names import HubNames
 from moekit.model.linear import MXFP4, fp8_kernel, fp8_kernel_for, mxfp4_kernel_for
 
 
@@ -77,7 +77,7 @@ def mxfp4_expert(up_blocks: torch.Tensor, up_scales: torch.Tensor, down_blocks: 
 
 def packed_kernels(method: str, block_in: int, shape: tuple[int, int, int], dtype: torch.dtype, device) -> tuple:
     """(gate_up's, down's) kernel for experts of shape (rows, D, F) kept packed, measured on CPU for
-    the engine's activation dtype (moekit.model.packed_gemv.choose, once per shape and process)."""
+    the engine's activation dtype (moekit.ops.packed_operator_wins, measured once per machine and kept)."""
     rows, d, f = shape
     if method == "mxfp4":
         if device.type != "cpu":

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from moekit.errors import MoekitError
-from moekit.model import gemv
+from moekit import ops
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import INT4, int8_kernel_for, kernel_for
 from moekit.offload.budget import SlotPlan, parse_budget, plan_slots
@@ -66,7 +66,7 @@ _KIND_NAMES = {"Q8_0": "int8", "Q4_0": "int4", "MXFP4": "mxfp4", "FP8": "fp8"}
 
 def packed_experts(folder: Optional[Path]):
     """The packed manifest's extents when `folder` is a packed checkpoint, else None."""
-    from moekit.offload.manifest import read_manifest
+    from moekit.weights.manifest import read_manifest
 
     found = read_manifest(folder) if folder is not None else None
     return found.experts if found is not None and found.source == "packed" else None
@@ -75,7 +75,7 @@ def packed_experts(folder: Optional[Path]):
 def published_extents(folder: Optional[Path], spec: ModelSpec):
     """The checkpoint's own extents when it publishes its experts packed (config.json's
     quantization_config: MXFP4, FP8), which decide each expert's bytes; else None. Headers only."""
-    from moekit.offload.extents import expert_extents
+    from moekit.weights.extents import expert_extents
 
     config = folder / "config.json" if folder is not None else None
     if config is None or not config.is_file():
@@ -108,7 +108,7 @@ def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions, f
                  quantize: bool = False, manifest=None) -> SlotPlan:
     """folder: the checkpoint, whose packed experts (if any) decide each expert's bytes; quantize:
     float experts are held as q8_0 (`--weights int8`). manifest: the experts' extents when they are
-    not where folder's manifest says (a GGUF's, moekit.offload.gguf_extents): they decide instead."""
+    not where folder's manifest says (a GGUF's, moekit.weights.gguf_extents): they decide instead."""
     layers = moe_layers(spec)
     if not layers:
         raise MoekitError(f"{spec.name}: a dense model has no routed experts to offload; drop --expert-memory")
@@ -140,7 +140,7 @@ def packed_formats(decoder, kinds: dict) -> dict:
     """"MXFP4" / "FP8" → the moekit.model.packed_loading.PackedFormat the loader recorded for the
     experts the manifest lists so (every MoE layer of a checkpoint shares one: same shapes, block
     and kernels); one line when the checkpoint did not load them as packed experts."""
-    from moekit.offload.manifest import MANIFEST_NAME
+    from moekit.weights.manifest import MANIFEST_NAME
 
     found: dict = {}
     for (layer, e), kind in sorted(kinds.items()):
@@ -235,7 +235,7 @@ def _laid_out(kernel, hub: torch.Tensor, slot: Optional[torch.Tensor], dtype: to
         slot = torch.empty(view.shape, dtype=dtype)
     # A slot made under inference mode (an inline load) may be refilled on a worker, which is not.
     with torch.inference_mode(slot.is_inference()):
-        return gemv.copy_into(slot, view)
+        return ops.copy_into(slot, view)
 
 
 def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None,
@@ -243,7 +243,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     """Wire an ExpertStore into every offloaded RoutedExperts of `decoder` (built with offload_experts=True).
     quantize: float experts are quantized to q8_0 as they load (`--weights int8`). manifest: where
     the experts are when not in folder's moekit-experts.json (a GGUF's; its files are absolute)."""
-    from moekit.offload.manifest import load_or_build_manifest
+    from moekit.weights.manifest import load_or_build_manifest
     from moekit.offload.reader import ExpertReader
     from moekit.offload.substitute import stand_in_bytes, stand_ins
 
@@ -261,9 +261,6 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
     kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
                for kind in sorted(set(kinds.values()), key=str)}
-    if None in kernels and any(k.layout is not None and gemv.is_transpose(k.layout(p))
-                               for k, p in zip(kernels[None], (probe_up, probe_down))):
-        gemv.operators()  # a miss's transpose in tiles (gemv.copy_into); built once per machine, else torch's copy
     load = _ExpertLoader(reader, kinds, kernels, verify=verify)
     own = manifest.source == "packed" or given or bool(formats)  # the extents decide each expert's bytes
     sizes = held_bytes(spec, decoder.dtype, manifest.experts if own else None, quantize)

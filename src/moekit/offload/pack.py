@@ -40,7 +40,7 @@ from typing import Optional, Union
 import torch
 
 from moekit.errors import MoekitError
-from moekit.offload.extents import (
+from moekit.weights.extents import (
     ITEMSIZE,
     PACKED_NAME,
     Extent,
@@ -51,7 +51,7 @@ from moekit.offload.extents import (
     referenced_files,
     weight_files,
 )
-from moekit.offload.manifest import (
+from moekit.weights.manifest import (
     MANIFEST_NAME,
     Manifest,
     Progress,

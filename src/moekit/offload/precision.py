@@ -12,8 +12,8 @@ model) at P and the others at Q. The precisions:
 
 In a packed file and its manifest a quantized weight is an extent of dtype "Q8_0" or "Q4_0" (GGUF's
 names) whose shape is its bytes, [out, nb * block bytes], nb = ceil(in / 32): the kernel's layout.
-Experts a checkpoint publishes packed (layouts "mxfp4", "fp8": moekit.offload.extents) are their
-own kinds, "MXFP4" and "FP8", held as moekit.model.packed's prepared rows.
+Experts a checkpoint publishes packed (layouts "mxfp4", "fp8": moekit.weights.extents) are their
+own kinds, "MXFP4" and "FP8", held as moekit.ops.packed_layout's prepared rows.
 No torch here.
 """
 
@@ -26,7 +26,7 @@ from typing import Mapping, Optional
 
 from moekit.calc.dtypes import canonical_dtype
 from moekit.errors import MoekitError
-from moekit.offload.extents import ExpertExtents, our_shapes, pairs
+from moekit.weights.extents import ExpertExtents, our_shapes, pairs
 from moekit.spec.model_spec import ModelSpec
 
 BLOCK = 32  # inputs per scale, both formats
@@ -93,7 +93,7 @@ def memory_bytes(ex: ExpertExtents, float_dtype: str, quantize: bool = False) ->
 
 
 def fp8_rows_bytes(ex: ExpertExtents) -> int:
-    """An FP8 expert as prepared rows (moekit.model.packed): each weight [out, in + 4·nbc], one fp32
+    """An FP8 expert as prepared rows (moekit.ops.packed_layout): each weight [out, in + 4·nbc], one fp32
     scale per column block and row, so that rows stay independent (the file has one per block)."""
     return sum(w.shape[0] * (w.shape[1] + 4 * scales.shape[1]) for w, scales in pairs(ex.gate_up) + pairs(ex.down))
 

@@ -6,7 +6,7 @@ down [D, F]) exactly as moekit.model.loading would have put them in gate_up[e] /
 (same bits: the same cast from the stored dtype, the same de-interleaving for gpt_oss). An expert
 a packed file holds in a block format (Q8_0, Q4_0) comes back as its bytes, uint8 views of the
 read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read. An
-expert its checkpoint publishes packed (MXFP4, FP8) comes back as moekit.model.packed's prepared
+expert its checkpoint publishes packed (MXFP4, FP8) comes back as moekit.ops.packed_layout's prepared
 rows, built from the bytes read by the same functions the resident load uses (model.packed_loading),
 so a paged expert is byte for byte the resident kept-packed one.
 
@@ -30,8 +30,8 @@ from typing import Optional, Union
 import torch
 
 from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
-from moekit.offload.extents import DEQUANTIZED, ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
-from moekit.offload.manifest import MANIFEST_NAME, Manifest
+from moekit.weights.extents import DEQUANTIZED, ITEMSIZE, ExpertExtents, ExtentMap, our_shapes, referenced_files
+from moekit.weights.manifest import MANIFEST_NAME, Manifest
 from moekit.offload.precision import is_quantized, memory_bytes, stored_kind
 
 __all__ = ["ExpertIntegrityError", "ExpertReader", "TORCH_DTYPES"]
@@ -44,7 +44,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     # A packed file's block formats (moekit.offload.precision): read as their bytes, never cast.
     "Q8_0": torch.uint8,
     "Q4_0": torch.uint8,
-    # Published packed experts' pieces: MXFP4 blocks and scales, FP8 codes (moekit.offload.extents).
+    # Published packed experts' pieces: MXFP4 blocks and scales, FP8 codes (moekit.weights.extents).
     "U8": torch.uint8,
     "F8_E4M3": torch.float8_e4m3fn,
     # A GGUF's K-quants: read as bytes, dequantized to the reader's dtype (_dequantized).
@@ -203,7 +203,7 @@ class ExpertReader:
     def _changed(self, file: str) -> str:
         """What a mismatch line tells the user to do: a GGUF's manifest is named after the file."""
         if file.endswith(".gguf"):
-            from moekit.offload.gguf_extents import changed
+            from moekit.weights.gguf_extents import changed
 
             return changed(self.folder / file)
         return _CHANGED
@@ -276,7 +276,7 @@ class ExpertReader:
 
     def _fp8(self, buf: torch.Tensor, at, ex: ExpertExtents, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each weight's (codes, scale_inv) → its prepared rows [out, in + 4·nbc]; gate's then up's."""
-        from moekit.model.packed import fp8_rows
+        from moekit.ops.packed_layout import fp8_rows
 
         if self.fp8_block is None:
             raise MoekitError(f"{self.folder}: layer {layer} expert {e} is FP8, and the reader was given no weight_block_size")

@@ -48,6 +48,7 @@ class ServeConfig:
     admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
     compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
+    kernels: str = "auto"  # --kernels: "reference" never loads the C++ operators (moekit.ops)
     weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
     prefix_cache_bytes: int = 1 << 30  # --prefix-cache-memory: KV of prompt prefixes kept; 0: none
 
@@ -94,7 +95,7 @@ class ServerState:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
-                             compile=cfg.compile, weights=cfg.weights)
+                             compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         if engine.decoder.compiled is not None:
             engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
         self.template = load_chat_template(Path(cfg.checkpoint))

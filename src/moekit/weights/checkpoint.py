@@ -6,7 +6,7 @@ checkpoint reads headers only. Pickled formats (`*.bin`, `*.pt`) are refused, ne
 
 Integrity: when `moekit-experts.json` lies beside the checkpoint, `get` checks the bytes of every
 tensor it returns against the crc32s there (whole tensors, and the routed experts' extents inside
-stacked ones; moekit.offload.manifest.tensor_checks), on worker threads while the caller copies
+stacked ones; moekit.weights.manifest.tensor_checks), on worker threads while the caller copies
 (moekit.weights.integrity.Verifier); `close` waits for them and raises the first mismatch, one
 CheckpointError line naming the tensor or expert and the file. The manifest is read on the first
 `get`, so anything reading through a Checkpoint (the MXFP4 / FP8 views keep theirs as an attribute:
@@ -183,13 +183,13 @@ class Checkpoint:
 
     def _start_verifying(self) -> None:
         """Read the manifest beside the checkpoint (if any) and map its checksums onto tensors."""
-        from moekit.offload.manifest import read_manifest
+        from moekit.weights.manifest import read_manifest
 
         self._checks = {}
         manifest = read_manifest(self.folder)
         if manifest is None:
             return
-        from moekit.offload.manifest import MANIFEST_NAME, check_fingerprint, tensor_checks
+        from moekit.weights.manifest import MANIFEST_NAME, check_fingerprint, tensor_checks
         from moekit.spec.loading import spec_from_config
         from moekit.weights.integrity import Verifier
 
@@ -228,7 +228,7 @@ class Checkpoint:
 
 
 def _changed() -> str:
-    from moekit.offload.manifest import CHANGED
+    from moekit.weights.manifest import CHANGED
 
     return CHANGED
 

@@ -7,7 +7,7 @@ is read before `get`: the file stays memory-mapped, and each expert is dequantiz
 quantized GGUF never exists in memory at full precision all at once.
 
 Integrity: when `x.gguf.moekit-experts.json` lies beside the file (`moekit checksum x.gguf`;
-moekit.offload.gguf_extents), the first `get` of each GGUF tensor checks all of that tensor's
+moekit.weights.gguf_extents), the first `get` of each GGUF tensor checks all of that tensor's
 bytes against it (its crc32, or one per expert slice of a stacked tensor: the loader reads every
 slice of it next), on worker threads while the loader dequantizes (moekit.weights.integrity.Verifier);
 `close` waits and raises the first mismatch in one line. `verify = False` skips it.
@@ -95,7 +95,7 @@ class GGUFCheckpoint:
     def manifest(self):
         """The checksum manifest beside the GGUF (checked to be this file's), None when there is none."""
         if self._manifest is None:
-            from moekit.offload.gguf_extents import read
+            from moekit.weights.gguf_extents import read
 
             self._manifest = (read(self.gguf, self.spec()),)
         return self._manifest[0]
@@ -105,7 +105,7 @@ class GGUFCheckpoint:
         if not self.verify:
             return
         if self._checks is None:
-            from moekit.offload.gguf_extents import resident_checks
+            from moekit.weights.gguf_extents import resident_checks
             from moekit.weights.integrity import Verifier
 
             manifest = self.manifest()
@@ -121,7 +121,7 @@ class GGUFCheckpoint:
                 raise self._mismatch(failure)
 
     def _mismatch(self, failure) -> CheckpointError:
-        from moekit.offload.gguf_extents import changed
+        from moekit.weights.gguf_extents import changed
 
         return failure.error(self.folder, changed(self.folder))
 
@@ -179,7 +179,7 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
 
 def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Optional[object], Optional[object], list[str]]:
     """What load_engine takes from a GGUF beyond its weights: the tokenizer, the manifest the
-    expert store reads experts through (with offload; moekit.offload.gguf_extents) and the notes
+    expert store reads experts through (with offload; moekit.weights.gguf_extents) and the notes
     to show. verify: the resident reads and the store check against the GGUF's manifest."""
     from moekit.weights.gguf_tokenizer import gguf_tokenizer
 
@@ -187,7 +187,7 @@ def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Op
     notes = [ckpt.note(paged=offload is not None)]
     store_manifest = None
     if offload is not None:
-        from moekit.offload.gguf_extents import store_manifest as for_the_store
+        from moekit.weights.gguf_extents import store_manifest as for_the_store
 
         if offload.pin is not None:  # a profile names its model by config.json, which a GGUF has not
             raise CheckpointError(f"{ckpt.folder}: --pin is not supported for a GGUF yet (drop it)")

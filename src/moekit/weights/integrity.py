@@ -1,6 +1,6 @@
 """Checksums of weight bytes: a crc32 per byte range, checked as the range is read.
 
-`moekit-experts.json` (moekit.offload.manifest) records a crc32 for every routed expert's extents
+`moekit-experts.json` (moekit.weights.manifest) records a crc32 for every routed expert's extents
 and for every other tensor of the checkpoint. A reader checks the bytes it has just read against
 them; a mismatch is one CheckpointError line naming what (a tensor, an expert) and the file, never
 wrong weights.

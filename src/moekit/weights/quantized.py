@@ -10,7 +10,7 @@ shapes a bf16 checkpoint of the same model would have:
   fp8    `<p>.weight` float8_e4m3fn [out, in] + `<p>.weight_scale_inv`    →  `<p>.weight` [out, in]
 
 `get(name)` dequantizes (exactly, to fp32), so every loader path works unchanged; `packed(name)`
-tells a loader that can keep a tensor packed (the routed experts: moekit.model.packed) where the
+tells a loader that can keep a tensor packed (the routed experts: moekit.ops.packed_layout) where the
 stored bytes are, and `read(name)` gives them.
 """
 

@@ -1,40 +1,31 @@
-"""moekit::rows_gemv / experts_gemv against F.linear, and rows_q8 / experts_q8 against the int8
-reference (x rounded to int16 per block, the q8_0 weight dequantized, F.linear in fp32), on the same
-weights."""
+"""Each build of the operators (the machine's, an AVX2 one beside an AVX-512 one, the forced scalar one)
+against moekit.ops.reference on the same inputs, and the properties a decode relies on: a row's floats
+the same in a batch as alone, hidden positions never read, bad shapes refused."""
 
 from __future__ import annotations
 
 import ctypes
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moekit.model.gemv import (KINDS, NARROW, OPERATORS, Variant, c_shims, chosen, copy_into, from_tiles, kind_of, namespaces, op,
-                               operators, rows_argmax, status, suffix, tiles_fit, to_tiles, variant, widen_batch)
-from moekit.model.int8 import int8_reference, quantize_q8_0
-
-
-@pytest.fixture(scope="module", params=["moekit", NARROW])
-def ops(request):
-    """Each build of the operators: the machine's widest vectors, and on an AVX-512 machine the AVX2 one."""
-    assert operators() is not None, status()  # the set-up installs a compiler: a missing one is a failure here
-    if request.param not in namespaces():
-        assert not torch.backends.cpu.get_cpu_capability().startswith("AVX512"), status()
-        pytest.skip("an AVX2-only machine builds the operators once")
-    return types.SimpleNamespace(**{name: op(request.param, name) for name in OPERATORS})
+from moekit.ops import (KINDS, Choice, bf16_tiles, c_shims, chosen, copy_into, from_tiles, kind_of, namespaces, op, reference,
+                        rows_argmax, tiles_fit, to_tiles, variant, widen_batch)
+from moekit.ops.build import NARROW
+from moekit.ops.q8_0 import quantize_q8_0
+from moekit.ops.runtime import suffix
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5), (8, 512, 300), (20, 256, 64)])
-def test_rows_gemv_is_f_linear(ops, dtype, rows, width, out):
+def test_rows_gemv_is_the_reference(ops, dtype, rows, width, out):
     gen = torch.Generator().manual_seed(rows * width + out)
     x = torch.randn(rows, width, generator=gen).to(dtype)
     w = torch.randn(out, width, generator=gen).to(dtype)
     got = ops.rows_gemv(x, w)
     assert got.dtype == dtype and got.shape == (rows, out)
-    want = F.linear(x.float(), w.float())  # fp32 products of the same (rounded) inputs
+    want = reference.rows_gemv(x.float(), w)  # fp32 products of the same (rounded) inputs
     tol = 1e-5 * width ** 0.5 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
@@ -50,8 +41,7 @@ def test_experts_gemv_reads_each_rows_chosen_experts(ops, dtype, per_choice, k):
     x = torch.randn(b, c if per_choice else 1, k, generator=gen).to(dtype)
     got = ops.experts_gemv(x, w, ids)
     assert got.shape == (b, c, n)
-    want = torch.stack([torch.stack([F.linear(x[i, j if per_choice else 0].float(), w[ids[i, j]].float())
-                                     for j in range(c)]) for i in range(b)])
+    want = reference.experts_gemv(x.float(), w, ids)
     tol = 1e-4 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
@@ -80,7 +70,7 @@ def test_a_batch_rows_floats_do_not_depend_on_the_batch_around_them(ops, dtype, 
 
 
 def test_bf16_weights_times_fp32_rows_are_fp32_products_of_the_same_weights(ops):
-    """A batch widened to fp32 (gemv.widen_batch) hands bf16 weights fp32 rows: the products are the
+    """A batch widened to fp32 (moekit.ops.widen_batch) hands bf16 weights fp32 rows: the products are the
     fp32 products of those bf16 weights, for the projections and for the chosen experts."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(8, 515, generator=gen)
@@ -110,7 +100,7 @@ def test_rows_q8_is_the_int8_reference(ops, dtype, rows, width, out):
     packed = quantize_q8_0(torch.randn(out, width, generator=gen))
     got = ops.rows_q8(x, packed)
     assert got.dtype == dtype and got.shape == (rows, out)
-    want = int8_reference(x.float(), packed)
+    want = reference.rows_q8(x.float(), packed)
     tol = 1e-5 * width ** 0.5 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
     torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
 
@@ -124,8 +114,7 @@ def test_experts_q8_reads_each_rows_chosen_experts(ops, per_choice):
     x = torch.randn(b, c if per_choice else 1, k, generator=gen)
     got = ops.experts_q8(x, stack, ids)
     assert got.shape == (b, c, n)
-    want = torch.stack([torch.stack([int8_reference(x[i, j if per_choice else 0], stack[ids[i, j]])
-                                     for j in range(c)]) for i in range(b)])
+    want = reference.experts_q8(x, stack, ids)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     with pytest.raises(RuntimeError, match="expert id out of range"):
         ops.experts_q8(x, stack, torch.tensor([[6, 0]] * b))
@@ -166,13 +155,12 @@ def test_a_weight_row_gets_the_same_float_in_a_group_as_alone(ops, kind):
         assert torch.equal(experts(x[:, None], stack, torch.tensor([[1]]), grouped)[:, 0], together)
 
 
-def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default():
+def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default(machine_builds):
     """The choice is a measurement on this machine, so only its form is checked: one of the builds
     here, grouped or not, per kind the operators know; the default for any other (and, above, every
     build agrees with its reference, grouped or not)."""
-    assert operators() is not None, status()
     assert all(variant(kind).namespace in namespaces() and isinstance(variant(kind).grouped, bool) for kind in KINDS)
-    assert variant("float16") == Variant()
+    assert variant("float16") == Choice()
     assert all(chosen()[kind].startswith(variant(kind).label) for kind in KINDS)  # what a benchmark records
     assert isinstance(widen_batch("bfloat16"), bool) and not widen_batch("float32") and not widen_batch("q8_0")
     assert [kind_of(t) for t in (torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1, dtype=torch.uint8))] == list(KINDS)
@@ -182,7 +170,7 @@ def test_each_kind_of_weight_gets_a_built_variant_and_others_the_default():
 def test_rows_argmax_is_torch_argmax(ops, rows, width):
     gen = torch.Generator().manual_seed(rows * width)
     x = torch.randn(rows, width, generator=gen)
-    assert torch.equal(ops.rows_argmax(x), x.argmax(-1))
+    assert torch.equal(ops.rows_argmax(x), reference.rows_argmax(x))
     ties = torch.randint(0, 3, (rows, width), generator=gen).float()  # many equal maxima: the first wins
     assert torch.equal(ops.rows_argmax(ties), ties.argmax(-1))
 
@@ -199,14 +187,13 @@ def test_rows_argmax_ranks_nan_first_and_handles_all_minus_inf(ops):
     assert torch.equal(ops.rows_argmax(x[:, ::2]), x[:, ::2].argmax(-1))  # a strided view
 
 
-def test_rows_argmax_helper_falls_back_to_torch_where_the_operator_does_not_apply():
-    operators()
+def test_rows_argmax_helper_falls_back_to_torch_where_the_operator_does_not_apply(machine_builds):
     for x in (torch.randn(3, 50, dtype=torch.bfloat16), torch.randn(50), torch.randn(2, 3, 50)):
         assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
     x = torch.randn(2, 50)
     assert torch.equal(rows_argmax(x), x.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="V > 0"):
-        torch.ops.moekit.rows_argmax(torch.empty(2, 0))
+        op("moekit", "rows_argmax")(torch.empty(2, 0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,7 +207,9 @@ def test_transpose_into_is_the_transposed_copy_bit_for_bit(ops, dtype, rows, col
     at = 0 if aligned else 3
     out = room[at : at + rows * cols].view(cols, rows)
     ops.transpose_into(src, out)
-    assert torch.equal(out, src.float().t())
+    want = torch.empty_like(out)
+    reference.transpose_into(src, want)
+    assert torch.equal(out, want)
     assert bool((room[:at] == -7).all()) and bool((room[at + rows * cols :] == -7).all())
 
 
@@ -232,21 +221,14 @@ def test_transpose_into_refuses_what_it_does_not_lay_out(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_copy_into_is_copy_whichever_way_it_goes(dtype):
+def test_copy_into_is_copy_whichever_way_it_goes(machine_builds, dtype):
     """The store's helper: the operator for a contiguous matrix's transpose into fp32, torch's copy
     for anything else (fp16, a plain view, a bf16 destination): the same values every way."""
-    operators()
     hub = torch.randn(96, 40).to(dtype)
     for view, out_dtype in ((hub.t(), torch.float32), (hub, torch.float32), (hub.t(), torch.bfloat16), (hub[:, :20].t(), torch.float32)):
         out = torch.empty(view.shape, dtype=out_dtype)
         assert copy_into(out, view) is out
         assert torch.equal(out, view.to(out_dtype))
-
-
-def _latent_reference(query, cached, visible, scale, r):
-    scores = (torch.einsum("bhc,bsc->bhs", query, cached[..., : query.shape[-1]].float()) * scale)
-    probs = torch.softmax(scores.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
-    return torch.einsum("bhs,bsr->bhr", probs, cached[..., :r].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -263,7 +245,7 @@ def test_latent_attend_is_softmax_attention_over_the_cache(ops, dtype, rows, hea
     visible[:, -1] = True  # a decode row always sees its own position
     got = ops.latent_attend(query, cached, visible, 0.125, r)
     assert got.shape == (rows, heads, r) and got.dtype == torch.float32
-    torch.testing.assert_close(got, _latent_reference(query, cached, visible, 0.125, r), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference.latent_attend(query, cached, visible, 0.125, r), rtol=1e-5, atol=1e-5)
 
 
 def test_latent_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
@@ -282,12 +264,6 @@ def test_latent_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
         ops.latent_attend(query.bfloat16(), cached, visible, 0.5, 32)
 
 
-def _attend_reference(query, keys, values, allowed, scale):
-    scores = torch.einsum("bkgd,bksd->bkgs", query, keys.float()) * scale
-    probs = torch.softmax(scores.masked_fill(~allowed[:, None, None, :], float("-inf")), dim=-1)
-    return torch.einsum("bkgs,bksd->bkgd", probs, values.float())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,kv_heads,group,positions,dim", [(1, 4, 2, 1, 64), (1, 2, 1, 37, 64), (3, 4, 2, 40, 128), (2, 1, 3, 19, 40)])
 def test_attend_is_grouped_query_attention_over_the_cache(ops, dtype, rows, kv_heads, group, positions, dim):
@@ -302,7 +278,7 @@ def test_attend_is_grouped_query_attention_over_the_cache(ops, dtype, rows, kv_h
     allowed[:, -1] = True  # a decode row always sees its own position
     got = ops.attend(query, keys, values, allowed, 0.125)
     assert got.shape == (rows, kv_heads, group, dim) and got.dtype == torch.float32
-    torch.testing.assert_close(got, _attend_reference(query, keys, values, allowed, 0.125), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, reference.attend(query, keys, values, allowed, 0.125), rtol=1e-5, atol=1e-5)
 
 
 def test_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
@@ -323,10 +299,9 @@ def test_attend_ignores_what_the_mask_hides_and_refuses_bad_shapes(ops):
         ops.attend(query[:, :1], keys, values, allowed, 0.5)
 
 
-def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
-    """The compiled step's generated C++ calls these symbols by name (gemv.c_shims): each must be
+def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find(machine_builds):
+    """The compiled step's generated C++ calls these symbols by name (moekit.ops.c_shims): each must be
     declared for its own build's operator and be visible process-wide."""
-    operators()
     shims = c_shims()
     assert len(shims) == 8 * len(namespaces())
     process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
@@ -337,14 +312,11 @@ def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find():
         assert getattr(process, name) is not None
 
 
-def test_a_bf16_batch_runs_on_amx_tiles_exactly_where_the_cpu_has_them():
-    from moekit.model.gemv import bf16_tiles
-
-    assert operators() is not None, status()
+def test_a_bf16_batch_runs_on_amx_tiles_exactly_where_the_cpu_has_them(machine_builds):
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
     assert bf16_tiles() == ("amx_bf16" in flags and "amx_tile" in flags)
-    if NARROW in namespaces():
-        assert op(NARROW, "bf16_tiles")() is False  # the AVX2 build has no tiles
+    if NARROW.namespace in namespaces():
+        assert op(NARROW.namespace, "bf16_tiles")() is False  # the AVX2 build has no tiles
     label = chosen()["bfloat16"]
     assert ("AMX tiles" in label) == (bf16_tiles() and not widen_batch("bfloat16"))
 
@@ -368,22 +340,20 @@ def test_tiles_hold_each_block_tile_by_tile_and_give_the_hub_weight_back(shape):
 
 @pytest.mark.parametrize("rows", [1, 2, 16, 17, 40], ids=lambda r: f"{r}-rows")
 @pytest.mark.parametrize("out,width", [(64, 512), (48, 96)])
-def test_rows_tiles_is_f_linear(rows, out, width):
+def test_rows_tiles_is_the_reference(machine_builds, rows, out, width):
     """One row on the vector kernel; more on AMX tiles where the CPU has them, 16 rows a pass."""
-    assert operators() is not None, status()
     gen = torch.Generator().manual_seed(rows + out)
     x = torch.randn(rows, width, generator=gen).bfloat16()
     w = torch.randn(out, width, generator=gen).bfloat16()
     got = op("moekit", "rows_tiles")(x, to_tiles(w))
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
-    want = F.linear(x.float(), w.float())  # fp32 products of the same inputs: the output's bf16 rounding
+    want = reference.rows_tiles(x.float(), to_tiles(w))  # fp32 products of the same inputs: the output's bf16 rounding
     torch.testing.assert_close(got.float(), want, rtol=2**-8, atol=1e-4)  # and the order of the sums differ
 
 
 @pytest.mark.parametrize("batch", [1, 3, 20])
 @pytest.mark.parametrize("per_choice", [False, True])
-def test_experts_tiles_reads_each_rows_chosen_experts(batch, per_choice):
-    assert operators() is not None, status()
+def test_experts_tiles_reads_each_rows_chosen_experts(machine_builds, batch, per_choice):
     gen = torch.Generator().manual_seed(batch)
     c, e, n, k = 3, 8, 48, 64
     w = torch.randn(e, n, k, generator=gen).bfloat16()
@@ -391,8 +361,7 @@ def test_experts_tiles_reads_each_rows_chosen_experts(batch, per_choice):
     x = torch.randn(batch, c if per_choice else 1, k, generator=gen).bfloat16()
     got = op("moekit", "experts_tiles")(x, to_tiles(w), ids)
     assert got.shape == (batch, c, n) and got.dtype == torch.bfloat16
-    want = torch.stack([torch.stack([F.linear(x[i, j if per_choice else 0].float(), w[ids[i, j]].float())
-                                     for j in range(c)]) for i in range(batch)])
+    want = reference.experts_tiles(x.float(), to_tiles(w), ids)
     torch.testing.assert_close(got.float(), want, rtol=0, atol=1e-2 * want.abs().max().item())
 
 
@@ -416,8 +385,7 @@ def test_a_batch_row_on_tiles_is_untouched_by_a_neighbour_full_of_nan_and_inf(op
     assert torch.equal(ops.experts_gemv(x[:, None], stacks, ids)[sane], ops.experts_gemv(x[sane, None], stacks, ids[sane]))
 
 
-def test_the_tiles_operators_refuse_what_is_not_in_tiles():
-    assert operators() is not None, status()
+def test_the_tiles_operators_refuse_what_is_not_in_tiles(machine_builds):
     rows, experts = op("moekit", "rows_tiles"), op("moekit", "experts_tiles")
     x = torch.randn(2, 64).bfloat16()
     with pytest.raises(RuntimeError, match="N % 16 == 0 and K % 32 == 0"):

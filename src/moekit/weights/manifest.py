@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Callable, Literal, Optional
 
 from moekit.errors import CheckpointError, MoekitError
-from moekit.offload.extents import (
+from moekit.weights.extents import (
     ITEMSIZE,
     LAYOUTS,
     Extent,

@@ -1,52 +1,20 @@
-"""Compiled few-row products for MXFP4 and FP8 weights that read the packed rows without expanding them.
-
-The reference (moekit.model.packed.mxfp4_apply) writes the whole dequantized expert, then
-multiplies: three passes over memory where one would do. This operator walks each output row's
-blocks once: the 32 codes of a block become int8 twice their value (every FP4 value × 2 is an
-integer: 0, 1, 2, 3, 4, 6, 8, 12) with one byte shuffle (AVX2; a table lookup otherwise), are
-multiplied by x in fp32, and the block's sum is scaled by 2^(s − 128). Same products as the
-reference, another summation order (~1e-6 relative), so it is chosen per shape by measuring
-(`choose`), as int8's operator is, and tests hold it to the reference within a bound.
-
-The FP8 operator (`fp8_gemv`) does the same for moekit.model.packed's FP8 rows: each code's value
-from a 256-entry table (AVX2 gathers), summed against x per column block, times the block's scale.
-"""
-
-from __future__ import annotations
-
-from functools import lru_cache
-from typing import Optional
-
-import torch
-from torch import Tensor
-
-from moekit.model import packed as reference
-from moekit.model.int8 import mean_time
-
-GEMV_ROWS = 16  # x rows up to which the operator runs; more rows amortise a dequantized weight
-
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstring>
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MX_AVX2 1
-#endif
+// Few-row products on MXFP4 and FP8 weights read packed, without expanding them (moekit.ops.packed_layout's
+// layouts): mxfp4_gemv, fp8_gemv. Same products as the reference, another summation order.
+#include "ops.h"
+#include "vec.h"
 
 // FP4 E2M1 codes → twice their value, as int8 (low 8 codes positive, high 8 negative).
 static const int8_t TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 static inline float row_dot(const uint8_t* w, const float* x, int64_t groups) {
     float acc = 0.f;
-#ifdef MX_AVX2
+#ifdef MK_AVX2
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(TWICE));
     const __m128i low4 = _mm_set1_epi8(0x0F);
 #endif
     for (int64_t g = 0; g < groups; ++g, w += 17, x += 32) {
         const float scale = std::ldexp(1.0f, int(w[0]) - 128);  // 2^(s − 127) / 2 (codes are doubled)
-#ifdef MX_AVX2
+#ifdef MK_AVX2
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 1));
         const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));   // elements 0, 2, 4, ...
         const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));  // 1, 3, 5, ...
@@ -81,7 +49,7 @@ static inline float fp8_row_dot(const uint8_t* w, const float* x, int64_t in, in
         const int64_t c1 = c0 + block < in ? c0 + block : in;
         int64_t k = c0;
         float part = 0.f;
-#ifdef MX_AVX2
+#ifdef MK_AVX2
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
         for (; k + 16 <= c1; k += 16) {
             const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k));
@@ -135,72 +103,3 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
     each_output(yp, n, out, [&](int64_t o, int64_t r) { return row_dot(wp + o * groups * 17, xp + r * groups * 32, groups); });
     return y;
 }
-"""
-
-_STATUS: dict[str, str] = {}
-
-
-@lru_cache(maxsize=1)
-def operator():
-    """The compiled operator, or None where it cannot be built (the reason is in `status`)."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        module = load_inline(name="moekit_packed_gemv_v1", cpp_sources=_SOURCE, functions=["mxfp4_gemv", "fp8_gemv"],
-                             extra_cflags=["-O3", "-march=native", "-fopenmp"], verbose=False)
-    except Exception as err:  # a missing compiler or headers: fall back, and say why
-        _STATUS["gemv"] = f"the MXFP4/FP8 operators could not be built ({type(err).__name__}: {str(err)[:120]})"
-        return None
-    return module
-
-
-def status() -> str:
-    return _STATUS.get("gemv", "the MXFP4/FP8 operators are built" if operator() is not None else "")
-
-
-def mxfp4_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """x [.., in] → [.., out]: the operator on ≤ GEMV_ROWS rows, else the reference."""
-    op = operator()
-    x2 = x.reshape(-1, x.shape[-1])
-    if op is None or x2.shape[0] > GEMV_ROWS or not packed.is_contiguous() or packed.device.type != "cpu":
-        return reference.mxfp4_apply(x, packed, bias)
-    y = op.mxfp4_gemv(x2.float().contiguous(), packed)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
-
-
-FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code → value (exact)
-
-
-def fp8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor], block_in: int) -> Tensor:
-    """x [.., in] → [.., out] for an FP8 prepared weight: the operator on ≤ GEMV_ROWS rows, else the reference."""
-    op = operator()
-    x2 = x.reshape(-1, x.shape[-1])
-    if op is None or x2.shape[0] > GEMV_ROWS or not packed.is_contiguous() or packed.device.type != "cpu":
-        return reference.fp8_apply(x, packed, bias, block_in)
-    y = op.fp8_gemv(x2.float().contiguous(), packed, block_in, FP8_VALUES)
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
-
-
-@lru_cache(maxsize=None)
-def choose(in_features: int, out_features: int, dtype: torch.dtype, block_in: int = 0) -> str:
-    """'gemv' or 'reference': whichever runs one row of this shape faster here, measured once per
-    process (best of three alternating rounds, so a noisy neighbour hurts both alike). block_in 0:
-    MXFP4; else FP8 with column blocks that wide."""
-    if operator() is None:
-        return "reference"
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(min(out_features, 1024), in_features, generator=gen)
-    x = torch.randn(1, in_features, generator=gen).to(dtype)
-    if block_in:
-        w = reference.fp8_prepare(w, block_in)
-        fast, plain = (lambda: fp8_gemv(x, w, None, block_in)), (lambda: reference.fp8_apply(x, w, None, block_in))
-    else:
-        w = reference.mxfp4_prepare(w)
-        fast, plain = (lambda: mxfp4_gemv(x, w)), (lambda: reference.mxfp4_apply(x, w))
-    with torch.inference_mode():
-        rounds = [(mean_time(fast), mean_time(plain)) for _ in range(3)]
-    return "gemv" if min(r[0] for r in rounds) < min(r[1] for r in rounds) else "reference"

@@ -3,7 +3,7 @@
 llama.cpp's converter stacks each layer's experts: blk.N.ffn_{gate,up}_exps.weight [E, F, D] and
 blk.N.ffn_down_exps.weight [E, D, F] (torch order, ggml's `ne` reversed), so expert e's slice of
 each is one contiguous byte range: gate and up are the two extents of a "rows" expert, down the
-third (moekit.offload.extents). The bytes stay as stored:
+third (moekit.weights.extents). The bytes stay as stored:
 
   F32, F16, BF16  cast on load to the engine dtype, as the resident load casts them
   Q8_0, Q4_0      ggml's block_q8_0 / block_q4_0 (a float16 scale, then 32 int8 / 16 bytes of
@@ -20,7 +20,7 @@ keeps rows that are not whole blocks at F16) is refused: the store runs one kind
 and K-quants mix freely (a Q4_K_M file's Q4_K gate/up and Q6_K down): both are held as floats.
 
 The manifest: `model.gguf.moekit-experts.json` beside the file (the .gguf is never written), in
-moekit-experts.json's format (moekit.offload.manifest): a crc32 per expert extent and per other
+moekit-experts.json's format (moekit.weights.manifest): a crc32 per expert extent and per other
 tensor, so every byte of tensor data is covered. Its fingerprint's config_sha256 is the sha256 of
 the GGUF's header (metadata and tensor table, everything before the data): a GGUF re-converted or
 re-quantized has another header. In the JSON an extent's file is the GGUF's name; read back it is
@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from moekit.errors import CheckpointError, MoekitError
-from moekit.offload.extents import DEQUANTIZED, Extent, ExpertExtents, ExtentMap
-from moekit.offload.manifest import (
+from moekit.weights.extents import DEQUANTIZED, Extent, ExpertExtents, ExtentMap
+from moekit.weights.manifest import (
     ChecksumResult,
     Fingerprint,
     Manifest,

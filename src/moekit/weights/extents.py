@@ -25,7 +25,7 @@ Our layout of one expert (moekit.model.experts): gate_up [rows, D] with gate row
                             F8_E4M3 [out, in], its weight_scale_inv [nbr, nbc]); gate_up is gate's
                             pair then up's
 
-The last two stay packed in memory too: the reader turns them into moekit.model.packed's prepared
+The last two stay packed in memory too: the reader turns them into moekit.ops.packed_layout's prepared
 rows (mxfp4 [out, G·17], fp8 [out, in + 4·nbc]), the bytes the packed kernels read, so a slot
 holds 4.25 / 8.25 bits a weight and a miss moves the published bytes, nothing more.
 
@@ -43,7 +43,7 @@ from typing import Literal, Optional
 
 from moekit.errors import CheckpointError
 from moekit.weights.checkpoint import Header, read_header
-from moekit.model.hub_names import HubNames, hub_names
+from moekit.weights.hub_names import HubNames, hub_names
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
 Layout = Literal["rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8"]

@@ -14,7 +14,7 @@ plain row copy of packed bytes:
 apply: dequantize the weight in use (exactly, as transformers does: fp8 × scale in fp32; FP4 ×
 2^e) to the activations' dtype and F.linear — the plain reference, one expert at a time, so only
 that expert is ever at full precision. hub: the dequantized fp32 weight [out, in].
-moekit.model.packed_gemv multiplies the same prepared bytes without expanding them (few rows).
+moekit::mxfp4_gemv / fp8_gemv (csrc/packed.cpp, through moekit.ops) multiply the same prepared bytes without expanding them (few rows).
 """
 
 from __future__ import annotations

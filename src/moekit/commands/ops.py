@@ -1,0 +1,102 @@
+"""`moekit ops build` and `moekit ops status`: moekit's C++ operators built ahead of time (a container
+image, CI, the README's set-up), and what is built here, for which CPU, with which kernel for each
+kind of weight, and where the compiler's log is when a build failed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from moekit.errors import MoekitError
+
+app = typer.Typer(help="Build moekit's C++ operators ahead of time, and show what is built here.", no_args_is_help=True)
+
+BUILD_HELP = """Build this machine's variants of the operators (the native one, and an AVX2 one beside it on an AVX-512 CPU) into the cache, then measure and keep the kernel choice for each kind of weight.
+
+  moekit ops build
+"""
+STATUS_HELP = """Show torch's version, this CPU's flags, each build (its folder, or the log of a failed one) and the kernel each kind of weight uses here.
+
+  moekit ops status --json
+"""
+CACHE = "The cache the builds live in (default: ~/.cache/moekit/ops)."
+
+
+def _cache(cache: Optional[Path]) -> Path:
+    from moekit.ops.build import DEFAULT_CACHE
+
+    return cache if cache is not None else DEFAULT_CACHE
+
+
+@app.command("build", help=BUILD_HELP)
+def build(
+    cache: Optional[Path] = typer.Option(None, "--cache", help=CACHE),
+    cflags: list[str] = typer.Option([], "--extra-cflag", help="One more compiler flag (repeatable), after the variant's own."),
+) -> None:
+    from moekit import ops
+    from moekit.commands.operators_notice import BUILDING
+
+    typer.echo(f"note: {BUILDING}...", err=True)
+    loaded = ops.load(_cache(cache), tuple(cflags))
+    if not loaded.ok:
+        raise MoekitError(loaded.failures()[0])
+    for result in loaded.results:
+        typer.echo(result.line())
+    for line in loaded.failures():
+        typer.echo(f"warning: {line}", err=True)
+    if cache is None and not cflags:  # choices are kept beside the default cache's builds
+        for kind, choice in ops.chosen().items():
+            typer.echo(f"{kind}: {choice}")
+
+
+def status_report(cache: Path) -> dict:
+    """What `ops status` shows, as data."""
+    import torch
+
+    from moekit.ops import build as builds
+    from moekit.ops.select import choices_path, read_choices
+
+    variants = []
+    for v in builds.machine_variants():
+        folder = builds.build_dir(v, cache)
+        log = builds.log_path(v, cache)
+        variants.append({"namespace": v.namespace, "flags": v.flags(), "folder": str(folder),
+                         "built": builds.is_built(v, cache), "failed_log": str(log) if log.exists() else None})
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": " ".join(builds.cpu_flags()),
+        "cache": str(cache),
+        "key": builds.build_key(builds.NATIVE),
+        "variants": variants,
+        "choices_file": str(choices_path(cache)),
+        "choices": read_choices(cache),
+    }
+
+
+@app.command("status", help=STATUS_HELP)
+def status(
+    cache: Optional[Path] = typer.Option(None, "--cache", help=CACHE),
+    json_out: bool = typer.Option(False, "--json", help="Print JSON instead of lines."),
+) -> None:
+    report = status_report(_cache(cache))
+    if json_out:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    typer.echo(f"torch {report['torch']}, CPU {report['cpu_capability']}; cache {report['cache']}")
+    typer.echo(f"build key: {report['key']} (torch version, CPU flags' hash, sources' hash)")
+    for v in report["variants"]:
+        if v["built"]:
+            state = f"built in {v['folder']}"
+        elif v["failed_log"]:
+            state = f"FAILED: the compiler's output is in {v['failed_log']}"
+        else:
+            state = "not built (moekit ops build, or the first run that uses it, builds it)"
+        typer.echo(f"{v['namespace']} ({' '.join(v['flags'])}): {state}")
+    if not report["choices"]:
+        typer.echo("kernel choices: none measured yet (a run that uses the operators measures them once)")
+    for key, value in sorted(report["choices"].items()):
+        typer.echo(f"kernel choice: {key} → {value}")

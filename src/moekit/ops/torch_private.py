@@ -1,0 +1,69 @@
+"""Every private torch API moekit still calls, in one place, each with why and what would replace it.
+A torch upgrade that moves one breaks here, not in the middle of the model."""
+
+from __future__ import annotations
+
+import torch
+# The namespace Dynamo's guard expressions are evaluated in: direct_graph evaluates a graph's shape
+# guards itself, to call it without Dynamo. Replace with: a public guard-evaluation API.
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP  # noqa: F401
+
+
+def assume_constant_result(fn):
+    """Dynamo evaluates fn once while tracing and bakes its answer into the graph (the kernel choice
+    per kind of weight, measured before tracing). Why: the choice is a Python value read from a JSON
+    file, which Dynamo cannot trace. Replace with: passing the choice into the step as a constant
+    argument once the forward pass is one function over a config (issue 34, item 4)."""
+    return torch._dynamo.assume_constant_result(fn)
+
+
+def mark_dynamic(t: torch.Tensor, dim: int, **kwargs) -> None:
+    """Mark a tensor's dimension as dynamic before Dynamo sees it (batch and cache length), so one
+    graph serves every length. Replace with: torch.compile's public dynamic-shape hints
+    (torch.export.Dim-style markers for torch.compile) once they cover a held cache stack."""
+    torch._dynamo.mark_dynamic(t, dim, **kwargs)
+
+
+def compile_fx(gm, example_inputs, **kwargs):
+    """Inductor's entry point, called by the compiled step's recording backend so that it can keep
+    how to call a graph without Dynamo (moekit.model.direct_graph). Replace with: a public backend
+    hook that hands back the compiled callable with its guards."""
+    from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
+
+    return inductor_compile_fx(gm, example_inputs, **kwargs)
+
+
+def detect_fake_mode():
+    """The fake tensor mode of the inputs Dynamo passes a backend (direct_graph tells fake inputs
+    from real ones). Replace with: a public accessor on the backend's inputs."""
+    return torch._guards.detect_fake_mode()
+
+
+def cpu_has_avx512_bf16() -> bool:
+    """Whether the CPU multiplies bf16 pairs (AVX512-BF16): the kernel choice keeps that build for
+    bf16 unless another is clearly faster. Replace with: torch.backends.cpu's capability string once
+    it names AVX512-BF16."""
+    return bool(torch.cpu._is_avx512_bf16_supported())
+
+
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN has bf16 kernels on this CPU (the ONEDNN kernel for bf16 weights). Replace
+    with: a public torch.backends.mkldnn query."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def onednn_reorder(weight: torch.Tensor) -> torch.Tensor:
+    """A weight in oneDNN's own blocked layout, once at load. Replace with: torch.ao's public
+    prepacked linear for bf16 once it exists on CPU."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias) -> torch.Tensor:
+    """F.linear on a weight onednn_reorder laid out. Replace with: as onednn_reorder."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def storage_use_count(t) -> int:
+    """How many tensors share t's storage (huge_pages refuses to move a weight still shared). Replace
+    with: a public storage reference count, or tracking the views moekit makes itself."""
+    return torch._C._storage_Use_Count(t._cdata)  # t: a tensor or an untyped storage

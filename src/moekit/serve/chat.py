@@ -55,9 +55,9 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.source = source
 
-    def render(self, messages: list[dict]) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
-            return self.template.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except TemplateError:
             raise
         except Exception as err:

@@ -22,6 +22,14 @@ from moekit.serve.errors import ApiError, bad_request
 from moekit.serve.validation import drop_neutral, parse_json, refuse_unsupported
 
 
+class FieldError(ValueError):
+    """A check across fields, raised in a model validator, that names the field to blame."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
 def _integral(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError("must be an integer")
@@ -135,9 +143,7 @@ class CompletionRequest(Sampled):
     @model_validator(mode="after")
     def _limits(self):
         if len(self.prompt) * self.n > MAX_PROMPTS:
-            raise ValueError(f"{len(self.prompt)} prompts × n={self.n} is over {MAX_PROMPTS} choices per request")
-        if self.output_limit == 0 and not self.echo:
-            raise ValueError("max_tokens: 0 is only meaningful with echo (it scores the prompt)")
+            raise FieldError("n", f"{len(self.prompt)} prompts × n={self.n} is over {MAX_PROMPTS} choices per request")
         return self
 
     @property
@@ -180,9 +186,7 @@ class ChatRequest(Sampled):
     @model_validator(mode="after")
     def _logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
-        if self.max_tokens == 0:
-            raise ValueError("max_tokens must be at least 1")
+            raise FieldError("top_logprobs", "needs logprobs: true")
         return self
 
     @property
@@ -206,6 +210,9 @@ def from_validation(err: ValidationError) -> ApiError:
     loc = [str(p) for p in first["loc"] if not _is_type_step(p)]
     param = ".".join(loc) or None
     message = first["msg"].removeprefix("Value error, ")
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldError):
+        return bad_request(str(cause), param=cause.param)
     if first["type"] == "missing":
         message = "is required"
     elif first["type"] == "extra_forbidden":

@@ -35,7 +35,7 @@ def solo(engine, ids, new, sampling=SamplingParams()):
 
 
 def test_a_list_of_prompts_gets_one_indexed_choice_each(server, engine):
-    prompts = ["import os\n", [5, 17, 42, 99], "class Stack:"]
+    prompts = ["import os\n", "for x in", "class Stack:"]
     body = {"prompt": prompts, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     r = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)
     assert r.status_code == 200, r.text

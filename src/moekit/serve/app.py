@@ -476,7 +476,8 @@ class _Reply:
             out["logprobs"] = self._logprobs(choice, ids, entries, False)
             out["finish_reason"] = finish
         else:
-            if echo and choice.echo is not None:
+            echo = echo and choice.echo is not None  # a completion asked for echo
+            if echo:
                 text = choice.echo + text
             out = {"index": choice.index, "text": text, "logprobs": self._logprobs(choice, ids, entries, echo),
                    "finish_reason": finish}

@@ -52,9 +52,9 @@ def test_malformed_bodies_are_400s_in_openais_shape(server, raw, param, message)
             continue
         assert r.status_code == 400, (path, r.text)
         error = r.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and message in error["message"], (path, error)
-        if path == "/v1/completions":
-            assert error["param"] == param
+        assert set(error) == {"message", "type", "param", "code"}
+        if path == "/v1/completions" or param is None:  # a body-level fault reads the same on every route
+            assert message in error["message"] and error["param"] == param, (path, error)
 
 
 TYPED = [

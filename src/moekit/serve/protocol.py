@@ -223,4 +223,5 @@ def from_validation(err: ValidationError) -> ApiError:
 
 
 def _is_type_step(part) -> bool:
-    return isinstance(part, str) and (part.startswith(("list[", "str", "int", "function-")) or part in ("str", "int"))
+    # pydantic's union steps: "str", "list[int]", "function-before[_integral(), int]" (not a field like "stream")
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or part.startswith(("list[", "dict[", "function-")))

@@ -15,7 +15,6 @@ import argparse
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
 from serve_bench import free_port, stop, wait_ready
 

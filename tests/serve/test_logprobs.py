@@ -10,31 +10,11 @@ import httpx
 import pytest
 import torch
 
-from server_process import start_server
-from moekit.engine.default_model import bundled_model_path
-from moekit.engine.loader import load_engine
 
 openai = pytest.importorskip("openai")
 
 TIMEOUT = httpx.Timeout(120.0)
 PROMPT = "def parse_args(argv):"
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-batch", "8")
-    yield s
-    assert s.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return load_engine(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
 
 
 def forward_logprobs(engine, ids: list[int]) -> torch.Tensor:

@@ -8,26 +8,11 @@ import json
 import httpx
 import pytest
 
-from server_process import start_server
-from moekit.engine.default_model import bundled_model_path
-from moekit.engine.loader import load_engine
 from moekit.engine.sampling import SamplingParams
 
 openai = pytest.importorskip("openai")
 
 TIMEOUT = httpx.Timeout(120.0)
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-batch", "8")
-    yield s
-    assert s.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return load_engine(bundled_model_path())
 
 
 def solo(engine, ids, new, sampling=SamplingParams()):

@@ -12,9 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_process import start_server
 from moekit.engine.default_model import bundled_model_path
-from moekit.engine.loader import load_engine
 from moekit.serve.chat import PLAIN_TEMPLATE, load_chat_template
 
 openai = pytest.importorskip("openai")
@@ -30,23 +28,6 @@ PROMPTS = [
     "SYNOPSIS\n",
 ]
 TIMEOUT = httpx.Timeout(120.0)
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-batch", "16")
-    yield s
-    assert s.stop() == 0
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return load_engine(bundled_model_path())
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
 
 
 def solo(engine, prompt, new: int, ignore_eos: bool = True) -> list[int]:

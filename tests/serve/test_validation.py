@@ -10,18 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from server_process import start_server
-from moekit.engine.default_model import bundled_model_path
-from moekit.engine.loader import load_engine
 
 TIMEOUT = httpx.Timeout(120.0)
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-batch", "16")
-    yield s
-    assert s.stop() == 0
 
 
 def post(server, path: str, raw: bytes) -> httpx.Response:
@@ -88,8 +78,7 @@ def test_405_says_which_methods_are_allowed(server):
         assert r.status_code == 405 and r.headers["allow"] == allowed and r.json()["error"]["type"]
 
 
-def test_a_request_refused_at_setup_leaves_eight_streams_running(server):
-    engine = load_engine(bundled_model_path())
+def test_a_request_refused_at_setup_leaves_eight_streams_running(server, engine):
     prompts = [f"def f{i}(x):" for i in range(8)]
 
     def stream(prompt):

@@ -114,24 +114,27 @@ def test_a_failed_step_ends_the_requests_it_had_taken_off_the_queue(engine):
     """abort_all ends every request it owns, including those admitted but not yet running."""
     scheduler = Scheduler(engine.decoder, max_batch=4)
     outcomes: list = []
+    both = threading.Event()
 
     def broken_client(token):
         raise RuntimeError("a client callback failed")
 
-    first = Request(prompt=PROMPT, max_new_tokens=3, on_token=broken_client, on_finish=outcomes.append)
-    second = Request(prompt=OTHER, max_new_tokens=3, on_finish=outcomes.append)
+    def done(outcome):
+        outcomes.append(outcome)
+        if len(outcomes) == 2:
+            both.set()
+
+    first = Request(prompt=PROMPT, max_new_tokens=3, on_token=broken_client, on_finish=done)
+    second = Request(prompt=OTHER, max_new_tokens=3, on_finish=done)
     scheduler.submit_all([first, second])  # one prefill; the first's token raises before the second runs
     stop = threading.Event()
     thread = threading.Thread(target=scheduler.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        for _ in range(200):
-            if len(outcomes) == 2:
-                break
-            threading.Event().wait(0.05)
+        both.wait(60)  # without abort_all knowing the second, it would never end
     finally:
         stop.set()
-        thread.join(10)
+        thread.join(60)
     assert sorted(o.finish_reason for o in outcomes) == ["error", "error"]
     assert all("a client callback failed" in o.error for o in outcomes)
 

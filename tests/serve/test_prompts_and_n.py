@@ -74,3 +74,11 @@ def test_n_and_prompts_stream_interleaved_choices(server, engine):
 def test_too_many_choices_are_refused_naming_n(server):
     r = httpx.post(server.v1 + "/completions", json={"prompt": ["a"] * 100, "n": 3}, timeout=TIMEOUT)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_chat_n_gives_indexed_choices_through_the_official_client(client):
+    out = client.chat.completions.create(model="moekit-demo", messages=[{"role": "user", "content": "ls"}], n=2,
+                                         max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].message.content == out.choices[1].message.content  # greedy: the same continuation
+    assert out.usage.completion_tokens == 8

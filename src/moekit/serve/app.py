@@ -442,11 +442,22 @@ class _Reply:
         return rest
 
     def fail(self, item) -> None:
-        """One choice failed: the others are cancelled (the client gets one error for the request)."""
+        """One choice failed: the others are cancelled (the client gets one error for the request),
+        and their outcomes, queued or still to come, go straight to the metrics."""
         self.finish(item[0], item[2])
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Nobody reads this reply any more: its running choices leave at the next step, and their
+        outcomes (maybe already queued) are still counted."""
         for choice in self.choices:
             if choice.outcome is None:
                 self.state.scheduler.cancel(choice.request)
+        self.exchange.abandoned = self.finish
+        while not self.exchange.queue.empty():
+            index, kind, value = self.exchange.queue.get_nowait()
+            if kind == "finish":
+                self.finish(index, value)
 
     def usage(self) -> dict:
         prompt = sum(len(c.prompt) for c in self.choices if c.index % self.body.n == 0)
@@ -564,13 +575,5 @@ class _Reply:
                     return
                 item = await self.exchange.queue.get()
         finally:
-            if not finished:
-                # The client went away mid-stream: its rows leave at the next step, and their outcomes
-                # (maybe already queued) are still counted.
-                for choice in self.choices:
-                    self.state.scheduler.cancel(choice.request)
-                self.exchange.abandoned = self.finish
-                while not self.exchange.queue.empty():
-                    index, kind, value = self.exchange.queue.get_nowait()
-                    if kind == "finish":
-                        self.finish(index, value)
+            if not finished:  # the client went away mid-stream
+                self.abandon()

@@ -3,10 +3,12 @@ one `moekit serve` process, levels alternated (ABAB…) so that a machine's drif
 
 Every request streams exactly --max-tokens tokens (greedy, ignore_eos); "with" asks `logprobs: N`
 (each token's logprob and its N most likely alternatives). Prints output tokens/s of each round and
-the with/without ratio per concurrency (median over rounds).
+the with/without ratio per concurrency (median over rounds). `--engine` measures the scheduler
+alone, in this process (no HTTP): a batch of --requests rows, --max-tokens each, with and without.
 
   .venv/bin/python benchmarks/logprobs_cost.py                      # the bundled model
   .venv/bin/python benchmarks/logprobs_cost.py CKPT --concurrency 1,8 --rounds 3 --top 5
+  .venv/bin/python benchmarks/logprobs_cost.py --engine --requests 8 --max-tokens 32 --rounds 5
 """
 
 from __future__ import annotations
@@ -15,10 +17,37 @@ import argparse
 import statistics
 import subprocess
 import sys
+import time
 
 from serve_bench import free_port, stop, wait_ready
 
 from moekit.bench.serve import LoadPlan, load_prompts, run_level
+
+
+def engine_rounds(args) -> None:
+    """The scheduler alone: the same batch with and without logprobs, alternated."""
+    import torch
+
+    from moekit.engine.default_model import bundled_model_path
+    from moekit.engine.loader import load_engine
+    from moekit.engine.scheduler import Request, Scheduler, generate_batch
+
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args.checkpoint or bundled_model_path())
+    prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(16)] for i in range(args.requests)]
+    seen: dict[str, list[float]] = {"without": [], "with": []}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for side, top in (("without", None), ("with", args.top)):
+            scheduler = Scheduler(engine.decoder, max_batch=args.requests)
+            requests = [Request(prompt=p, max_new_tokens=args.max_tokens, logprobs=top) for p in prompts]
+            started = time.perf_counter()
+            generate_batch(scheduler, requests)
+            tok_s = args.requests * args.max_tokens / (time.perf_counter() - started)
+            if r:
+                seen[side].append(tok_s)
+                print(f"engine round {r} {side:>7} logprobs: {tok_s:7.1f} tok/s", flush=True)
+    ratio = statistics.median(w / o for w, o in zip(seen["with"], seen["without"]))
+    print(f"engine, batch {args.requests}: with/without logprobs={args.top} = {ratio:.3f} (median of {args.rounds} rounds)")
 
 
 def main() -> None:
@@ -30,7 +59,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--top", type=int, default=5, help="logprobs: N on the 'with' side")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--engine", action="store_true", help="the scheduler in this process, no server")
     args = parser.parse_args()
+    if args.engine:
+        return engine_rounds(args)
 
     port = free_port()
     cmd = [sys.executable, "-m", "moekit", "serve", *([args.checkpoint] if args.checkpoint else []), "--host", "127.0.0.1",

@@ -82,3 +82,9 @@ def test_chat_n_gives_indexed_choices_through_the_official_client(client):
     assert [c.index for c in out.choices] == [0, 1]
     assert out.choices[0].message.content == out.choices[1].message.content  # greedy: the same continuation
     assert out.usage.completion_tokens == 8
+
+
+def test_echo_of_token_ids_outside_the_vocabulary_is_a_400(server):
+    for ids in ([-1, 5], [5, 2**70]):  # found by schemathesis: echo decoded them before they were checked
+        r = httpx.post(server.v1 + "/completions", json={"prompt": ids, "echo": True, "max_tokens": 1}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

@@ -197,6 +197,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
         if any(isinstance(p, str) for p in body.prompts) and engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
         prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+        for ids in prompts:
+            check_vocab(engine, ids)  # before echo decodes them
         echoed = None
         if body.echo:
             echoed = [p if isinstance(p, str) else (engine.decode(p) if engine.tokenizer is not None else "") for p in body.prompts]
@@ -244,10 +246,7 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
     from moekit.engine.scheduler import Request
 
     scheduler, engine = state.scheduler, state.engine
-    vocab = engine.spec.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+    check_vocab(engine, ids)
     room = scheduler.max_len - len(ids)
     if room <= 0:
         raise bad_request(f"the prompt has {len(ids)} tokens; the context holds {scheduler.max_len}", "prompt", "context_length_exceeded")
@@ -285,6 +284,13 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         logprobs=_token_logprobs(body),
         prompt_logprobs=(body.logprobs or 0) if scoring and (body.logprobs is not None or max_tokens == 0) else None,
     )
+
+
+def check_vocab(engine, ids: list[int]) -> None:
+    vocab = engine.spec.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
 
 
 def _nth_seed(seed: int, copy: int) -> int:

@@ -17,6 +17,10 @@ from moekit.errors import MoekitError
 from moekit import ops
 
 
+# What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 means greedy: argmax, no randomness
@@ -36,6 +40,8 @@ def check_sampling(params: SamplingParams) -> None:
         raise MoekitError(f"top-k must be >= 1 (or 0 for none), got {params.top_k}")
     if params.top_p is not None and not 0.0 < params.top_p <= 1.0:
         raise MoekitError(f"top-p must be in (0, 1], got {params.top_p}")
+    if params.seed is not None and not SEED_MIN <= params.seed <= SEED_MAX:
+        raise MoekitError(f"seed must be between {SEED_MIN} and {SEED_MAX} (a 64-bit seed), got {params.seed}")
 
 
 def make_generator(params: SamplingParams, device: torch.device | str) -> Optional[torch.Generator]:

@@ -10,7 +10,8 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
-what it gets alone. The scheduler knows no HTTP: a request hears of its tokens and its end through
+what it gets alone. Requests admitted together with the same prompt and K (a request's `n`
+continuations) share one prefill, its cache copied into each of their rows. The scheduler knows no HTTP: a request hears of its tokens and its end through
 its callbacks, which run on the scheduler's thread and must return quickly.
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from moekit.engine.constraints import ConstraintError, TokenConstraint, mask_logits
 from moekit.engine.generate import check_request, left_pad
+from moekit.engine.logprobs import MAX_TOP, TokenLogprob, chosen_logprobs, prompt_logprobs
 from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
 from moekit.engine.prefix_cache import Block, PrefixCache, read_slots, routing_rows, write_slots
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
@@ -108,9 +110,14 @@ class Request:
     constraint: Optional[TokenConstraint] = None  # a grammar its tokens must follow (engine/constraints.py)
     on_token: Optional[Callable[[int], None]] = None  # each new token id
     on_finish: Optional[Callable[[Outcome], None]] = None
+    logprobs: Optional[int] = None  # each generated token's logprob and this many top ones (None: none)
+    on_logprob: Optional[Callable[[TokenLogprob], None]] = None  # called just before on_token
+    prompt_logprobs: Optional[int] = None  # the prompt's tokens' logprobs (echo), this many top ones
+    on_prompt_logprobs: Optional[Callable[[list], None]] = None  # once, after the prefill
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
     submitted_at: float = 0.0
     priority: int = 0  # within its tier, lower is admitted first (vLLM's convention)
+    finished: bool = False  # on_finish has been called (it is called once)
 
 
 @dataclass(eq=False)
@@ -192,6 +199,7 @@ class Scheduler:
         self.device = self.cache.key_mask.device
         self.rows: list[_Row] = []
         self.waiting = {tier: WaitingQueue() for tier in TIERS}
+        self._admitting: list[Request] = []  # off the queue, not yet running: abort_all ends them too
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
@@ -200,22 +208,38 @@ class Scheduler:
 
     def check(self, request: Request) -> None:
         """Refuse what cannot run, before it is queued: one line naming the problem."""
-        check_request([request.prompt], request.max_new_tokens, self.spec.vocab_size, self.max_len)
+        # max_new_tokens 0 only scores the prompt (echo with prompt logprobs, as lm-eval asks).
+        scoring = request.max_new_tokens == 0 and request.prompt_logprobs is not None
+        check_request([request.prompt], max(request.max_new_tokens, 1) if scoring else request.max_new_tokens,
+                      self.spec.vocab_size, self.max_len)
         check_sampling(request.sampling)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(request, name)
+            if value is not None and not 0 <= value <= MAX_TOP:
+                raise MoekitError(f"{name} must be between 0 and {MAX_TOP}, got {value}")
         tier_top_k(request.tier, self.model_k or 1)
         if request.top_k is not None and self.model_k and not 1 <= request.top_k <= self.model_k:
             raise MoekitError(f"top_k must be between 1 and the model's {self.model_k}, got {request.top_k}")
 
     def submit(self, request: Request) -> Request:
-        self.check(request)
-        request.submitted_at = time.perf_counter()
-        with self._lock:
-            queue = self.waiting[request.tier]
-            if len(queue) >= self.queue_limit:
-                raise QueueFull(f"the tier {request.tier} queue is full ({self.queue_limit} waiting); retry later")
-            queue.append(request)
-        self._wake.set()
+        self.submit_all([request])
         return request
+
+    def submit_all(self, requests: Sequence[Request]) -> None:
+        """Queue all of them or none (one HTTP request's prompts and `n` continuations): submitted
+        together, a request's continuations are admitted together and share their prefill."""
+        for request in requests:
+            self.check(request)
+        now = time.perf_counter()
+        with self._lock:
+            for tier in TIERS:
+                adding = sum(r.tier == tier for r in requests)
+                if adding and len(self.waiting[tier]) + adding > self.queue_limit:
+                    raise QueueFull(f"the tier {tier} queue is full ({self.queue_limit} waiting); retry later")
+            for request in requests:
+                request.submitted_at = now
+                self.waiting[request.tier].append(request)
+        self._wake.set()
 
     def cancel(self, request: Request) -> None:
         """The request leaves at the next step (a client that went away)."""
@@ -283,8 +307,9 @@ class Scheduler:
             waiting = [r for q in self.waiting.values() for r in q]
             for q in self.waiting.values():
                 q.clear()
-        for request in waiting:
+        for request in waiting + self._admitting:
             self._finish_unstarted(request, reason, message)
+        self._admitting = []
         for row in self.rows:
             row.finish, row.error = reason, message
         self._release()
@@ -321,29 +346,37 @@ class Scheduler:
 
     def _admit(self) -> int:
         """Take waiting requests into free rows: one left-padded prefill for all of them."""
-        group: list[Request] = []
+        rows: list[_Row] = []
         width = 0
-        while len(self.rows) + len(group) < self.max_batch:
-            request = self._pop_admissible(width, len(group))
+        while len(self.rows) + len(rows) < self.max_batch:
+            request = self._pop_admissible(width, len(rows))
             if request is None:
                 break
             if request.cancelled:
                 self._finish_unstarted(request, "cancelled", None)
                 continue
-            group.append(request)
+            self._admitting.append(request)
+            try:
+                row = self._new_row(request)
+            except Exception as err:  # noqa: BLE001 - e.g. a seed the generator refuses: this request alone fails
+                self._finish_unstarted(request, "error", f"setting up the request failed: {_message(err)}")
+                continue
+            rows.append(row)
             width = max(width, len(request.prompt))
-        cold = []
-        for request in group:
-            keys, blocks = self._cached_prefix(request)
-            if blocks:
-                self._prefill(request, keys, blocks)
+        groups = _sharing_prefill(rows)
+        cold: list[tuple[list[_Row], list[bytes]]] = []
+        for group in groups:
+            keys, blocks = self._cached_prefix(group[0].request)
+            if blocks and not _scores_prompt(group):  # a prompt's logprobs need every position computed
+                self._prefill(group, keys, blocks)
             else:
-                cold.append((request, keys))
+                cold.append((group, keys))
         if len(cold) == 1:
             self._prefill(*cold[0])
         elif cold:
             self._prefill_together(cold)
-        return len(group)
+        self._admitting = []
+        return len(rows)
 
     def _cached_prefix(self, request: Request) -> tuple[list[bytes], list[Block]]:
         """The prompt's block keys and the leading blocks found cached (none without a cache)."""
@@ -380,61 +413,86 @@ class Scheduler:
             admitted_at=time.perf_counter(),
         )
 
-    def _prefill(self, request: Request, keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
-        """Prefill alone into a cache of the prompt's size, after the prompt's first C tokens' KV
-        taken from `blocks` (the prefix cache's), then copy it into the next free row."""
-        row = self._new_row(request)
-        row.cached = cached = len(blocks) * (self.prefix_cache.block_size if blocks else 0)
-        prompt = torch.tensor([list(request.prompt[cached:])], dtype=torch.int64, device=self.device)  # [1, P-C]
-        positions = torch.arange(cached, row.length, device=self.device)[None]  # [1, P-C]
-        top_k = None if row.top_k == self.model_k else [row.top_k] * prompt.shape[1]
+    def _prefill(self, rows: list[_Row], keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
+        """Prefill one prompt alone into a cache of its size, after its first C tokens' KV taken from
+        `blocks` (the prefix cache's), then copy it into a free row for each of `rows` (requests with
+        this prompt and K)."""
+        head = rows[0]
+        cached = len(blocks) * (self.prefix_cache.block_size if blocks else 0)
+        for row in rows:
+            row.cached = cached
+        prompt = torch.tensor([list(head.request.prompt[cached:])], dtype=torch.int64, device=self.device)  # [1, P-C]
+        positions = torch.arange(cached, head.length, device=self.device)[None]  # [1, P-C]
+        top_k = None if head.top_k == self.model_k else [head.top_k] * prompt.shape[1]
         decisions: list = []
         try:
-            single = self.decoder.new_cache(1, row.length)
+            single = self.decoder.new_cache(1, head.length)
             for i, block in enumerate(blocks):
                 write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
             single.length = cached
-            logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k)  # [1, 1, V]
-            self._meter_cached(row, blocks)
-            self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions])
+            logits = self.decoder(prompt, single, positions, decisions, last_only=not _scores_prompt(rows), top_k=top_k)  # [1, P-C|1, V]
+            for row in rows:
+                self._meter_cached(row, blocks)
+                self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], count=row is head)
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
-            row.finish, row.error = "error", _message(err)
-            self._finish(row)
+            for row in rows:
+                row.finish, row.error = "error", _message(err)
+                self._finish(row)
             return
         self._keep_blocks(list(keys), single, 0, 0, cached, decisions, prompt.shape[1])
-        copy_row(self.cache, len(self.rows), single, 0, row.length)
-        self.rows.append(row)
-        self._accept(row, self._sample(logits[:, -1], [row])[0])
+        self._place(rows, single, 0, 0, logits[0])
 
-    def _prefill_together(self, cold: list[tuple[Request, list[bytes]]]) -> None:
-        """Several prompts (none with a cached prefix; each with its block keys) in one left-padded
-        forward (as a batched `generate` prefills them), each row's real slots then copied into its
-        cache row. If the forward fails, each is prefilled alone, so only the request that fails fails."""
-        requests = [request for request, _ in cold]
-        rows = [self._new_row(r) for r in requests]
-        ids, mask, positions = left_pad([r.prompt for r in requests], pad_id=0)  # [B, P] each
+    def _prefill_together(self, cold: list[tuple[list[_Row], list[bytes]]]) -> None:
+        """Several prompts (none with a cached prefix; each a group of rows that share it, with its
+        block keys) in one left-padded forward (as a batched `generate` prefills them), each row's
+        real slots then copied into its cache row. If the forward fails, each is prefilled alone, so
+        only the request that fails fails."""
+        groups = [group for group, _ in cold]
+        heads = [group[0] for group in groups]
+        ids, mask, positions = left_pad([row.request.prompt for row in heads], pad_id=0)  # [B, P] each
         b, width = ids.shape
         top_k = None
-        if any(row.top_k != self.model_k for row in rows):
-            top_k = [row.top_k for row in rows for _ in range(width)]  # row-major, as the tokens
+        if any(row.top_k != self.model_k for row in heads):
+            top_k = [row.top_k for row in heads for _ in range(width)]  # row-major, as the tokens
         decisions: list = []
         try:
             cache = self.decoder.new_cache(b, width)
             cache.key_mask[:] = mask.to(self.device)
-            logits = self.decoder(ids.to(self.device), cache, positions.to(self.device), decisions, last_only=True, top_k=top_k)
+            last_only = not any(_scores_prompt(group) for group in groups)
+            logits = self.decoder(ids.to(self.device), cache, positions.to(self.device), decisions, last_only=last_only, top_k=top_k)
         except Exception:  # noqa: BLE001
-            for request, keys in cold:
-                self._prefill(request, keys)
+            for group, keys in cold:
+                self._prefill(group, keys)
             return
-        for i, row in enumerate(rows):
-            first = width - row.length
+        for i, group in enumerate(groups):
+            first = width - group[0].length
             per_row = [(layer, d.topk_ids.view(b, width, -1)[i, first:]) for layer, d in decisions]  # [P_i, K]
-            self._meter_prompt(row, per_row)
+            for row in group:
+                self._meter_prompt(row, per_row, count=row is group[0])
             self._keep_blocks(cold[i][1], cache, i, first, 0, decisions, width)
-            copy_row(self.cache, len(self.rows), cache, i, row.length, src_start=first)
+        for i, group in enumerate(groups):
+            first = width - group[0].length
+            self._place(group, cache, i, first, logits[i, first:] if not last_only else logits[i])
+
+    def _place(self, rows: list[_Row], cache, index: int, start: int, logits: torch.Tensor) -> None:
+        """Rows that share a prefill: each gets the prompt's logprobs it asked for, a copy of
+        cache row `index` (slots from `start`) and its first token sampled from logits[-1].
+        logits: [P, V] when some row scores its prompt, else [1, V]."""
+        for row in rows:
+            request = row.request
+            if request.prompt_logprobs is not None and request.on_prompt_logprobs is not None:
+                request.on_prompt_logprobs(prompt_logprobs(logits, request.prompt, request.prompt_logprobs))
+        running = []
+        for row in rows:
+            if row.request.max_new_tokens == 0:  # scored its prompt: nothing to generate
+                row.finish = "length"
+                self._finish(row)
+                continue
+            copy_row(self.cache, len(self.rows), cache, index, row.length, src_start=start)
             self.rows.append(row)
-        for row, token in zip(rows, self._sample(logits[:, -1], rows)):
-            self._accept(row, token)
+            running.append(row)
+        if running:
+            self._advance(running, logits[-1:].expand(len(running), -1))
 
     def _decode(self) -> None:
         n = len(self.rows)
@@ -449,9 +507,9 @@ class Scheduler:
             self._decode_alone()
             return
         self._meter_step(self.rows, decisions)
-        for row, token in zip(self.rows, self._sample(logits[:, -1], self.rows)):
+        for row in self.rows:
             row.length += 1
-            self._accept(row, token)
+        self._advance(self.rows, logits[:, -1])
         assert n == len(self.rows)
 
     def _decode_alone(self) -> None:
@@ -471,7 +529,18 @@ class Scheduler:
             copy_row(self.cache, index, single, 0, row.length + 1)
             self._meter_step([row], decisions)
             row.length += 1
-            self._accept(row, self._sample(logits[:, -1], [row])[0])
+            self._advance([row], logits[:, -1])
+
+    def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """logits [B, V] → each row's next token (and its logprobs, from these same logits)."""
+        tokens = self._sample(logits, rows)
+        scoring = [i for i, row in enumerate(rows) if row.request.logprobs is not None]
+        entries: dict[int, TokenLogprob] = {}
+        if scoring:
+            picked = chosen_logprobs(logits[scoring], [tokens[i] for i in scoring], [rows[i].request.logprobs for i in scoring])
+            entries = dict(zip(scoring, picked))
+        for i, (row, token) in enumerate(zip(rows, tokens)):
+            self._accept(row, token, entries.get(i))
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """logits [B, V] → one token per row, each with its own sampling settings, generator and grammar."""
@@ -486,11 +555,13 @@ class Scheduler:
                 out.append(int(next_tokens(logits[i : i + 1], params, row.generator)[0]))
         return out
 
-    def _accept(self, row: _Row, token: int) -> None:
+    def _accept(self, row: _Row, token: int, logprob: Optional[TokenLogprob] = None) -> None:
         """Row's next token: tell the client, then decide whether the row has ended."""
         row.tokens.append(token)
         if len(row.tokens) == 1:
             row.first_token_at = time.perf_counter()
+        if logprob is not None and row.request.on_logprob is not None:
+            row.request.on_logprob(logprob)
         if row.request.on_token is not None:
             row.request.on_token(token)
         constraint = row.request.constraint
@@ -528,8 +599,9 @@ class Scheduler:
     def _record(self, row: _Row, layer: int, experts: list[int]) -> None:
         row.touched.update((layer, e) for e in experts)
 
-    def _meter_prompt(self, row: _Row, layers: list) -> None:
-        """layers: (layer, topk_ids [P, K]) of this row's prompt tokens."""
+    def _meter_prompt(self, row: _Row, layers: list, count: bool = True) -> None:
+        """layers: (layer, topk_ids [P, K]) of this row's prompt tokens. count: add them to the
+        server's routed-token counts (once per prefill, not once per row that shares it)."""
         last: dict[int, set] = {}  # the last prompt token's experts: its pass made generated token 0
         for layer, topk_ids in layers:
             ids = topk_ids[:, : row.top_k].tolist()  # [P, k]
@@ -537,7 +609,7 @@ class Scheduler:
             for token_ids in ids:
                 self._record(row, layer, token_ids)
                 for e in token_ids:
-                    counts[e] += 1
+                    counts[e] += count
             last[layer] = set(ids[-1])
             self._meter_cache(row, layer, {e for t in ids for e in t})
         self._meter_token(row, last)
@@ -596,6 +668,9 @@ class Scheduler:
 
     def _finish(self, row: _Row) -> None:
         request = row.request
+        if request.finished:
+            return
+        request.finished = True
         if request.on_finish is not None:
             request.on_finish(
                 Outcome(
@@ -616,6 +691,18 @@ class Scheduler:
         row = _Row(request=request, top_k=self._row_k(request), generator=None, length=0)
         row.finish, row.error = reason, error
         self._finish(row)
+
+
+def _sharing_prefill(rows: list[_Row]) -> list[list[_Row]]:
+    """Rows with the same prompt and K, in order of first appearance: each group needs one prefill."""
+    groups: dict[tuple, list[_Row]] = {}
+    for row in rows:
+        groups.setdefault((tuple(row.request.prompt), row.top_k), []).append(row)
+    return list(groups.values())
+
+
+def _scores_prompt(rows: list[_Row]) -> bool:
+    return any(row.request.prompt_logprobs is not None for row in rows)
 
 
 def _message(err: Exception) -> str:

@@ -1,4 +1,5 @@
-"""The HTTP app: OpenAI's completion and chat routes, /v1/models, /health and /metrics.
+"""The HTTP app: OpenAI's completion and chat routes, /v1/models, /health, /metrics, /openapi.json
+and the tokenizer routes (moekit.serve.tokenizer_routes).
 
 The model loads on the engine thread after the server is up (/health answers 503 until then), and
 that thread then runs the scheduler. A route validates its body, submits a scheduler Request whose
@@ -25,10 +26,14 @@ from moekit.engine.sampling import SamplingParams
 from moekit.errors import MoekitError
 from moekit.serve.errors import ApiError, bad_request, error_response
 from moekit.serve.metrics import ServerMetrics
+from moekit.serve.logprobs import chat_logprobs, completion_logprobs, token_text
+from moekit.serve.openapi import openapi_document
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
 from moekit.serve.structured import request_constraint
 from moekit.serve.text import StopText
 from moekit.serve.tools import ToolStream, content_or_none, render_prompt
+from moekit.serve.validation import read_body
+from moekit.serve.tokenizer_routes import register_tokenizer_routes
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 
@@ -145,7 +150,9 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, err: StarletteHTTPException):
-        return error_response(err.status_code, str(err.detail), code=None)
+        response = error_response(err.status_code, str(err.detail), code=None)
+        response.headers.update(err.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request, err: Exception):
@@ -163,12 +170,28 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
             return error_response(503, "the model is loading")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models():
+    def model_card() -> dict:
         card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "moekit"}
         if state.scheduler is not None:
             card["max_model_len"] = state.scheduler.max_len
-        return JSONResponse({"object": "list", "data": [card]})
+        return card
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # the official client's models.retrieve
+        if model_id != config.model_name:
+            raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {config.model_name!r}",
+                           "model", "model_not_found")
+        return JSONResponse(model_card())
+
+    @app.get("/openapi.json")
+    async def openapi():
+        return JSONResponse(openapi_document(app.version))
+
+    register_tokenizer_routes(app, state)
 
     @app.get("/metrics")
     async def metrics():
@@ -178,21 +201,22 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
-        body = parse_body(await _read_body(http, config.max_body_bytes), CompletionRequest)
+        body = parse_body(await read_body(http, config.max_body_bytes), CompletionRequest)
         engine = _ready_engine(state, body)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            if engine.tokenizer is None:
-                raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
-            ids = engine.encode(prompt)
-        else:
-            ids = list(prompt)
+        if any(isinstance(p, str) for p in body.prompts) and engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer.json: send the prompt as a list of token ids", "prompt")
+        prompts = [engine.encode(p) if isinstance(p, str) else list(p) for p in body.prompts]
+        for ids in prompts:
+            check_vocab(engine, ids)  # before echo decodes them
+        echoed = None
+        if body.echo:
+            echoed = [p if isinstance(p, str) else (engine.decode(p) if engine.tokenizer is not None else "") for p in body.prompts]
         constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
-        return await _generate(http, state, body, ids, body.max_tokens, chat=False, constraint=constraint)
+        return await _generate(http, state, body, prompts, body.output_limit, chat=False, echoed=echoed, constraint=constraint)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
-        body = parse_body(await _read_body(http, config.max_body_bytes), ChatRequest)
+        body = parse_body(await read_body(http, config.max_body_bytes), ChatRequest)
         engine = _ready_engine(state, body)
         if engine.tokenizer is None:
             raise bad_request("this model has no tokenizer.json: chat needs text; use /v1/completions with token ids")
@@ -203,7 +227,7 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
         ids = list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
         constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
         tools = [t.function.name for t in body.tools] if body.tool_mode != "none" else None
-        return await _generate(http, state, body, ids, body.output_limit, chat=True, constraint=constraint, tools=tools)
+        return await _generate(http, state, body, [ids], body.output_limit, chat=True, constraint=constraint, tools=tools)
 
     return app
 
@@ -213,19 +237,6 @@ def _announce(state: ServerState, on_ready) -> None:
         if state.error is not None or state.stop.is_set():
             return
     on_ready(state)
-
-
-async def _read_body(http: HttpRequest, limit: int) -> bytes:
-    declared = http.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the body is {declared} bytes; the limit is {limit}", code="request_too_large")
-    chunks, size = [], 0
-    async for chunk in http.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _ready_engine(state: ServerState, body: Sampled):
@@ -240,21 +251,20 @@ def _ready_engine(state: ServerState, body: Sampled):
     return state.engine
 
 
-def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: Optional[int]):
-    """The scheduler Request for a validated body, or a 400 naming the field at fault."""
+def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: Optional[int], copy: int = 0):
+    """The scheduler Request for one prompt of a validated body (its `copy`-th continuation),
+    or a 400 naming the field at fault."""
     from moekit.engine.scheduler import Request
 
     scheduler, engine = state.scheduler, state.engine
-    vocab = engine.spec.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+    check_vocab(engine, ids)
     room = scheduler.max_len - len(ids)
     if room <= 0:
         raise bad_request(f"the prompt has {len(ids)} tokens; the context holds {scheduler.max_len}", "prompt", "context_length_exceeded")
     if max_tokens is None:
         max_tokens = min(DEFAULT_COMPLETION_TOKENS, room) if isinstance(body, CompletionRequest) else room
-    if max_tokens <= 0:
+    scoring = isinstance(body, CompletionRequest) and body.echo
+    if max_tokens < (0 if scoring else 1):
         raise bad_request(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:
         raise bad_request(
@@ -272,7 +282,8 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         temperature=body.temperature,
         top_k=body.top_k if body.top_k > 0 else None,
         top_p=body.top_p,
-        seed=body.seed,
+        # The n continuations of a seeded request draw from n streams: seed, seed+1, … (mod 2**64).
+        seed=None if body.seed is None else _nth_seed(body.seed, copy),
     )
     return Request(
         prompt=ids,
@@ -282,34 +293,48 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         tier=tier,
         top_k=top_k,
         priority=body.priority,
+        logprobs=_token_logprobs(body),
+        prompt_logprobs=(body.logprobs or 0) if scoring and (body.logprobs is not None or max_tokens == 0) else None,
     )
+
+
+def check_vocab(engine, ids: list[int]) -> None:
+    vocab = engine.spec.vocab_size
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})", "prompt")
+
+
+def _nth_seed(seed: int, copy: int) -> int:
+    return seed if copy == 0 else (seed + copy) % 2**64  # in 0..2**64-1: a seed torch takes
+
+
+def _token_logprobs(body: Sampled) -> Optional[int]:
+    """How many top logprobs each generated token asks for (None: no logprobs)."""
+    if isinstance(body, ChatRequest):
+        return (body.top_logprobs or 0) if body.logprobs else None
+    return body.logprobs
 
 
 @dataclass
 class _Exchange:
-    """One request's traffic between the engine thread and the event loop."""
+    """One HTTP request's traffic between the engine thread and the event loop: (choice, kind, value)."""
 
     queue: asyncio.Queue
-    token_times: list[float] = field(default_factory=list)
-    abandoned: Optional[Callable] = None  # set when the client left: where the outcome goes then
+    token_times: dict[int, list[float]] = field(default_factory=dict)
+    abandoned: Optional[Callable] = None  # set when the client left: where outcomes go then
 
-    def deliver_finish(self, outcome) -> None:
+    def deliver_finish(self, index: int, outcome) -> None:
         """On the event loop: the outcome goes to the reply, or straight to the books if nobody waits."""
         if self.abandoned is not None:
-            self.abandoned(outcome)
+            self.abandoned(index, outcome)
         else:
-            self.queue.put_nowait(("finish", outcome))
+            self.queue.put_nowait((index, "finish", outcome))
 
 
-async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: list[int], max_tokens, chat: bool,
-                    constraint=None, tools: Optional[list[str]] = None):
-    """tools: the names of the functions whose calls are parsed from the output (None: no tools)."""
-    from moekit.engine.scheduler import QueueFull
-
-    request = _request_for(state, body, ids, max_tokens)
-    request.constraint = constraint
-    loop = asyncio.get_running_loop()
-    exchange = _Exchange(queue=asyncio.Queue())
+def _wire(request, index: int, exchange: _Exchange, loop) -> None:
+    """The request's callbacks (engine thread) post to the exchange's queue (event loop)."""
+    times = exchange.token_times.setdefault(index, [])
 
     def post(callback, *args) -> None:
         # The engine thread must never fail because the event loop is gone (a shutdown past its grace).
@@ -319,62 +344,68 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
             pass
 
     def on_token(token: int) -> None:
-        exchange.token_times.append(time.perf_counter())
-        post(exchange.queue.put_nowait, ("token", token))
+        times.append(time.perf_counter())
+        post(exchange.queue.put_nowait, (index, "token", token))
 
-    def on_finish(outcome) -> None:
-        post(exchange.deliver_finish, outcome)
+    request.on_token = on_token
+    request.on_finish = lambda outcome: post(exchange.deliver_finish, index, outcome)
+    request.on_logprob = lambda entry: post(exchange.queue.put_nowait, (index, "logprob", entry))
+    request.on_prompt_logprobs = lambda entries: post(exchange.queue.put_nowait, (index, "prompt", entries))
 
-    request.on_token, request.on_finish = on_token, on_finish
+
+async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompts: list[list[int]], max_tokens,
+                    chat: bool, echoed: Optional[list[str]] = None, constraint=None, tools: Optional[list[str]] = None):
+    """One scheduler request per prompt and continuation (choice index prompt * n + copy), queued
+    together so that a prompt's continuations share its prefill. constraint: a grammar every choice
+    follows (each row gets its own copy: a matcher follows one row's tokens); tools: the names of
+    the functions whose calls are parsed from the output (None: no tools)."""
+    from moekit.engine.scheduler import QueueFull
+
+    requests = [_request_for(state, body, ids, max_tokens, copy) for ids in prompts for copy in range(body.n)]
+    if constraint is not None:
+        for i, request in enumerate(requests):
+            request.constraint = constraint if i == 0 else constraint.copy()
+    loop = asyncio.get_running_loop()
+    exchange = _Exchange(queue=asyncio.Queue())
+    for index, request in enumerate(requests):
+        _wire(request, index, exchange, loop)
     try:
-        state.scheduler.submit(request)
+        state.scheduler.submit_all(requests)
     except QueueFull as err:
         raise ApiError(429, str(err), code="rate_limit_exceeded") from None
     except MoekitError as err:
         raise bad_request(str(err)) from None
-    reply = _Reply(state, body, request, ids, chat, exchange, ToolStream(tools) if tools is not None else None)
+    tool_stream = (lambda: ToolStream(tools)) if tools is not None else (lambda: None)
+    reply = _Reply(state, body, requests, [ids for ids in prompts for _ in range(body.n)], chat, exchange,
+                   None if echoed is None else [text for text in echoed for _ in range(body.n)], tool_stream)
     if body.stream:
         first = await exchange.queue.get()  # a request that fails before its first token answers 500
-        if first[0] == "finish" and first[1].finish_reason == "error":
-            reply.finish(first[1])
-            raise ApiError(500, f"generation failed: {first[1].error}", code="engine_error")
+        if first[1] == "finish" and first[2].finish_reason == "error":
+            reply.fail(first)
+            raise ApiError(500, f"generation failed: {first[2].error}", code="engine_error")
         return StreamingResponse(reply.events(first), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     return await reply.whole(http)
 
 
-class _Reply:
-    """Builds a response from one request's tokens: its text (cut at stop strings), ids and usage."""
+class _Choice:
+    """One continuation: its text (cut at stop strings), ids, logprobs and outcome."""
 
-    def __init__(self, state: ServerState, body: Sampled, request, ids: list[int], chat: bool, exchange: _Exchange,
+    def __init__(self, index: int, request, prompt: list[int], tokenizer, stops: list[str], echo: Optional[str],
                  tools: Optional[ToolStream] = None):
-        self.state, self.body, self.request, self.prompt, self.chat = state, body, request, ids, chat
-        self.exchange = exchange
+        self.index, self.request, self.prompt = index, request, prompt
+        self.text = StopText(tokenizer, stops)
         self.tools = tools  # calls held back from the content, parsed at the end
-        self.text = StopText(state.engine.tokenizer, body.stops)
         self.token_ids: list[int] = []
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.with_ids = body.return_token_ids or state.engine.tokenizer is None
+        self.logprobs: list = []  # TokenLogprob of each generated token, when asked
+        self.prompt_logprobs: Optional[list] = None  # of each prompt token (echo), when asked
+        self.echo = echo  # the prompt's text, sent before the completion
         self.outcome = None
+        self.sent = 0  # logprobs already streamed
 
-    def _push(self, token: int) -> str:
+    def push(self, token: int) -> str:
         self.token_ids.append(token)
         piece = self.text.push(token)
-        if self.text.stopped and not self.request.cancelled:
-            self.state.scheduler.cancel(self.request)  # a stop string: the row leaves at the next step
         return piece if self.tools is None else self.tools.push(piece)
-
-    def finish(self, outcome) -> str:
-        """The request ended: record it in the metrics, return the text still held back."""
-        self.outcome = outcome
-        rest = self.text.flush()  # first: a stop string in the held-back text decides the reason
-        if self.tools is not None:
-            rest = self.tools.finish(rest)
-        total = self.state.scheduler.counts.total_params
-        self.state.metrics.observe_request(self.request.tier, outcome, self.exchange.token_times, self.finish_reason, total)
-        if outcome.finish_reason != "error":
-            self.state.metrics.prompt_tokens.inc(len(self.prompt))
-        return rest
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -392,30 +423,125 @@ class _Reply:
     def calls(self) -> list[dict]:
         return self.tools.calls if self.tools is not None else []
 
+class _Reply:
+    """Builds a response from its choices' tokens: texts, ids, logprobs and usage."""
+
+    def __init__(self, state: ServerState, body: Sampled, requests: list, prompts: list[list[int]], chat: bool,
+                 exchange: _Exchange, echoed: Optional[list[str]] = None,
+                 tool_stream: Callable[[], Optional[ToolStream]] = lambda: None):
+        self.state, self.body, self.chat = state, body, chat
+        self.exchange = exchange
+        tokenizer = state.engine.tokenizer
+        self.choices = [
+            _Choice(i, request, prompt, tokenizer, body.stops, None if echoed is None else echoed[i], tool_stream())
+            for i, (request, prompt) in enumerate(zip(requests, prompts))
+        ]
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.with_ids = body.return_token_ids or tokenizer is None
+        self.token_text = token_text(tokenizer)
+        self.open = len(self.choices)  # choices not finished yet
+
+    def _take(self, item) -> Optional[str]:
+        """One item from the engine: the text a token releases, else None (bookkeeping only)."""
+        index, kind, value = item
+        choice = self.choices[index]
+        if kind == "logprob":
+            choice.logprobs.append(value)
+            return None
+        if kind == "prompt":
+            choice.prompt_logprobs = value
+            return None
+        if kind == "token":
+            piece = choice.push(value)
+            if choice.text.stopped and not choice.request.cancelled:
+                self.state.scheduler.cancel(choice.request)  # a stop string: the row leaves at the next step
+            return piece
+        return self.finish(index, value)
+
+    def finish(self, index: int, outcome) -> str:
+        """A choice ended: record it in the metrics, return the text still held back."""
+        choice = self.choices[index]
+        if choice.outcome is not None:
+            return ""
+        choice.outcome = outcome
+        self.open -= 1
+        rest = choice.text.flush()  # first: a stop string in the held-back text decides the reason
+        if choice.tools is not None:
+            rest = choice.tools.finish(rest)
+        total = self.state.scheduler.counts.total_params
+        times = self.exchange.token_times.get(index, [])
+        self.state.metrics.observe_request(choice.request.tier, outcome, times, choice.finish_reason, total)
+        if outcome.finish_reason != "error" and index % self.body.n == 0:  # a shared prefill counts once
+            self.state.metrics.prompt_tokens.inc(len(choice.prompt))
+        return rest
+
+    def fail(self, item) -> None:
+        """One choice failed: the others are cancelled (the client gets one error for the request),
+        and their outcomes, queued or still to come, go straight to the metrics."""
+        self.finish(item[0], item[2])
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Nobody reads this reply any more: its running choices leave at the next step, and their
+        outcomes (maybe already queued) are still counted."""
+        for choice in self.choices:
+            if choice.outcome is None:
+                self.state.scheduler.cancel(choice.request)
+        self.exchange.abandoned = self.finish
+        while not self.exchange.queue.empty():
+            index, kind, value = self.exchange.queue.get_nowait()
+            if kind == "finish":
+                self.finish(index, value)
+
     def usage(self) -> dict:
-        n = len(self.token_ids)
-        out = {"prompt_tokens": len(self.prompt), "completion_tokens": n, "total_tokens": len(self.prompt) + n}
-        if self.outcome is not None:
-            out["prompt_tokens_details"] = {"cached_tokens": self.outcome.cached_tokens}
-            out["moe"] = self.outcome.usage.as_dict()
+        prompt = sum(len(c.prompt) for c in self.choices if c.index % self.body.n == 0)
+        generated = sum(len(c.token_ids) for c in self.choices)
+        out = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
+        if len(self.choices) == 1 and self.choices[0].outcome is not None:
+            out["moe"] = self.choices[0].outcome.usage.as_dict()
+        finished = [c.outcome for c in self.choices if c.outcome is not None and c.index % self.body.n == 0]
+        if finished:
+            out["prompt_tokens_details"] = {"cached_tokens": sum(o.cached_tokens for o in finished)}
         return out
 
-    def _choice(self, text: str, ids: list[int], finish: Optional[str], delta: bool) -> dict:
+    def _logprobs(self, choice: _Choice, tokens: list[int], entries: list, echo: bool) -> Optional[dict]:
+        if self.chat:
+            return chat_logprobs(entries, self.token_text) if choice.request.logprobs is not None else None
+        if choice.request.logprobs is None:
+            return None
+        if echo:  # the prompt's tokens first, then the generated ones
+            prompt = choice.prompt_logprobs or [None] * len(choice.prompt)
+            return completion_logprobs([*prompt, *entries], [*choice.prompt, *tokens], self.token_text)
+        return completion_logprobs(entries, tokens, self.token_text)
+
+    def _choice(self, choice: _Choice, text: str, ids: list[int], entries: list, finish: Optional[str], delta: bool,
+                echo: bool = False) -> dict:
         if self.chat:
             if delta:
-                choice = {"index": 0, "delta": {"content": text} if text or finish is None else {}, "finish_reason": finish}
-                if finish is not None and self.calls:
-                    choice["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(self.calls)]
+                out = {"index": choice.index, "delta": {"content": text} if text or finish is None else {}}
+                if finish is not None and choice.calls:
+                    out["delta"]["tool_calls"] = [{"index": i, **call} for i, call in enumerate(choice.calls)]
             else:
-                message = {"role": "assistant", "content": content_or_none(text, self.calls)}
-                if self.calls:
-                    message["tool_calls"] = self.calls
-                choice = {"index": 0, "message": message, "finish_reason": finish}
+                message = {"role": "assistant", "content": content_or_none(text, choice.calls)}
+                if choice.calls:
+                    message["tool_calls"] = choice.calls
+                out = {"index": choice.index, "message": message}
+            out["logprobs"] = self._logprobs(choice, ids, entries, False)
+            out["finish_reason"] = finish
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            echo = echo and choice.echo is not None  # a completion asked for echo
+            if echo:
+                text = choice.echo + text
+            out = {"index": choice.index, "text": text, "logprobs": self._logprobs(choice, ids, entries, echo),
+                   "finish_reason": finish}
+            if echo and self.with_ids:
+                out["prompt_token_ids"] = choice.prompt
         if self.with_ids:
-            choice["token_ids"] = ids
-        return choice
+            out["token_ids"] = ids
+        if len(self.choices) > 1 and choice.outcome is not None and not delta:
+            out["moe"] = choice.outcome.usage.as_dict()
+        return out
 
     def _frame(self, choices: list, usage: Optional[dict] = None) -> str:
         obj = {
@@ -430,62 +556,67 @@ class _Reply:
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
     async def whole(self, http: HttpRequest) -> JSONResponse:
-        pieces: list[str] = []
-        while True:
+        pieces: list[list[str]] = [[] for _ in self.choices]
+        while self.open:
             try:
-                kind, value = await asyncio.wait_for(self.exchange.queue.get(), timeout=0.25)
+                item = await asyncio.wait_for(self.exchange.queue.get(), timeout=0.25)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
-                    self.state.scheduler.cancel(self.request)
+                    for choice in self.choices:
+                        self.state.scheduler.cancel(choice.request)
                 continue
-            if kind == "token":
-                pieces.append(self._push(value))
-                continue
-            pieces.append(self.finish(value))
-            break
-        if self.outcome.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {self.outcome.error}", code="engine_error")
+            if item[1] == "finish" and item[2].finish_reason == "error":
+                self.fail(item)
+                raise ApiError(500, f"generation failed: {item[2].error}", code="engine_error")
+            piece = self._take(item)
+            if piece:
+                pieces[item[0]].append(piece)
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.state.config.model_name,
-            "choices": [self._choice("".join(pieces), self.token_ids, self.finish_reason, delta=False)],
+            "choices": [
+                self._choice(c, "".join(pieces[c.index]), c.token_ids, c.logprobs, c.finish_reason, delta=False, echo=True)
+                for c in self.choices
+            ],
             "usage": self.usage(),
         }
         return JSONResponse(body)
 
     async def events(self, first):
         finished = False
+        echoed: set[int] = set()
         try:
             if self.chat:
-                yield self._frame([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                yield self._frame([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None} for c in self.choices])
             item = first
             while True:
-                kind, value = item
-                if kind == "token":
-                    piece = self._push(value)
-                    yield self._frame([self._choice(piece, [value], None, delta=True)])
-                else:
+                index, kind, value = item
+                choice = self.choices[index]
+                if kind == "finish" and value.finish_reason == "error":
                     finished = True
-                    rest = self.finish(value)
-                    if value.finish_reason == "error":
-                        error = {"message": f"generation failed: {value.error}", "type": "server_error", "param": None, "code": "engine_error"}
-                        yield f"data: {json.dumps({'error': error})}\n\n"
-                    else:
-                        yield self._frame([self._choice(rest, [], self.finish_reason, delta=True)])
-                        if self.body.include_usage:
-                            yield self._frame([], self.usage())
+                    self.fail(item)
+                    error = {"message": f"generation failed: {value.error}", "type": "server_error", "param": None, "code": "engine_error"}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    yield "data: [DONE]\n\n"
+                    return
+                piece = self._take(item)
+                echo = not self.chat and self.body.echo and index not in echoed and kind in ("token", "finish")
+                if kind in ("token", "finish"):
+                    if echo:
+                        echoed.add(index)
+                    entries, choice.sent = choice.logprobs[choice.sent :], len(choice.logprobs)
+                    ids, reason = ([value], None) if kind == "token" else ([], choice.finish_reason)
+                    yield self._frame([self._choice(choice, piece, ids, entries, reason, True, echo)])
+                if not self.open:
+                    finished = True
+                    if self.body.include_usage:
+                        yield self._frame([], self.usage())
                     yield "data: [DONE]\n\n"
                     return
                 item = await self.exchange.queue.get()
         finally:
-            if not finished:
-                # The client went away mid-stream: its row leaves at the next step, and its outcome
-                # (maybe already queued) is still counted.
-                self.state.scheduler.cancel(self.request)
-                self.exchange.abandoned = self.finish
-                while not self.exchange.queue.empty():
-                    kind, value = self.exchange.queue.get_nowait()
-                    if kind == "finish":
-                        self.finish(value)
+            if not finished:  # the client went away mid-stream
+                self.abandon()

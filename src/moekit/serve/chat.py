@@ -59,10 +59,11 @@ class ChatTemplate:
         # if not, moekit.serve.tools describes the tools in a system message instead.
         self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
 
-    def render(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
+    def render(self, messages: list[dict], tools: Optional[list[dict]] = None, add_generation_prompt: bool = True) -> str:
         """tools: OpenAI's tool list, passed as transformers passes it (the `tools` variable, None if none)."""
         try:
-            return self.template.render(messages=messages, tools=tools, add_generation_prompt=True, **self.special_tokens)
+            return self.template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
         except TemplateError:
             raise
         except Exception as err:

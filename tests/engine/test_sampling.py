@@ -67,6 +67,16 @@ def test_temperature_scales_before_softmax():
     torch.testing.assert_close(probs, torch.softmax(logits / 0.5, dim=-1))
 
 
+@pytest.mark.parametrize("temperature", [1e-308, 5e-324, 1e-6])
+def test_a_vanishing_temperature_is_greedy_not_nan(temperature):
+    """logits / 1e-308 overflow to inf and softmax of inf - inf is NaN: such a request once failed
+    with 'probability tensor contains inf or nan' (found by schemathesis)."""
+    logits = _logits(4)
+    params = SamplingParams(temperature=temperature, seed=0)
+    assert params.greedy
+    assert next_tokens(logits, params, make_generator(params, "cpu")).tolist() == logits.argmax(-1).tolist()
+
+
 def _draws(params: SamplingParams, logits: torch.Tensor, n: int) -> list[list[int]]:
     gen = make_generator(params, "cpu")
     return [next_tokens(logits, params, gen).tolist() for _ in range(n)]

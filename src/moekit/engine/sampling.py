@@ -19,18 +19,21 @@ from moekit import ops
 
 # What torch.Generator.manual_seed takes: a signed or unsigned 64-bit integer.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing fp32 logits by 1e-308 gives
+# inf - inf = NaN probabilities, and any temperature this small picks the argmax anyway.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy: argmax, no randomness
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) means greedy: argmax, no randomness
     top_k: Optional[int] = None  # None or 0: no top-k filter
     top_p: Optional[float] = None  # None or 1.0: no nucleus filter
     seed: Optional[int] = None  # None: a fresh, unrepeatable stream
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def check_sampling(params: SamplingParams) -> None:

@@ -25,10 +25,12 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from moekit.engine.generate import check_request, left_pad
-from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
+from moekit.engine.meter import ExpertBytes, ParamsPerToken, WorkDone, params_per_token, pass_bytes, work_done
+from moekit.engine.row_routing import RowRouting
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
+from moekit.model.routing import PolicyRun
 
 TIERS = ("S", "A", "B")  # admitted in this order
 
@@ -62,6 +64,8 @@ class MoeUsage:
     experts_touched: int  # distinct (layer, expert) pairs
     cache_hits: Optional[int] = None  # expert-cache hits and misses of this request's experts,
     cache_misses: Optional[int] = None  # when experts are paged
+    routing: Optional[str] = None  # the request's routing policy; None: the family's, at top_k
+    work: WorkDone = field(default_factory=WorkDone)  # expert bytes and FLOPs, prompt and generated
 
     def as_dict(self) -> dict:
         out = {
@@ -74,6 +78,9 @@ class MoeUsage:
         }
         if self.cache_hits is not None:
             out["expert_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
+        if self.routing is not None:
+            out["routing"] = self.routing
+        out.update(self.work.as_dict())
         return out
 
 
@@ -98,6 +105,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     tier: str = "S"
     top_k: Optional[int] = None  # experts per token; None: the tier's
+    routing: Optional[object] = None  # a moekit.model.routing policy; None: exact at top_k
     on_token: Optional[Callable[[int], None]] = None  # each new token id
     on_finish: Optional[Callable[[Outcome], None]] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
@@ -116,6 +124,8 @@ class _Row:
     touched: set = field(default_factory=set)  # (layer, expert)
     active: list[int] = field(default_factory=list)  # active params of each generated token
     bytes_sum: int = 0
+    work: WorkDone = field(default_factory=WorkDone)
+    run: Optional[PolicyRun] = None  # the request's routing policy with its own state
     hits: int = 0
     misses: int = 0
     admitted_at: float = 0.0
@@ -317,15 +327,20 @@ class Scheduler:
                 continue
             group.append(request)
             width = max(width, len(request.prompt))
-        if len(group) == 1:
-            self._prefill(group[0])
-        elif group:
-            self._prefill_together(group)
+        # A policy's state must not see another prompt's pads: rows with a policy prefill alone.
+        together = [r for r in group if r.routing is None]
+        for request in group:
+            if request.routing is not None or len(together) == 1:
+                self._prefill(request)
+        if len(together) > 1:
+            self._prefill_together(together)
         return len(group)
 
     def _row_k(self, request: Request) -> int:
         if not self.model_k:
             return 0
+        if request.routing is not None:
+            return self.model_k  # the policy decides each token's experts; the decision is at most K wide
         return request.top_k if request.top_k is not None else tier_top_k(request.tier, self.model_k)
 
     def _new_row(self, request: Request) -> _Row:
@@ -335,6 +350,7 @@ class Scheduler:
             generator=make_generator(request.sampling, self.device),
             length=len(request.prompt),
             admitted_at=time.perf_counter(),
+            run=None if request.routing is None or not self.model_k else PolicyRun(request.routing, 1),
         )
 
     def _prefill(self, request: Request) -> None:
@@ -346,7 +362,7 @@ class Scheduler:
         decisions: list = []
         try:
             single = self.decoder.new_cache(1, prompt.shape[1])
-            logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k)  # [1, 1, V]
+            logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k, policy=row.run)  # [1, 1, V]
             self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions])
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
             row.finish, row.error = "error", _message(err)
@@ -388,11 +404,10 @@ class Scheduler:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
         lengths = torch.tensor([row.length for row in self.rows], dtype=torch.int64, device=self.device)  # [B]
-        ks = [row.top_k for row in self.rows]
-        top_k = None if all(k == self.model_k for k in ks) else ks
+        top_k, policy = self._routing(self.rows)
         decisions: list = []
         try:
-            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k)  # [B, 1, V]
+            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
             self._decode_alone()
             return
@@ -409,10 +424,10 @@ class Scheduler:
             copy_row(single, 0, self.cache, index, row.length)
             ids = torch.tensor([[row.tokens[-1]]], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([row.length], dtype=torch.int64, device=self.device)
-            top_k = None if row.top_k == self.model_k else [row.top_k]
+            top_k, policy = self._routing([row])
             decisions: list = []
             try:
-                logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k)
+                logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k, policy)
             except Exception as err:  # noqa: BLE001
                 row.finish, row.error = "error", _message(err)
                 continue
@@ -420,6 +435,13 @@ class Scheduler:
             self._meter_step([row], decisions)
             row.length += 1
             self._accept(row, self._sample(logits[:, -1], [row])[0])
+
+    def _routing(self, rows: list[_Row]) -> tuple[Optional[list[int]], Optional[RowRouting]]:
+        """A decode step's (top_k, policy): None, None when every row routes exactly at the model's K."""
+        if any(row.run is not None for row in rows):
+            return None, RowRouting([row.run for row in rows], [row.top_k for row in rows])
+        ks = [row.top_k for row in rows]
+        return (None if all(k == self.model_k for k in ks) else ks), None
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """logits [B, V] → one token per row, each with its own sampling settings and generator."""
@@ -472,14 +494,16 @@ class Scheduler:
         """layers: (layer, topk_ids [P, K]) of this row's prompt tokens."""
         last: dict[int, set] = {}  # the last prompt token's experts: its pass made generated token 0
         for layer, topk_ids in layers:
-            ids = topk_ids[:, : row.top_k].tolist()  # [P, k]
+            ids = [_distinct(t) for t in topk_ids[:, : row.top_k].tolist()]  # [P, ≤k]
             counts = self.expert_tokens[layer]
             for token_ids in ids:
                 self._record(row, layer, token_ids)
                 for e in token_ids:
                     counts[e] += 1
+                row.work = row.work + self._work({layer: token_ids})
             last[layer] = set(ids[-1])
             self._meter_cache(row, layer, {e for t in ids for e in t})
+        row.work = row.work + work_done(self.counts, {}, self.bytes_per_param, dense_tokens=row.length, head_tokens=1)
         self._meter_token(row, last)
 
     def _meter_step(self, rows: list[_Row], decisions: list) -> None:
@@ -488,14 +512,19 @@ class Scheduler:
             ids = decision.topk_ids.tolist()  # [B, K]
             counts = self.expert_tokens[layer]
             for i, row in enumerate(rows):
-                chosen = ids[i][: row.top_k]
+                chosen = _distinct(ids[i][: row.top_k])  # a policy's narrower tokens repeat their first expert
                 self._record(row, layer, chosen)
                 for e in chosen:
                     counts[e] += 1
                 used[i][layer] = set(chosen)
                 self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
+            row.work = row.work + work_done(self.counts, per_layer, self.bytes_per_param, self.expert_bytes,
+                                            dense_tokens=1, head_tokens=1)
             self._meter_token(row, per_layer)
+
+    def _work(self, chosen: dict) -> WorkDone:
+        return work_done(self.counts, chosen, self.bytes_per_param, self.expert_bytes)
 
     def _meter_cache(self, row: _Row, layer: int, chosen: set) -> None:
         """A paged layer's last forward: which of the experts this row chose had to be read."""
@@ -524,6 +553,8 @@ class Scheduler:
             experts_touched=len(row.touched),
             cache_hits=row.hits if self.store is not None else None,
             cache_misses=row.misses if self.store is not None else None,
+            routing=None if row.request.routing is None else str(row.request.routing),
+            work=row.work,
         )
 
     def _finish(self, row: _Row) -> None:
@@ -547,6 +578,10 @@ class Scheduler:
         row = _Row(request=request, top_k=self._row_k(request), generator=None, length=0)
         row.finish, row.error = reason, error
         self._finish(row)
+
+
+def _distinct(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
 
 
 def _message(err: Exception) -> str:

@@ -14,7 +14,8 @@ from moekit.errors import MoekitError
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while loading), GET /metrics.
-A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert) or {"top_k": k}; its usage then has a "moe" object with the active share it used.
+A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert), {"top_k": k} or {"routing": "adaptive:0.85"}; its usage then has a "moe" object with the active share, expert bytes and FLOPs it used.
+Tiers take latency targets and a routing policy: --tier S=ttft:200ms,itl:50ms --tier A=ttft:2s,adaptive:0.85; a request that cannot start within its tier's TTFT target gets 429 (--sla-action reject) or a lower tier (demote).
 
   moekit serve                                    # the bundled model on 127.0.0.1:8000
   moekit serve path/to/checkpoint --port 8001 --max-batch 16 --dtype bfloat16
@@ -63,6 +64,21 @@ def _listen(host: str, port: int):
     return sock
 
 
+def _tiers(options: list[str], action: str, spec) -> dict:
+    """--tier values, each tier's policy checked against the model's K before the port opens."""
+    from moekit.analysis.policy_eval import model_k
+    from moekit.model.routing import parse_policy
+    from moekit.serve.sla import ACTIONS, parse_tiers
+
+    if action not in ACTIONS:
+        raise MoekitError(f"--sla-action must be one of {', '.join(ACTIONS)}, got {action!r}")
+    tiers = parse_tiers(options)
+    for name, targets in tiers.items():
+        if targets.routing is not None:
+            parse_policy(targets.routing, model_k(spec))
+    return tiers
+
+
 def serve(
     checkpoint: Optional[Path] = typer.Argument(
         None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]). Default: the bundled model."
@@ -84,6 +100,9 @@ def serve(
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
+    tier: list[str] = typer.Option([], "--tier", metavar="TIER=ITEMS",
+                                   help="A tier's targets and routing: S=ttft:200ms,itl:50ms or A=adaptive:0.85 (repeatable)."),
+    sla_action: str = typer.Option("reject", "--sla-action", help="A request over its tier's TTFT target: reject (429) or demote (to the next tier)."),
     admin_token: Optional[str] = typer.Option(
         None, "--admin-token", help="Enable POST /admin/experts/{layer}/{expert} (hot swap) for this bearer token."),
 ) -> None:
@@ -111,6 +130,7 @@ def serve(
         raise MoekitError(f"--max-context must be in 2..{spec.max_position_embeddings} (the model's context), got {max_context}")
     if grace < 0:
         raise MoekitError(f"--grace must be >= 0 seconds, got {grace}")
+    tiers = _tiers(tier, sla_action, spec)
     offload = None
     if expert_memory is not None:
         from moekit.offload.options import OffloadOptions
@@ -132,6 +152,8 @@ def serve(
         admin_token=admin_token,
         verify=not no_verify,
         compile=compile_step,
+        tiers=tiers,
+        sla_action=sla_action,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()

@@ -26,6 +26,7 @@ from moekit.errors import MoekitError
 from moekit.serve.errors import ApiError, bad_request, error_response
 from moekit.serve.metrics import ServerMetrics
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
+from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -47,6 +48,8 @@ class ServeConfig:
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
     compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
     weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
+    tiers: dict = field(default_factory=dict)  # --tier: name -> moekit.serve.sla.TierTargets
+    sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
 
 
 @dataclass
@@ -61,6 +64,7 @@ class ServerState:
     stop: threading.Event = field(default_factory=threading.Event)
     thread: Optional[threading.Thread] = None
     metrics: Optional[ServerMetrics] = None
+    tiers: Optional[TierControl] = None
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -101,9 +105,14 @@ class ServerState:
             dense_saving=engine.dense_saving,  # and int8 projections (--weights int8)
             queue_limit=cfg.queue_limit,
             store=engine.store,
-            on_step=lambda s: self.metrics.batch.observe(s.batch) if s.batch else None,
+            on_step=self._step_done,
         )
         self.engine = engine
+
+    def _step_done(self, step) -> None:
+        if step.batch:
+            self.metrics.batch.observe(step.batch)
+            self.tiers.admission.step_done(step.seconds)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -116,8 +125,9 @@ class ServerState:
 
 
 def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], None]] = None) -> FastAPI:
-    state = ServerState(config=config)
+    state = ServerState(config=config, tiers=TierControl.build(config.tiers, config.sla_action))
     state.metrics = ServerMetrics(state)
+    state.metrics.registry.register(GoodputCollector(state.tiers.goodput))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -251,12 +261,13 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
             "max_tokens",
             "context_length_exceeded",
         )
-    tier, top_k = "S", None
+    tier, top_k, routing = "S", None, None
     if body.moe is not None:
         tier = body.moe.tier or "S"
         top_k = body.moe.top_k
         if top_k is not None and scheduler.model_k and top_k > scheduler.model_k:
             raise bad_request(f"moe.top_k must be between 1 and the model's {scheduler.model_k}, got {top_k}", "moe.top_k")
+        routing = _request_policy(scheduler, body.moe)
     sampling = SamplingParams(
         temperature=body.temperature,
         top_k=body.top_k if body.top_k > 0 else None,
@@ -270,7 +281,38 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         stop_ids=() if body.ignore_eos else tuple(engine.eos_ids),
         tier=tier,
         top_k=top_k,
+        routing=routing,
     )
+
+
+def _request_policy(scheduler, moe):
+    """moe.routing parsed against the model's K, or a 400 naming it."""
+    if moe.routing is None:
+        return None
+    from moekit.model.routing import parse_policy
+
+    if moe.top_k is not None:
+        raise bad_request("moe.routing and moe.top_k both set the experts per token: send one", "moe.routing")
+    if not scheduler.model_k:
+        raise bad_request("this model has no MoE layers, so there is no routing to choose", "moe.routing")
+    try:
+        return parse_policy(moe.routing, scheduler.model_k)
+    except MoekitError as err:
+        raise bad_request(f"moe.routing: {err}", "moe.routing") from None
+
+
+def _place(state: ServerState, request) -> None:
+    """Admission under the tiers' TTFT targets (429, or a lower tier), then the tier's own policy
+    for a request that chose none."""
+    decision = state.tiers.place(request.tier, state.scheduler)
+    if decision.tier is None:
+        raise ApiError(429, decision.reason, code="rate_limit_exceeded")
+    request.tier = decision.tier
+    policy = state.tiers.routing(request.tier)
+    if request.routing is None and request.top_k is None and policy is not None and state.scheduler.model_k:
+        from moekit.model.routing import parse_policy
+
+        request.routing = parse_policy(policy, state.scheduler.model_k)  # checked when the server started
 
 
 @dataclass
@@ -311,6 +353,7 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
         post(exchange.deliver_finish, outcome)
 
     request.on_token, request.on_finish = on_token, on_finish
+    _place(state, request)
     try:
         state.scheduler.submit(request)
     except QueueFull as err:
@@ -353,6 +396,8 @@ class _Reply:
         rest = self.text.flush()  # first: a stop string in the held-back text decides the reason
         total = self.state.scheduler.counts.total_params
         self.state.metrics.observe_request(self.request.tier, outcome, self.exchange.token_times, self.finish_reason, total)
+        if outcome.finish_reason in ("stop", "length"):
+            self.state.tiers.goodput.observe(self.request.tier, outcome.submitted_at, self.exchange.token_times)
         if outcome.finish_reason != "error":
             self.state.metrics.prompt_tokens.inc(len(self.prompt))
         return rest

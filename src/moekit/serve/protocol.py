@@ -2,7 +2,7 @@
 
 Unknown fields are ignored, as vLLM ignores them (clients send presence_penalty, user, logprobs…);
 a known field of the wrong type or out of range is a 400 naming it. `moe` is moekit's own:
-`{"tier": "S"|"A"|"B"}` or `{"top_k": k}`, the expert budget of the request.
+`{"tier": "S"|"A"|"B"}`, `{"top_k": k}` or `{"routing": "adaptive:0.85"}`, the expert budget of the request.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class MoeOptions(BaseModel):
 
     tier: Optional[Literal["S", "A", "B"]] = None
     top_k: Optional[StrictInt] = Field(None, ge=1)
+    routing: Optional[StrictStr] = None  # a routing policy (moekit.model.routing.parse_policy's forms)
 
 
 class StreamOptions(BaseModel):

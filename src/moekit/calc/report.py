@@ -35,11 +35,11 @@ def build_report(spec: ModelSpec, request: CalcRequest, hardware: Optional[Hardw
     if hardware is not None:
         roof = roofline(spec, request.dtype, plan, single, batched, hardware, request.gpus, request.context)
         if request.sla_ms is not None:
-            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, _step_at(spec, counts, request))
+            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, step_at_batch(spec, counts, request))
     return ModelReport(spec, request, counts, plan, single, batched, roof, budget)
 
 
-def _step_at(spec: ModelSpec, counts: ParamCounts, request: CalcRequest):
+def step_at_batch(spec: ModelSpec, counts: ParamCounts, request: CalcRequest):
     """Batch b → (one decode step's traffic, the memory plan's total), at the request's dtypes and context."""
 
     def at(batch: int) -> tuple[StepTraffic, int]:

@@ -34,8 +34,9 @@ class LayerRows:
     rows: RowRouting
     layer: int
 
-    def route(self, logits: torch.Tensor, spec, selection_bias) -> RoutingDecision:
-        """logits [B*T, E] → the decision of every row's tokens, [B*T, K_max] row-major."""
+    def route(self, logits: torch.Tensor, spec, selection_bias, inputs: Optional[torch.Tensor] = None) -> RoutingDecision:
+        """logits [B*T, E] (inputs [B*T, D]: the router's input, for policies keyed on it) → the
+        decision of every row's tokens, [B*T, K_max] row-major."""
         runs = self.rows.runs
         t = logits.shape[0] // len(runs)
         parts = []
@@ -43,8 +44,10 @@ class LayerRows:
             part = logits[r * t : (r + 1) * t]  # [T, E]
             if run is None:
                 parts.append(route_rows(part, spec, selection_bias, [self.rows.top_k[r]] * t))
-            else:
+            elif inputs is None:
                 parts.append(run.at(self.layer).route(part, spec, selection_bias))
+            else:
+                parts.append(run.at(self.layer).route(part, spec, selection_bias, inputs[r * t : (r + 1) * t]))
         return stack_decisions(parts)
 
 

@@ -58,6 +58,10 @@ def test_rows_of_different_policies_in_one_batch_each_get_their_own_tokens(serve
     assert tiered["usage"]["moe"]["routing"] == "adaptive:0.6"
     assert tiered["choices"][0]["token_ids"] == lone(engine, PROMPTS[0], "adaptive:0.6")
 
+    metrics = httpx.get(server.url + "/metrics").text  # router health: entropy by layer and position, jitter
+    assert 'moekit:routing_entropy{layer="0",position="0"}' in metrics
+    assert 'moekit:itl_jitter_index_count{tier="S"}' in metrics
+
     client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
     for bad in ("adaptive:2x", "topk:9", "nonsense"):
         with pytest.raises(openai.BadRequestError) as err:

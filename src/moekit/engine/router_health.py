@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
 
 COLLAPSE_RATIO = 0.5
 COLLAPSE_FLOOR = 0.1
@@ -40,21 +40,51 @@ def routing_entropy(logits, scoring: str = "softmax"):
     return -(p * logp).sum(dim=-1)  # [T]; a zero probability adds 0 (p × finite log)
 
 
-@contextmanager
-def watch_entropy(decoder) -> Iterator[None]:
-    """While inside, every router's RoutingDecision carries `entropy` [T] (eager forwards only:
-    the compiled decode step does not run the router module)."""
+def watch_routers(decoder) -> Callable[[], None]:
+    """From now on every router's RoutingDecision carries `entropy` [T] (eager forwards only: the
+    compiled decode step does not run the router module). Returns the function that stops it."""
     from moekit.model.moe import Router
 
     def hook(module, args, decision):
         decision.entropy = routing_entropy(module.logits(args[0]), module.spec.scoring).cpu()
 
     handles = [m.register_forward_hook(hook) for m in decoder.modules() if isinstance(m, Router)]
+
+    def stop() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return stop
+
+
+@contextmanager
+def watch_entropy(decoder) -> Iterator[None]:
+    """watch_routers for the duration of a with-block."""
+    stop = watch_routers(decoder)
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        stop()
+
+
+@dataclass
+class EntropyTally:
+    """Running sums of normalised routing entropy per (MoE layer, position bucket): what a server
+    accumulates over its decode steps and /metrics reads."""
+
+    experts: dict[int, int]  # MoE layer -> E
+    bucket: int = POSITION_BUCKET
+    cells: dict = field(default_factory=dict)  # (layer, bucket start) -> [sum, count]
+
+    def add(self, layer: int, positions: Sequence[int], entropy: Sequence[float]) -> None:
+        scale = math.log(self.experts[layer]) if self.experts.get(layer, 0) > 1 else 0.0
+        for position, h in zip(positions, entropy):
+            cell = self.cells.setdefault((layer, position // self.bucket * self.bucket), [0.0, 0])
+            cell[0] += h / scale if scale else 0.0
+            cell[1] += 1
+
+    def snapshot(self) -> dict:
+        return {key: (s / n, n) for key, (s, n) in list(self.cells.items()) if n}
 
 
 def jitter_index(token_times: Sequence[float]) -> Optional[float]:

@@ -26,6 +26,7 @@ import torch
 
 from moekit.engine.generate import check_request, left_pad
 from moekit.engine.meter import ExpertBytes, ParamsPerToken, WorkDone, params_per_token, pass_bytes, work_done
+from moekit.engine.router_health import EntropyTally
 from moekit.engine.row_routing import RowRouting
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
@@ -185,6 +186,8 @@ class Scheduler:
         experts = max((spec.layers[l].ffn.num_experts for l in self.moe_layers), default=0)
         # Tokens routed to each (layer, expert) since start: Prometheus reads it at scrape time.
         self.expert_tokens = {l: [0] * experts for l in self.moe_layers}
+        # Routing entropy of decode steps by layer and position, when the routers are watched.
+        self.entropy = EntropyTally({l: spec.layers[l].ffn.num_experts for l in self.moe_layers})
         self.cache = decoder.new_cache(max_batch, self.max_len)
         self.device = self.cache.key_mask.device
         self.rows: list[_Row] = []
@@ -509,6 +512,8 @@ class Scheduler:
     def _meter_step(self, rows: list[_Row], decisions: list) -> None:
         used: list[dict[int, set]] = [{} for _ in rows]
         for layer, decision in decisions:
+            if decision.entropy is not None:
+                self.entropy.add(layer, [row.length for row in rows], decision.entropy.tolist())
             ids = decision.topk_ids.tolist()  # [B, K]
             counts = self.expert_tokens[layer]
             for i, row in enumerate(rows):

@@ -26,6 +26,8 @@ from moekit.errors import MoekitError
 from moekit.serve.errors import ApiError, bad_request, error_response
 from moekit.serve.metrics import ServerMetrics
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
+from moekit.engine.router_health import watch_routers
+from moekit.serve.health import EntropyCollector, JitterMetrics
 from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
 
@@ -65,6 +67,7 @@ class ServerState:
     thread: Optional[threading.Thread] = None
     metrics: Optional[ServerMetrics] = None
     tiers: Optional[TierControl] = None
+    jitter: Optional[JitterMetrics] = None
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -95,6 +98,8 @@ class ServerState:
                              compile=cfg.compile, weights=cfg.weights)
         if engine.decoder.compiled is not None:
             engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
+        else:
+            watch_routers(engine.decoder)  # routing entropy for /metrics (router health)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,
@@ -128,6 +133,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
     state = ServerState(config=config, tiers=TierControl.build(config.tiers, config.sla_action))
     state.metrics = ServerMetrics(state)
     state.metrics.registry.register(GoodputCollector(state.tiers.goodput))
+    state.metrics.registry.register(EntropyCollector(state))
+    state.jitter = JitterMetrics(state.metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -398,6 +405,7 @@ class _Reply:
         self.state.metrics.observe_request(self.request.tier, outcome, self.exchange.token_times, self.finish_reason, total)
         if outcome.finish_reason in ("stop", "length"):
             self.state.tiers.goodput.observe(self.request.tier, outcome.submitted_at, self.exchange.token_times)
+            self.state.jitter.observe(self.request.tier, self.exchange.token_times)
         if outcome.finish_reason != "error":
             self.state.metrics.prompt_tokens.inc(len(self.prompt))
         return rest

@@ -136,3 +136,30 @@ def test_admin_routes_are_off_without_a_configured_token():
         check_token(None, f"Bearer {TOKEN}")
     assert err.value.status == 403 and "--admin-token" in err.value.message
     check_token(TOKEN, f"Bearer {TOKEN}")  # the right token passes
+
+
+def test_rollbacks_undo_swaps_one_at_a_time_back_to_the_checkpoint(tiny, serve_process):
+    engine = load_engine(tiny)
+    expert = _busiest_expert(engine)
+    first, second = _new_expert(engine, seed=1), _new_expert(engine, seed=2)
+    server = serve_process(tiny, "--admin-token", TOKEN)
+    ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens():
+        return httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+    def admin(path, content=None):
+        return httpx.post(f"{server.url}/admin/experts/0/{expert}{path}", content=content, headers=AUTH, timeout=TIMEOUT)
+
+    original = tokens()
+    assert admin("", save(first)).json()["rollbacks"] == 1
+    with_first = tokens()
+    assert admin("", save(second)).json()["rollbacks"] == 2
+    with_second = tokens()
+    assert with_first == _expected(tiny, expert, first, 0)[:30] and with_second == _expected(tiny, expert, second, 0)[:30]
+    assert len({tuple(original), tuple(with_first), tuple(with_second)}) == 3
+    assert admin("/rollback").json()["rollbacks"] == 1
+    assert tokens() == with_first
+    assert admin("/rollback").json()["rollbacks"] == 0
+    assert tokens() == original
+    assert admin("/rollback").status_code == 404

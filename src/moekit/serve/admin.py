@@ -1,7 +1,10 @@
-"""Hot swap: replace one routed expert of a running server, blue-green, and roll it back once.
+"""Hot swap: replace one routed expert of a running server, blue-green, and roll it back.
 
   POST /admin/experts/{layer}/{expert}            body: a safetensors file holding the expert
   POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap
+
+Each expert keeps a history of the weights its swaps replaced (the last HISTORY of them), so
+rollbacks can be repeated, each undoing one more swap, back to the checkpoint's weights.
 
 Only with `--admin-token` set, and then only for `Authorization: Bearer <token>` (401 without a
 token, 403 with another). The file holds `gate_proj.weight` [F, D] and `up_proj.weight` [F, D]
@@ -87,11 +90,32 @@ def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
     return gate_up, tensors["down_proj.weight"].to(dtype).contiguous(), digest
 
 
+HISTORY = 16  # swaps remembered per expert; a 17th forgets the oldest (its memory is one expert's weights)
+
+
 @dataclass
 class Swaps:
-    """The weights each swapped expert had before its last swap: one rollback each."""
+    """Per swapped expert, the weights each of its swaps replaced, newest last: a stack of rollbacks."""
 
-    previous: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    previous: dict[tuple[int, int], list] = field(default_factory=dict)
+
+    def push(self, key: tuple[int, int], old) -> int:
+        stack = self.previous.setdefault(key, [])
+        stack.append(old)
+        del stack[:-HISTORY]
+        return len(stack)
+
+    def pop(self, key: tuple[int, int]):
+        stack = self.previous.get(key)
+        if not stack:
+            return None
+        old = stack.pop()
+        if not stack:
+            del self.previous[key]
+        return old
+
+    def depth(self, key: tuple[int, int]) -> int:
+        return len(self.previous.get(key, ()))
 
 
 def register_admin_routes(app: FastAPI, state) -> None:
@@ -120,8 +144,9 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return experts.replace_expert(expert, staged), state.scheduler.in_flight()
 
         old, in_flight = await _switch(switch)
-        swaps.previous[(layer, expert)] = old
-        return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight})
+        depth = swaps.push((layer, expert), old)
+        return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight,
+                             "rollbacks": depth})
 
     @app.post("/admin/experts/{layer}/{expert}/rollback")
     async def rollback(layer: int, expert: int, http: HttpRequest):
@@ -129,7 +154,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
         if not state.ready.is_set():
             raise ApiError(503, "the model is loading")
         experts = expert_module(state.engine.decoder, layer, expert)
-        old = swaps.previous.pop((layer, expert), None)
+        old = swaps.pop((layer, expert))
         if old is None:
             raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")
 
@@ -138,4 +163,5 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return state.scheduler.in_flight()
 
         in_flight = await _switch(switch)
-        return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "in_flight": in_flight})
+        return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "in_flight": in_flight,
+                             "rollbacks": swaps.depth((layer, expert))})

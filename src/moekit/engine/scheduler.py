@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -31,7 +32,7 @@ from moekit.engine.row_routing import RowRouting
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
-from moekit.model.routing import PolicyRun
+from moekit.model.routing import PolicyRun, RoutingDecision
 
 TIERS = ("S", "A", "B")  # admitted in this order
 
@@ -107,6 +108,7 @@ class Request:
     tier: str = "S"
     top_k: Optional[int] = None  # experts per token; None: the tier's
     routing: Optional[object] = None  # a moekit.model.routing policy; None: exact at top_k
+    canary: bool = False  # runs on the canary weights while a canary is on (moekit.serve.canary)
     on_token: Optional[Callable[[int], None]] = None  # each new token id
     on_finish: Optional[Callable[[Outcome], None]] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
@@ -188,6 +190,9 @@ class Scheduler:
         self.expert_tokens = {l: [0] * experts for l in self.moe_layers}
         # Routing entropy of decode steps by layer and position, when the routers are watched.
         self.entropy = EntropyTally({l: spec.layers[l].ffn.num_experts for l in self.moe_layers})
+        # While a hot swap's canary runs: an object whose applied() puts the canary weights in for a
+        # with-block (moekit.serve.canary.Canary); set and cleared between steps.
+        self.canary = None
         self.cache = decoder.new_cache(max_batch, self.max_len)
         self.device = self.cache.key_mask.device
         self.rows: list[_Row] = []
@@ -331,9 +336,9 @@ class Scheduler:
             group.append(request)
             width = max(width, len(request.prompt))
         # A policy's state must not see another prompt's pads: rows with a policy prefill alone.
-        together = [r for r in group if r.routing is None]
+        together = [r for r in group if r.routing is None and not self._on_canary(r)]
         for request in group:
-            if request.routing is not None or len(together) == 1:
+            if request not in together or len(together) == 1:
                 self._prefill(request)
         if len(together) > 1:
             self._prefill_together(together)
@@ -365,7 +370,8 @@ class Scheduler:
         decisions: list = []
         try:
             single = self.decoder.new_cache(1, prompt.shape[1])
-            logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k, policy=row.run)  # [1, 1, V]
+            with self._weights_for(request):
+                logits = self.decoder(prompt, single, positions, decisions, last_only=True, top_k=top_k, policy=row.run)  # [1, 1, V]
             self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions])
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
             row.finish, row.error = "error", _message(err)
@@ -407,22 +413,40 @@ class Scheduler:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
         lengths = torch.tensor([row.length for row in self.rows], dtype=torch.int64, device=self.device)  # [B]
-        top_k, policy = self._routing(self.rows)
+        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)]
+        top_k, policy = self._routing(self.rows, skip=set(canary))
         decisions: list = []
         try:
             logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
             self._decode_alone()
             return
-        self._meter_step(self.rows, decisions)
-        for row, token in zip(self.rows, self._sample(logits[:, -1], self.rows)):
+        if canary:
+            # The batch ran the served weights for every row; the canary rows' results are dropped
+            # and each is run again alone on the canary weights (its slot rewritten).
+            keep = [i for i in range(n) if i not in set(canary)]
+            decisions = [(layer, _rows_of(d, keep)) for layer, d in decisions]
+            logits = logits[keep]
+        rows = [row for i, row in enumerate(self.rows) if i not in set(canary)]
+        self._meter_step(rows, decisions)
+        for row, token in zip(rows, self._sample(logits[:, -1], rows)):
             row.length += 1
             self._accept(row, token)
+        if canary:
+            self._decode_alone(canary)
         assert n == len(self.rows)
 
-    def _decode_alone(self) -> None:
-        """A batched step raised: run each row on its own, so only the row that fails fails."""
-        for index, row in enumerate(self.rows):
+    def _on_canary(self, request: Request) -> bool:
+        return request.canary and self.canary is not None
+
+    def _weights_for(self, request: Request):
+        return self.canary.applied() if self._on_canary(request) else nullcontext()
+
+    def _decode_alone(self, indices: Optional[list[int]] = None) -> None:
+        """Run rows (all, or those at `indices`) each on its own: after a batched step raised, so
+        only the row that fails fails; and for canary rows, on the canary weights."""
+        for index in range(len(self.rows)) if indices is None else indices:
+            row = self.rows[index]
             single = self.decoder.new_cache(1, row.length + 1)
             copy_row(single, 0, self.cache, index, row.length)
             ids = torch.tensor([[row.tokens[-1]]], dtype=torch.int64, device=self.device)
@@ -430,7 +454,8 @@ class Scheduler:
             top_k, policy = self._routing([row])
             decisions: list = []
             try:
-                logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k, policy)
+                with self._weights_for(row.request):
+                    logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k, policy)
             except Exception as err:  # noqa: BLE001
                 row.finish, row.error = "error", _message(err)
                 continue
@@ -439,10 +464,12 @@ class Scheduler:
             row.length += 1
             self._accept(row, self._sample(logits[:, -1], [row])[0])
 
-    def _routing(self, rows: list[_Row]) -> tuple[Optional[list[int]], Optional[RowRouting]]:
-        """A decode step's (top_k, policy): None, None when every row routes exactly at the model's K."""
-        if any(row.run is not None for row in rows):
-            return None, RowRouting([row.run for row in rows], [row.top_k for row in rows])
+    def _routing(self, rows: list[_Row], skip: frozenset = frozenset()) -> tuple[Optional[list[int]], Optional[RowRouting]]:
+        """A decode step's (top_k, policy): None, None when every row routes exactly at the model's K.
+        Rows at `skip` are run again alone (canary): routed exactly here, their policy state untouched."""
+        runs = [None if i in skip else row.run for i, row in enumerate(rows)]
+        if any(run is not None for run in runs):
+            return None, RowRouting(runs, [row.top_k for row in rows])
         ks = [row.top_k for row in rows]
         return (None if all(k == self.model_k for k in ks) else ks), None
 
@@ -583,6 +610,12 @@ class Scheduler:
         row = _Row(request=request, top_k=self._row_k(request), generator=None, length=0)
         row.finish, row.error = reason, error
         self._finish(row)
+
+
+def _rows_of(decision: RoutingDecision, keep: list[int]) -> RoutingDecision:
+    """The decision of a decode step's rows at `keep` (one token per row)."""
+    return RoutingDecision(decision.topk_ids[keep], decision.topk_weights[keep],
+                           None if decision.entropy is None else decision.entropy[keep])
 
 
 def _distinct(ids: list[int]) -> list[int]:

@@ -1,7 +1,9 @@
 """Hot swap: replace one routed expert of a running server, blue-green, and roll it back.
 
   POST /admin/experts/{layer}/{expert}            body: a safetensors file holding the expert
-  POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap
+  POST /admin/experts/{layer}/{expert}?canary=0.1 the same, served to that share of new requests first
+  POST /admin/experts/{layer}/{expert}/promote    the canary's weights served to every request
+  POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap (or: end its canary)
 
 Each expert keeps a history of the weights its swaps replaced (the last HISTORY of them), so
 rollbacks can be repeated, each undoing one more swap, back to the checkpoint's weights.
@@ -27,6 +29,7 @@ from typing import Optional
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from moekit.serve.canary import Canary, parse_share
 from moekit.serve.errors import ApiError, bad_request
 
 
@@ -139,6 +142,18 @@ def register_admin_routes(app: FastAPI, state) -> None:
         )
         # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
         staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
+        share = parse_share(http.query_params.get("canary"))
+        if share is not None:
+            def begin():
+                canary = state.scheduler.canary or Canary(share)
+                canary.share = share
+                canary.experts[(layer, expert)] = (experts, staged)
+                state.scheduler.canary = canary
+                return state.scheduler.in_flight()
+
+            in_flight = await _switch(begin)
+            return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": False, "canary": share,
+                                 "in_flight": in_flight})
 
         def switch():
             return experts.replace_expert(expert, staged), state.scheduler.in_flight()
@@ -148,12 +163,44 @@ def register_admin_routes(app: FastAPI, state) -> None:
         return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight,
                              "rollbacks": depth})
 
+    @app.post("/admin/experts/{layer}/{expert}/promote")
+    async def promote(layer: int, expert: int, http: HttpRequest):
+        check_token(state.config.admin_token, http.headers.get("authorization"))
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is loading")
+        experts = expert_module(state.engine.decoder, layer, expert)
+        canary = state.scheduler.canary
+        if canary is None or (layer, expert) not in canary.experts:
+            raise ApiError(404, f"expert {expert} of layer {layer} has no canary to promote", code="not_found")
+
+        def switch():
+            _, staged = canary.experts.pop((layer, expert))
+            if not canary.experts:
+                state.scheduler.canary = None
+            return experts.replace_expert(expert, staged), state.scheduler.in_flight()
+
+        old, in_flight = await _switch(switch)
+        depth = swaps.push((layer, expert), old)
+        return JSONResponse({"layer": layer, "expert": expert, "swapped": True, "promoted": True, "in_flight": in_flight,
+                             "rollbacks": depth})
+
     @app.post("/admin/experts/{layer}/{expert}/rollback")
     async def rollback(layer: int, expert: int, http: HttpRequest):
         check_token(state.config.admin_token, http.headers.get("authorization"))
         if not state.ready.is_set():
             raise ApiError(503, "the model is loading")
         experts = expert_module(state.engine.decoder, layer, expert)
+        canary = state.scheduler.canary
+        if canary is not None and (layer, expert) in canary.experts:
+            def end():
+                canary.experts.pop((layer, expert))
+                if not canary.experts:
+                    state.scheduler.canary = None
+                return state.scheduler.in_flight()
+
+            in_flight = await _switch(end)
+            return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "canary_ended": True,
+                                 "in_flight": in_flight, "rollbacks": swaps.depth((layer, expert))})
         old = swaps.pop((layer, expert))
         if old is None:
             raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")

@@ -27,6 +27,7 @@ from moekit.serve.errors import ApiError, bad_request, error_response
 from moekit.serve.metrics import ServerMetrics
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
 from moekit.engine.router_health import watch_routers
+from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
 from moekit.serve.health import EntropyCollector, JitterMetrics
 from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
@@ -361,6 +362,7 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, ids: l
 
     request.on_token, request.on_finish = on_token, on_finish
     _place(state, request)
+    request.canary = on_canary(state.scheduler.canary, http.headers.get(CANARY_HEADER))
     try:
         state.scheduler.submit(request)
     except QueueFull as err:

@@ -124,15 +124,18 @@ class Swaps:
 def register_admin_routes(app: FastAPI, state) -> None:
     swaps = Swaps()
 
+    def _allowed(http: HttpRequest) -> None:
+        check_token(state.config.admin_token, http.headers.get("authorization"))
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is loading")
+
     async def _switch(fn):
         future = state.scheduler.between_steps(fn)
         return await asyncio.wrap_future(future)
 
     @app.post("/admin/experts/{layer}/{expert}")
     async def swap(layer: int, expert: int, http: HttpRequest):
-        check_token(state.config.admin_token, http.headers.get("authorization"))
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is loading")
+        _allowed(http)
         decoder = state.engine.decoder
         experts = expert_module(decoder, layer, expert)
         raw = await http.body()
@@ -155,47 +158,49 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": False, "canary": share,
                                  "in_flight": in_flight})
 
+        return await _serve(layer, expert, experts, staged, {"sha256": digest})
+
+    async def _serve(layer: int, expert: int, experts, staged, reply: dict, before=None) -> JSONResponse:
+        """Switch staged weights in for every request between two steps (after `before()` there),
+        keeping the replaced ones for a rollback."""
         def switch():
+            if before is not None:
+                before()
             return experts.replace_expert(expert, staged), state.scheduler.in_flight()
 
         old, in_flight = await _switch(switch)
         depth = swaps.push((layer, expert), old)
-        return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight,
+        return JSONResponse({"layer": layer, "expert": expert, **reply, "swapped": True, "in_flight": in_flight,
                              "rollbacks": depth})
+
+    def _end_canary(layer: int, expert: int):
+        """On the scheduler's thread: the expert leaves the canary (the canary ends with its last)."""
+        canary = state.scheduler.canary
+        _, staged = canary.experts.pop((layer, expert))
+        if not canary.experts:
+            state.scheduler.canary = None
+        return staged
+
+    def _in_canary(layer: int, expert: int) -> bool:
+        canary = state.scheduler.canary
+        return canary is not None and (layer, expert) in canary.experts
 
     @app.post("/admin/experts/{layer}/{expert}/promote")
     async def promote(layer: int, expert: int, http: HttpRequest):
-        check_token(state.config.admin_token, http.headers.get("authorization"))
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is loading")
+        _allowed(http)
         experts = expert_module(state.engine.decoder, layer, expert)
-        canary = state.scheduler.canary
-        if canary is None or (layer, expert) not in canary.experts:
+        if not _in_canary(layer, expert):
             raise ApiError(404, f"expert {expert} of layer {layer} has no canary to promote", code="not_found")
-
-        def switch():
-            _, staged = canary.experts.pop((layer, expert))
-            if not canary.experts:
-                state.scheduler.canary = None
-            return experts.replace_expert(expert, staged), state.scheduler.in_flight()
-
-        old, in_flight = await _switch(switch)
-        depth = swaps.push((layer, expert), old)
-        return JSONResponse({"layer": layer, "expert": expert, "swapped": True, "promoted": True, "in_flight": in_flight,
-                             "rollbacks": depth})
+        _, staged = state.scheduler.canary.experts[(layer, expert)]
+        return await _serve(layer, expert, experts, staged, {"promoted": True}, before=lambda: _end_canary(layer, expert))
 
     @app.post("/admin/experts/{layer}/{expert}/rollback")
     async def rollback(layer: int, expert: int, http: HttpRequest):
-        check_token(state.config.admin_token, http.headers.get("authorization"))
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is loading")
+        _allowed(http)
         experts = expert_module(state.engine.decoder, layer, expert)
-        canary = state.scheduler.canary
-        if canary is not None and (layer, expert) in canary.experts:
+        if _in_canary(layer, expert):
             def end():
-                canary.experts.pop((layer, expert))
-                if not canary.experts:
-                    state.scheduler.canary = None
+                _end_canary(layer, expert)
                 return state.scheduler.in_flight()
 
             in_flight = await _switch(end)

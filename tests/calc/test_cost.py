@@ -39,7 +39,7 @@ def test_a_cost_line_states_price_rate_ratio_and_break_even():
     assert cost.usd_per_m_output == pytest.approx(10 / 3)
     assert cost.api_ratio == pytest.approx(10 / 3 / 4.0)
     line = cost.line()
-    assert "$3.333 per million output tokens" in line and "breaks even at batch 4" in line
+    assert "$3.333 per million output tokens" in line and "breaks even at concurrency 4" in line
     assert cost.as_dict()["break_even_batch"] == 4
 
 

@@ -91,12 +91,13 @@ class Cost:
         return out
 
     def line(self) -> str:
-        at = f", batch {self.batch}" if self.batch else ""
+        unit = "concurrency" if self.source == "measured" else "batch"  # a load level's clients, or the roofline's batch
+        at = f", {unit} {self.batch}" if self.batch else ""
         text = (f"cost ({self.source}{at}): {self.tokens_per_s:,.1f} output tok/s at "
                 f"${self.price_per_hour:g}/h = ${self.usd_per_m_output:,.4g} per million output tokens")
         if self.api is not None:
-            even = ("no batch that fits breaks even" if self.break_even_batch is None
-                    else f"self-hosting breaks even at batch {self.break_even_batch}")
+            even = (f"no {unit} {'measured' if self.source == 'measured' else 'that fits'} breaks even"
+                    if self.break_even_batch is None else f"self-hosting breaks even at {unit} {self.break_even_batch}")
             text += (f"; API ${self.api.input_per_m:g} in / ${self.api.output_per_m:g} out per million: "
                      f"{self.api_ratio:.3g}× the API's output price; {even}")
         return text

@@ -136,3 +136,75 @@ def test_admin_routes_are_off_without_a_configured_token():
         check_token(None, f"Bearer {TOKEN}")
     assert err.value.status == 403 and "--admin-token" in err.value.message
     check_token(TOKEN, f"Bearer {TOKEN}")  # the right token passes
+
+
+def test_rollbacks_undo_swaps_one_at_a_time_back_to_the_checkpoint(tiny, serve_process):
+    engine = load_engine(tiny)
+    expert = _busiest_expert(engine)
+    first, second = _new_expert(engine, seed=1), _new_expert(engine, seed=2)
+    server = serve_process(tiny, "--admin-token", TOKEN)
+    ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens():
+        return httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+    def admin(path, content=None):
+        return httpx.post(f"{server.url}/admin/experts/0/{expert}{path}", content=content, headers=AUTH, timeout=TIMEOUT)
+
+    original = tokens()
+    assert admin("", save(first)).json()["rollbacks"] == 1
+    with_first = tokens()
+    assert admin("", save(second)).json()["rollbacks"] == 2
+    with_second = tokens()
+    assert with_first == _expected(tiny, expert, first, 0)[:30] and with_second == _expected(tiny, expert, second, 0)[:30]
+    assert len({tuple(original), tuple(with_first), tuple(with_second)}) == 3
+    assert admin("/rollback").json()["rollbacks"] == 1
+    assert tokens() == with_first
+    assert admin("/rollback").json()["rollbacks"] == 0
+    assert tokens() == original
+    assert admin("/rollback").status_code == 404
+
+
+def test_a_canary_serves_its_share_of_new_requests_beside_the_served_weights(tiny, serve_process):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = load_engine(tiny)
+    expert = _busiest_expert(engine)
+    new = _new_expert(engine, seed=4)
+    server = serve_process(tiny, "--admin-token", TOKEN, "--max-batch", "4")
+    ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens(headers=None):
+        r = httpx.post(server.v1 + "/completions", json=ask, headers=headers or {}, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["token_ids"]
+
+    def admin(path, content=None):
+        return httpx.post(f"{server.url}/admin/experts/0/{expert}{path}", content=content, headers=AUTH, timeout=TIMEOUT)
+
+    old = tokens()
+    canary_tokens = _expected(tiny, expert, new, 0)[:30]
+    assert canary_tokens != old
+    started = admin("?canary=0.5", save(new))
+    assert started.status_code == 200 and started.json()["canary"] == 0.5 and not started.json()["swapped"]
+    # Half of new requests, by a running count: off, on, off, on.
+    assert [tokens() for _ in range(4)] == [old, canary_tokens, old, canary_tokens]
+    # Both sides in one running batch, each exactly what its weights give alone.
+    sides = ["1", "0", "1", "0"]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda side: tokens({"x-moekit-canary": side}), sides))
+    assert got == [canary_tokens if side == "1" else old for side in sides]
+    bad = httpx.post(server.v1 + "/completions", json=ask, headers={"x-moekit-canary": "yes"}, timeout=TIMEOUT)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-moekit-canary"
+    assert admin("?canary=1.5", save(new)).status_code == 400
+
+    promoted = admin("/promote")
+    assert promoted.status_code == 200 and promoted.json()["promoted"] and promoted.json()["rollbacks"] == 1
+    assert tokens() == canary_tokens and tokens({"x-moekit-canary": "1"}) == canary_tokens  # no canary left: served
+    assert admin("/promote").status_code == 404
+    assert admin("/rollback").json()["rollbacks"] == 0
+    assert tokens() == old
+
+    admin("?canary=0.5", save(new))
+    ended = admin("/rollback")  # during a canary: ends it, the served weights unchanged
+    assert ended.json()["canary_ended"] and [tokens() for _ in range(2)] == [old, old]

@@ -98,6 +98,19 @@ def entropy_per_layer(stats: dict) -> str:
     return _png(plt, fig)
 
 
+def entropy_drift_plot(drift) -> str:
+    """drift: engine.router_health.Drift per layer → normalised routing entropy against position."""
+    plt, fig, ax = _figure()
+    for d in drift:
+        ax.plot([b[0] for b in d.buckets], [b[1] for b in d.buckets], marker="o", label=f"layer {d.layer}")
+    ax.set_xlabel("position (bucket start)")
+    ax.set_ylabel("routing entropy / ln E")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("router entropy over position")
+    ax.legend(fontsize=8, loc="lower right")
+    return _png(plt, fig)
+
+
 def coactivation_plot(trace: RoutingTrace, layer: int) -> str:
     plt, fig, ax = _figure(4.6, 4.0)
     both = coactivation_matrix(trace, layer).astype(np.float64)

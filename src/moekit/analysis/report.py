@@ -102,7 +102,40 @@ def _routing_table(routing: dict) -> dict:
     return {"head": head, "rows": rows}
 
 
-def figures(trace: RoutingTrace, stats: dict, routing: dict | None, params) -> list[Figure]:
+def router_health(table) -> Figure | None:
+    """Entropy drift per layer and ITL jitter per prompt, with the flags (engine/router_health.py),
+    from a trace with the `entropy` column (and `itl_jitter`, which report traces carry)."""
+    from moekit.engine import router_health as rh
+    from moekit.engine.trace import read_trace_model
+
+    if table is None or "entropy" not in table.column_names or table["entropy"].null_count == table.num_rows:
+        return None
+    model = read_trace_model(table.schema.metadata)
+    layers = table["layer"].to_pylist()
+    experts = model.experts if model is not None else {l: 2 for l in set(layers)}
+    drift = rh.entropy_drift(layers, table["position"].to_pylist(), table["entropy"].to_pylist(), experts)
+    jitters: dict[str, float | None] = {}
+    if "itl_jitter" in table.column_names:
+        for row, j in zip(table["row"].to_pylist(), table["itl_jitter"].to_pylist()):
+            jitters.setdefault(f"prompt {row}", j)
+    flags = rh.health_flags(drift, jitters)
+    shown = [j for j in jitters.values() if j is not None]
+    width = max(len(d.buckets) for d in drift)
+    drift_rows = [[f"layer {d.layer}"] + [f"{b[1]:.3f}" for b in d.buckets] + ["—"] * (width - len(d.buckets))
+                  + [f"{d.mean:.3f}", "yes" if d.collapses else "no"] for d in drift]
+    head = ["layer"] + [f"pos {i * rh.POSITION_BUCKET}+" for i in range(width)] + ["mean", "collapses"]
+    text = (f"ITL jitter index (std/mean of the gaps between a prompt's tokens, batch 1): median "
+            f"{float(np.median(shown)):.2f}, max {max(shown):.2f} over {len(shown)} prompts. " if shown else "")
+    text += ("Flags: " + "; ".join(flags) + "." if flags else "No layer's entropy collapses and no prompt's jitter is high.")
+    return Figure("router-health", "Routing entropy over position, and ITL jitter", plots.entropy_drift_plot(drift), text=text,
+                  tables=({"head": head, "rows": drift_rows},),
+                  caption=f"Entropy of each token's full routing distribution over E, divided by ln E, averaged per "
+                          f"{rh.POSITION_BUCKET} positions. A layer is flagged when its last bucket falls below "
+                          f"{rh.COLLAPSE_RATIO:g}× its first or its mean below {rh.COLLAPSE_FLOOR:g}; a prompt when its "
+                          f"jitter index is above {rh.JITTER_HIGH:g}.")
+
+
+def figures(trace: RoutingTrace, stats: dict, routing: dict | None, params, table=None) -> list[Figure]:
     tok = per_token(trace, params)
     shares = {d: tok["share"][tok["domain"] == d] for d in trace.domains}
     busiest = max(stats["coactivation"], key=lambda l: max([p["lift"] for p in stats["coactivation"][l]["top_pairs"]]
@@ -135,6 +168,9 @@ def figures(trace: RoutingTrace, stats: dict, routing: dict | None, params) -> l
                                             for k, v in prefetch.items()]},),
                           caption="The table: how well layer l's choice predicts layer l+1's experts "
                                   "(headroom for a cross-layer prefetcher; fit on half the tokens, scored on the rest)."))
+    health = router_health(table)
+    if health is not None:
+        out.append(health)
     if routing is not None:
         out.append(Figure("pareto", "Routing policies: active share against bits per byte", plots.pareto_plot(routing),
                           tables=(_routing_table(routing),),

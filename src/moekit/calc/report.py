@@ -37,12 +37,12 @@ def build_report(spec: ModelSpec, request: CalcRequest, hardware: Optional[Hardw
         roof = roofline(spec, request.dtype, plan, single, batched, hardware, request.gpus, request.context)
         if request.sla_ms is not None:
             paged = paging(roof, plan.weights.routed_experts, request.dtype.bytes_for(round(single.expert_params)))
-            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, _step_at(spec, counts, request),
+            budget = sla(request.sla_ms, roof, request.dtype, single, counts.total_params, step_at_batch(spec, counts, request),
                          paged)
     return ModelReport(spec, request, counts, plan, single, batched, roof, budget)
 
 
-def _step_at(spec: ModelSpec, counts: ParamCounts, request: CalcRequest):
+def step_at_batch(spec: ModelSpec, counts: ParamCounts, request: CalcRequest):
     """Batch b → (one decode step's traffic, the memory plan's total), at the request's dtypes and context."""
 
     def at(batch: int) -> tuple[StepTraffic, int]:

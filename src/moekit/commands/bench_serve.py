@@ -18,6 +18,7 @@ Every request streams exactly --max-tokens tokens (greedy, ignore_eos). Load is 
   moekit bench serve http://127.0.0.1:8000 --concurrency 1,4,16 --requests 64
   moekit bench serve http://127.0.0.1:8080 --random-ids 32 --vocab 32000 --max-tokens 64 --json   # llama-server
   moekit bench serve http://127.0.0.1:8000 --rate 4 --requests 100 --tier B
+  moekit bench serve http://127.0.0.1:8000 --concurrency 1,4,16 --price-per-hour 0.10 --api-price 0.20,0.80
 """
 
 
@@ -44,6 +45,10 @@ def serve(
     model: Optional[str] = typer.Option(None, "--model", help="Model id to send. Default: the first one /v1/models lists."),
     warmup: int = typer.Option(2, "--warmup", help="Requests sent before each level, not counted."),
     seed: int = typer.Option(0, "--seed", help="Seed for random prompts and arrivals."),
+    price_per_hour: Optional[str] = typer.Option(None, "--price-per-hour", metavar="USD",
+                                                 help="The serving machine's hourly price: $ per million output tokens at each load level."),
+    api_price: Optional[str] = typer.Option(None, "--api-price", metavar="IN,OUT",
+                                            help="An API's $ per million input and output tokens, to compare (needs --price-per-hour)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
 ) -> None:
     from rich.console import Console
@@ -58,6 +63,7 @@ def serve(
         raise MoekitError("--requests and --max-tokens must be at least 1, --warmup at least 0")
     if tier is not None and tier not in ("S", "A", "B"):
         raise MoekitError(f"--tier must be S, A or B, got {tier!r}")
+    priced = _prices(price_per_hour, api_price)
     texts = load_prompts(prompts, random_ids, vocab, max(requests, 1), seed)
     plan = LoadPlan(url=url, prompts=texts, max_tokens=max_tokens, model=model or first_model(url),
                     extra={"moe": {"tier": tier}} if tier else {})
@@ -68,11 +74,36 @@ def serve(
             task = bar.add_task(name, total=requests)
             results.append(run_level(plan, requests, concurrency=level, rate=rate, seed=seed,
                                      progress=lambda: bar.advance(task), warmup=warmup))
+    costs = _costs(results, priced) if priced is not None else []
     if json_out:
-        typer.echo(json.dumps({"url": url, "model": plan.model, "max_tokens": max_tokens,
-                               "levels": [r.as_dict() for r in results]}, indent=2))
+        levels = [r.as_dict() for r in results]
+        for level, cost in zip(levels, costs):
+            level["cost"] = cost.as_dict()
+        typer.echo(json.dumps({"url": url, "model": plan.model, "max_tokens": max_tokens, "levels": levels}, indent=2))
         return
     Console().print(_table(results, plan))
+    for cost in costs:
+        typer.echo(cost.line())
+
+
+def _prices(price_per_hour: Optional[str], api_price: Optional[str]):
+    from moekit.calc.cost import parse_api_price, parse_price
+
+    if price_per_hour is None:
+        if api_price is not None:
+            raise MoekitError("--api-price needs --price-per-hour (the serving machine's price)")
+        return None
+    return parse_price(price_per_hour), None if api_price is None else parse_api_price(api_price)
+
+
+def _costs(results, priced) -> list:
+    """Each load level's measured cost; the break-even is the smallest measured concurrency that pays."""
+    from moekit.calc.cost import cost_at, measured_break_even
+
+    price, api = priced
+    levels = [(r.concurrency, r.output_tok_s) for r in results if r.concurrency is not None]
+    even = measured_break_even(levels, price, api.output_per_m) if api is not None else None
+    return [cost_at("measured", price, r.concurrency or 0, r.output_tok_s, api, even) for r in results]
 
 
 def _table(results, plan):

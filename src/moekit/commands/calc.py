@@ -24,6 +24,7 @@ HELP = (
     "moekit calc deepseek-v3 --hardware h100 --dtype fp8 --context 32768 --batch 8\n\n"
     "moekit calc qwen3-30b-a3b --hardware a100-80gb --sla-ms 50\n\n"
     "moekit calc gpt4-rumored --explain\n\n"
+    "moekit calc qwen3-30b-a3b --hardware h100 --batch 32 --cost --price-per-hour 2.49 --api-price 0.20,0.80\n\n"
     "moekit calc a.json b.json --csv"
 )
 
@@ -64,6 +65,10 @@ def calc(
         metavar="MS",
         help="Per-token latency budget at batch 1: the most parameters a token may touch (needs --hardware).",
     ),
+    cost: bool = typer.Option(False, "--cost", help="$ per million output tokens from the roofline at --batch (needs --hardware and --price-per-hour)."),
+    price_per_hour: Optional[str] = typer.Option(None, "--price-per-hour", metavar="USD", help="The device's hourly price (all --gpus together)."),
+    api_price: Optional[str] = typer.Option(None, "--api-price", metavar="IN,OUT",
+                                            help="An API's $ per million input and output tokens, to compare and find the break-even batch."),
     explain: bool = typer.Option(False, "--explain", help="Show the derivation, every step with its numbers."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable JSON (a list when several models)."),
     as_csv: bool = typer.Option(False, "--csv", help="CSV, one row per model."),
@@ -84,6 +89,7 @@ def calc(
     from moekit.calc.request import parse_request
     from moekit.spec import load_spec
 
+    priced = _cost_options(cost, hardware, price_per_hour, api_price)
     specs = [(source, load_spec(source)) for source in models]
     reports, device = [], None
     for source, spec in specs:
@@ -96,10 +102,15 @@ def calc(
                 typer.echo(f"note: {line}", err=True)
         reports.append(build_report(spec, request, device))
 
+    costs = None
+    if priced is not None:
+        from moekit.calc.cost import roofline_cost
+
+        costs = [roofline_cost(r, *priced) for r in reports]
     if explain:
         _print_explanations(reports, [source for source, _ in specs])
     elif as_json:
-        _print_json(reports)
+        _print_json(reports, costs)
     elif as_csv:
         _print_csv(reports)
     else:
@@ -108,6 +119,23 @@ def calc(
         from moekit.calc.table import report_table
 
         Console().print(report_table(reports))
+    if costs is not None and not as_json:
+        for (source, _), c in zip(specs, costs):
+            typer.echo(f"{source}: {c.line()}", err=as_csv)
+
+
+def _cost_options(cost: bool, hardware, price_per_hour, api_price):
+    """--cost's (price, API price or None), or None without --cost; one line naming what is missing."""
+    from moekit.calc.cost import parse_api_price, parse_price
+    from moekit.errors import MoekitError
+
+    if not cost:
+        if price_per_hour is not None or api_price is not None:
+            raise MoekitError("--price-per-hour and --api-price go with --cost")
+        return None
+    if hardware is None or price_per_hour is None:
+        raise MoekitError("--cost needs --hardware (the roofline) and --price-per-hour (the device's price)")
+    return parse_price(price_per_hour), None if api_price is None else parse_api_price(api_price)
 
 
 # Stored forms a checkpoint states, in the dtype vocabulary (GGUF tensor types, quantization_config methods).
@@ -176,10 +204,12 @@ def _print_explanations(reports, sources) -> None:
     typer.echo("\n".join(texts), nl=False)
 
 
-def _print_json(reports) -> None:
+def _print_json(reports, costs=None) -> None:
     from moekit.calc.report import report_dict
 
     data = [report_dict(r) for r in reports]
+    for d, c in zip(data, costs or []):
+        d["cost"] = c.as_dict()
     typer.echo(json.dumps(data[0] if len(data) == 1 else data, indent=2))
 
 

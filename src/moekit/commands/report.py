@@ -115,7 +115,7 @@ def report(
                                                256, 2, 16, progress=lambda text: status.update(f"policies: {text}"))
         status.update("drawing…")
         name = policy if policy is not None else "exact"
-        figs = figures(data, stats, routing_result, params)
+        figs = figures(data, stats, routing_result, params, table)
         facts = (f"{engine.spec.name} · {engine.spec.model_type} · {len(engine.spec.moe_layers)} MoE layers × "
                  f"{max(data.experts.values())} experts, K = {k} · {len(chosen)} prompts "
                  f"({', '.join(data.domains)}) · {max_new_tokens} generated tokens each, greedy · routing {name}")

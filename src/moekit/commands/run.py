@@ -358,8 +358,13 @@ def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids
             if shown is not None:
                 shown(step, row_ids)
 
-    gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids, on_token=on_token,
-                          **({} if policy is None else {"policy": policy}))
+    from contextlib import nullcontext
+
+    from moekit.engine.router_health import watch_entropy
+
+    with watch_entropy(engine.decoder) if trace is not None else nullcontext():  # the trace's entropy column
+        gen = engine.generate(prompt_tokens, max_new_tokens=max_new_tokens, sampling=sampling, stop_ids=stop_ids,
+                              on_token=on_token, **({} if policy is None else {"policy": policy}))
     acts = engine.meter(gen)
     offload = None
     if engine.store is not None:

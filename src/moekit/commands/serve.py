@@ -17,7 +17,8 @@ DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health (503 while loading), GET /metrics.
-A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert) or {"top_k": k}; its usage then has a "moe" object with the active share it used.
+A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one expert), {"top_k": k} or {"routing": "adaptive:0.85"}; its usage then has a "moe" object with the active share, expert bytes and FLOPs it used.
+Tiers take latency targets and a routing policy: --tier S=ttft:200ms,itl:50ms --tier A=ttft:2s,adaptive:0.85; a request that cannot start within its tier's TTFT target gets 429 (--sla-action reject) or a lower tier (demote).
 A request's "priority" (default 0) orders its tier's queue: lower is admitted first.
 Prompt prefixes' KV is kept across requests (--prefix-cache-memory); usage.prompt_tokens_details.cached_tokens says how much a request reused.
 
@@ -69,6 +70,21 @@ def _listen(host: str, port: int):
     return sock
 
 
+def _tiers(options: list[str], action: str, spec) -> dict:
+    """--tier values, each tier's policy checked against the model's K before the port opens."""
+    from moekit.analysis.policy_eval import model_k
+    from moekit.model.routing import parse_policy
+    from moekit.serve.sla import ACTIONS, parse_tiers
+
+    if action not in ACTIONS:
+        raise MoekitError(f"--sla-action must be one of {', '.join(ACTIONS)}, got {action!r}")
+    tiers = parse_tiers(options)
+    for name, targets in tiers.items():
+        if targets.routing is not None:
+            parse_policy(targets.routing, model_k(spec))
+    return tiers
+
+
 def serve(
     checkpoint: Optional[Path] = typer.Argument(
         None, help="Checkpoint folder (config.json + *.safetensors [+ tokenizer.json]) or a .gguf file. "
@@ -100,6 +116,9 @@ def serve(
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
+    tier: list[str] = typer.Option([], "--tier", metavar="TIER=ITEMS",
+                                   help="A tier's targets and routing: S=ttft:200ms,itl:50ms or A=adaptive:0.85 (repeatable)."),
+    sla_action: str = typer.Option("reject", "--sla-action", help="A request over its tier's TTFT target: reject (429) or demote (to the next tier)."),
     admin_token: Optional[str] = typer.Option(
         None, "--admin-token", help="Enable POST /admin/experts/{layer}/{expert} (hot swap) for this bearer token."),
 ) -> None:
@@ -130,6 +149,7 @@ def serve(
     if grace < 0:
         raise MoekitError(f"--grace must be >= 0 seconds, got {grace}")
     prefix_cache_bytes = parse_size(prefix_cache_memory, "--prefix-cache-memory")
+    tiers = _tiers(tier, sla_action, spec)
     offload = None
     if expert_memory is not None:
         from moekit.offload.options import OffloadOptions
@@ -160,6 +180,8 @@ def serve(
         compile=compile_step,
         prefix_cache_bytes=prefix_cache_bytes,
         kernels=kernels,
+        tiers=tiers,
+        sla_action=sla_action,
     )
     sock = _listen(host, port)
     bound = sock.getsockname()

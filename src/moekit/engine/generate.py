@@ -31,6 +31,7 @@ class LayerRouting:
     layer: int
     topk_ids: Tensor  # [B*T, K] int64, rows of the forward's tokens flattened row-major
     topk_weights: Tensor  # [B*T, K] float32
+    entropy: Optional[Tensor] = None  # [B*T] nats, when the routers were watched (engine.router_health)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class TokenRouting:
     layer: int
     expert_ids: list[int]
     weights: list[float]
+    entropy: Optional[float] = None  # of the router's full distribution, nats (None: not watched)
 
 
 def check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab_size: int, max_positions: int) -> None:
@@ -139,7 +141,8 @@ def _sync(device: torch.device) -> None:
 
 def _routing(step: int, tokens_per_row: int, decisions: list) -> StepRouting:
     layers = [
-        LayerRouting(layer=i, topk_ids=d.topk_ids.to("cpu", torch.int64), topk_weights=d.topk_weights.float().cpu())
+        LayerRouting(layer=i, topk_ids=d.topk_ids.to("cpu", torch.int64), topk_weights=d.topk_weights.float().cpu(),
+                     entropy=None if d.entropy is None else d.entropy.float().cpu())
         for i, d in decisions
     ]
     return StepRouting(step=step, tokens_per_row=tokens_per_row, layers=layers)
@@ -278,4 +281,5 @@ def token_routing(gen: Generation) -> Iterator[TokenRouting]:
                         layer=lr.layer,
                         expert_ids=lr.topk_ids[flat].tolist(),
                         weights=lr.topk_weights[flat].tolist(),
+                        entropy=None if lr.entropy is None else float(lr.entropy[flat]),
                     )

@@ -78,6 +78,40 @@ def pass_bytes(counts: ParamsPerToken, chosen: Mapping[int, Iterable[int]], byte
     return (params - routed) * bytes_per_param + held - dense_saving
 
 
+@dataclass(frozen=True)
+class WorkDone:
+    """What a request's tokens cost the machine, the basis of per-request "expert time" billing.
+
+    expert_bytes: the bytes of the routed experts each token used, summed over tokens (a batch
+    shares reads, so this is the request's share of the work, not of the memory traffic);
+    expert_flops: 2 per multiply-add of those experts' weights; flops: expert_flops plus 2 per
+    multiply-add of every other weight each token multiplies (the head for generated tokens only:
+    a prefill computes the last position's logits). Attention's score arithmetic is not counted."""
+
+    expert_bytes: int = 0
+    expert_flops: int = 0
+    flops: int = 0
+
+    def __add__(self, other: "WorkDone") -> "WorkDone":
+        return WorkDone(self.expert_bytes + other.expert_bytes, self.expert_flops + other.expert_flops,
+                        self.flops + other.flops)
+
+    def as_dict(self) -> dict:
+        return {"expert_bytes": self.expert_bytes, "expert_flops": self.expert_flops, "flops": self.flops}
+
+
+def work_done(counts: ParamsPerToken, chosen: Mapping[int, Iterable[int]], bytes_per_param: int,
+              expert_bytes: Optional[ExpertBytes] = None, dense_tokens: int = 0, head_tokens: int = 0) -> WorkDone:
+    """The work of one token's routed experts chosen[l] (distinct ids per MoE layer), plus the
+    non-expert weights of `dense_tokens` tokens and the output head of `head_tokens`."""
+    params = sum(counts.expert_each[layer] * len(set(ids)) for layer, ids in chosen.items())
+    held = params * bytes_per_param if expert_bytes is None else sum(
+        expert_bytes(layer, e) for layer, ids in chosen.items() for e in set(ids))
+    head = counts.head or counts.embedding_table  # a tied head multiplies by the embedding table
+    dense = 2 * (counts.fixed * dense_tokens + head * head_tokens)
+    return WorkDone(expert_bytes=held, expert_flops=2 * params, flops=2 * params + dense)
+
+
 def dense_saving_bytes(decoder, bytes_per_param: int) -> int:
     """Bytes the decoder's quantized projections outside the routed experts (the uint8 q8_0 weights of
     `--weights int8`) hold less than their params at bytes_per_param; 0 when none is quantized."""

@@ -21,6 +21,7 @@ import math
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -30,12 +31,15 @@ import torch
 from moekit.engine.constraints import ConstraintError, TokenConstraint, mask_logits
 from moekit.engine.generate import check_request, left_pad
 from moekit.engine.logprobs import MAX_TOP, TokenLogprob, chosen_logprobs, prompt_logprobs
-from moekit.engine.meter import ExpertBytes, ParamsPerToken, params_per_token, pass_bytes
+from moekit.engine.meter import ExpertBytes, ParamsPerToken, WorkDone, params_per_token, pass_bytes, work_done
 from moekit.engine.prefix_cache import Block, PrefixCache, read_slots, routing_rows, write_slots
+from moekit.engine.router_health import EntropyTally
+from moekit.engine.row_routing import RowRouting
 from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
 from moekit.engine.waiting import WaitingQueue
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
+from moekit.model.routing import PolicyRun, RoutingDecision
 
 TIERS = ("S", "A", "B")  # admitted in this order
 
@@ -70,6 +74,8 @@ class MoeUsage:
     experts_touched: int  # distinct (layer, expert) pairs
     cache_hits: Optional[int] = None  # expert-cache hits and misses of this request's experts,
     cache_misses: Optional[int] = None  # when experts are paged
+    routing: Optional[str] = None  # the request's routing policy; None: the family's, at top_k
+    work: WorkDone = field(default_factory=WorkDone)  # expert bytes and FLOPs, prompt and generated
 
     def as_dict(self) -> dict:
         out = {
@@ -82,6 +88,9 @@ class MoeUsage:
         }
         if self.cache_hits is not None:
             out["expert_cache"] = {"hits": self.cache_hits, "misses": self.cache_misses}
+        if self.routing is not None:
+            out["routing"] = self.routing
+        out.update(self.work.as_dict())
         return out
 
 
@@ -108,6 +117,8 @@ class Request:
     tier: str = "S"
     top_k: Optional[int] = None  # experts per token; None: the tier's
     constraint: Optional[TokenConstraint] = None  # a grammar its tokens must follow (engine/constraints.py)
+    routing: Optional[object] = None  # a moekit.model.routing policy; None: exact at top_k
+    canary: bool = False  # runs on the canary weights while a canary is on (moekit.serve.canary)
     on_token: Optional[Callable[[int], None]] = None  # each new token id
     on_finish: Optional[Callable[[Outcome], None]] = None
     logprobs: Optional[int] = None  # each generated token's logprob and this many top ones (None: none)
@@ -133,6 +144,8 @@ class _Row:
     touched: set = field(default_factory=set)  # (layer, expert)
     active: list[int] = field(default_factory=list)  # active params of each generated token
     bytes_sum: int = 0
+    work: WorkDone = field(default_factory=WorkDone)
+    run: Optional[PolicyRun] = None  # the request's routing policy with its own state
     hits: int = 0
     misses: int = 0
     admitted_at: float = 0.0
@@ -195,6 +208,11 @@ class Scheduler:
         experts = max((spec.layers[l].ffn.num_experts for l in self.moe_layers), default=0)
         # Tokens routed to each (layer, expert) since start: Prometheus reads it at scrape time.
         self.expert_tokens = {l: [0] * experts for l in self.moe_layers}
+        # Routing entropy of decode steps by layer and position, when the routers are watched.
+        self.entropy = EntropyTally({l: spec.layers[l].ffn.num_experts for l in self.moe_layers})
+        # While a hot swap's canary runs: an object whose applied() puts the canary weights in for a
+        # with-block (moekit.serve.canary.Canary); set and cleared between steps.
+        self.canary = None
         self.cache = decoder.new_cache(max_batch, self.max_len)
         self.device = self.cache.key_mask.device
         self.rows: list[_Row] = []
@@ -363,7 +381,12 @@ class Scheduler:
                 continue
             rows.append(row)
             width = max(width, len(request.prompt))
-        groups = _sharing_prefill(rows)
+        # A policy's state must not see another prompt's pads, and a cached prefix was routed exactly on
+        # the served weights: rows with a policy or on a canary prefill alone, uncached.
+        alone = [row for row in rows if row.run is not None or self._on_canary(row.request)]
+        for row in alone:
+            self._prefill([row])
+        groups = _sharing_prefill([row for row in rows if not any(row is other for other in alone)])
         cold: list[tuple[list[_Row], list[bytes]]] = []
         for group in groups:
             keys, blocks = self._cached_prefix(group[0].request)
@@ -402,6 +425,8 @@ class Scheduler:
     def _row_k(self, request: Request) -> int:
         if not self.model_k:
             return 0
+        if request.routing is not None:
+            return self.model_k  # the policy decides each token's experts; the decision is at most K wide
         return request.top_k if request.top_k is not None else tier_top_k(request.tier, self.model_k)
 
     def _new_row(self, request: Request) -> _Row:
@@ -411,6 +436,7 @@ class Scheduler:
             generator=make_generator(request.sampling, self.device),
             length=len(request.prompt),
             admitted_at=time.perf_counter(),
+            run=None if request.routing is None or not self.model_k else PolicyRun(request.routing, 1),
         )
 
     def _prefill(self, rows: list[_Row], keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
@@ -430,7 +456,9 @@ class Scheduler:
             for i, block in enumerate(blocks):
                 write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
             single.length = cached
-            logits = self.decoder(prompt, single, positions, decisions, last_only=not _scores_prompt(rows), top_k=top_k)  # [1, P-C|1, V]
+            with self._weights_for(head.request):
+                logits = self.decoder(prompt, single, positions, decisions, last_only=not _scores_prompt(rows), top_k=top_k,
+                                      policy=head.run)  # [1, P-C|1, V]
             for row in rows:
                 self._meter_cached(row, blocks)
                 self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], count=row is head)
@@ -498,31 +526,49 @@ class Scheduler:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
         lengths = torch.tensor([row.length for row in self.rows], dtype=torch.int64, device=self.device)  # [B]
-        ks = [row.top_k for row in self.rows]
-        top_k = None if all(k == self.model_k for k in ks) else ks
+        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)]
+        top_k, policy = self._routing(self.rows, skip=set(canary))
         decisions: list = []
         try:
-            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k)  # [B, 1, V]
+            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
             self._decode_alone()
             return
-        self._meter_step(self.rows, decisions)
-        for row in self.rows:
+        if canary:
+            # The batch ran the served weights for every row; the canary rows' results are dropped
+            # and each is run again alone on the canary weights (its slot rewritten).
+            keep = [i for i in range(n) if i not in set(canary)]
+            decisions = [(layer, _rows_of(d, keep)) for layer, d in decisions]
+            logits = logits[keep]
+        rows = [row for i, row in enumerate(self.rows) if i not in set(canary)]
+        self._meter_step(rows, decisions)
+        for row in rows:
             row.length += 1
-        self._advance(self.rows, logits[:, -1])
+        self._advance(rows, logits[:, -1])
+        if canary:
+            self._decode_alone(canary)
         assert n == len(self.rows)
 
-    def _decode_alone(self) -> None:
-        """A batched step raised: run each row on its own, so only the row that fails fails."""
-        for index, row in enumerate(self.rows):
+    def _on_canary(self, request: Request) -> bool:
+        return request.canary and self.canary is not None
+
+    def _weights_for(self, request: Request):
+        return self.canary.applied() if self._on_canary(request) else nullcontext()
+
+    def _decode_alone(self, indices: Optional[list[int]] = None) -> None:
+        """Run rows (all, or those at `indices`) each on its own: after a batched step raised, so
+        only the row that fails fails; and for canary rows, on the canary weights."""
+        for index in range(len(self.rows)) if indices is None else indices:
+            row = self.rows[index]
             single = self.decoder.new_cache(1, row.length + 1)
             copy_row(single, 0, self.cache, index, row.length)
             ids = torch.tensor([[row.tokens[-1]]], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([row.length], dtype=torch.int64, device=self.device)
-            top_k = None if row.top_k == self.model_k else [row.top_k]
+            top_k, policy = self._routing([row])
             decisions: list = []
             try:
-                logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k)
+                with self._weights_for(row.request):
+                    logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k, policy)
             except Exception as err:  # noqa: BLE001
                 row.finish, row.error = "error", _message(err)
                 continue
@@ -541,6 +587,15 @@ class Scheduler:
             entries = dict(zip(scoring, picked))
         for i, (row, token) in enumerate(zip(rows, tokens)):
             self._accept(row, token, entries.get(i))
+
+    def _routing(self, rows: list[_Row], skip: frozenset = frozenset()) -> tuple[Optional[list[int]], Optional[RowRouting]]:
+        """A decode step's (top_k, policy): None, None when every row routes exactly at the model's K.
+        Rows at `skip` are run again alone (canary): routed exactly here, their policy state untouched."""
+        runs = [None if i in skip else row.run for i, row in enumerate(rows)]
+        if any(run is not None for run in runs):
+            return None, RowRouting(runs, [row.top_k for row in rows])
+        ks = [row.top_k for row in rows]
+        return (None if all(k == self.model_k for k in ks) else ks), None
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """logits [B, V] → one token per row, each with its own sampling settings, generator and grammar."""
@@ -604,14 +659,16 @@ class Scheduler:
         server's routed-token counts (once per prefill, not once per row that shares it)."""
         last: dict[int, set] = {}  # the last prompt token's experts: its pass made generated token 0
         for layer, topk_ids in layers:
-            ids = topk_ids[:, : row.top_k].tolist()  # [P, k]
+            ids = [_distinct(t) for t in topk_ids[:, : row.top_k].tolist()]  # [P, ≤k]
             counts = self.expert_tokens[layer]
             for token_ids in ids:
                 self._record(row, layer, token_ids)
                 for e in token_ids:
                     counts[e] += count
+                row.work = row.work + self._work({layer: token_ids})
             last[layer] = set(ids[-1])
             self._meter_cache(row, layer, {e for t in ids for e in t})
+        row.work = row.work + work_done(self.counts, {}, self.bytes_per_param, dense_tokens=row.length, head_tokens=1)
         self._meter_token(row, last)
 
     def _meter_cached(self, row: _Row, blocks: Sequence[Block]) -> None:
@@ -625,17 +682,24 @@ class Scheduler:
     def _meter_step(self, rows: list[_Row], decisions: list) -> None:
         used: list[dict[int, set]] = [{} for _ in rows]
         for layer, decision in decisions:
+            if decision.entropy is not None:
+                self.entropy.add(layer, [row.length for row in rows], decision.entropy.tolist())
             ids = decision.topk_ids.tolist()  # [B, K]
             counts = self.expert_tokens[layer]
             for i, row in enumerate(rows):
-                chosen = ids[i][: row.top_k]
+                chosen = _distinct(ids[i][: row.top_k])  # a policy's narrower tokens repeat their first expert
                 self._record(row, layer, chosen)
                 for e in chosen:
                     counts[e] += 1
                 used[i][layer] = set(chosen)
                 self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
+            row.work = row.work + work_done(self.counts, per_layer, self.bytes_per_param, self.expert_bytes,
+                                            dense_tokens=1, head_tokens=1)
             self._meter_token(row, per_layer)
+
+    def _work(self, chosen: dict) -> WorkDone:
+        return work_done(self.counts, chosen, self.bytes_per_param, self.expert_bytes)
 
     def _meter_cache(self, row: _Row, layer: int, chosen: set) -> None:
         """A paged layer's last forward: which of the experts this row chose had to be read."""
@@ -664,6 +728,8 @@ class Scheduler:
             experts_touched=len(row.touched),
             cache_hits=row.hits if self.store is not None else None,
             cache_misses=row.misses if self.store is not None else None,
+            routing=None if row.request.routing is None else str(row.request.routing),
+            work=row.work,
         )
 
     def _finish(self, row: _Row) -> None:
@@ -703,6 +769,16 @@ def _sharing_prefill(rows: list[_Row]) -> list[list[_Row]]:
 
 def _scores_prompt(rows: list[_Row]) -> bool:
     return any(row.request.prompt_logprobs is not None for row in rows)
+
+
+def _rows_of(decision: RoutingDecision, keep: list[int]) -> RoutingDecision:
+    """The decision of a decode step's rows at `keep` (one token per row)."""
+    return RoutingDecision(decision.topk_ids[keep], decision.topk_weights[keep],
+                           None if decision.entropy is None else decision.entropy[keep])
+
+
+def _distinct(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
 
 
 def _message(err: Exception) -> str:

@@ -1,8 +1,10 @@
 """The routing trace: every real token's experts at every MoE layer, as a Parquet table.
 
 One row per token x MoE layer, prompt tokens included (step 0 is the prefill). Columns:
-step, row, position, token_id, layer, expert_ids (list<int32>), weights (list<float32>).
-`token_id` is the token fed in at that position; the routing analysis tools read this file.
+step, row, position, token_id, layer, expert_ids (list<int32>), weights (list<float32>), entropy
+(float32: nats of the router's full distribution over E, null when the routers were not watched,
+see engine/router_health.py). `token_id` is the token fed in at that position; the routing
+analysis tools read this file.
 
 The model's facts ride in the Parquet schema metadata under b"moekit" (JSON, see TraceModel):
 experts and K per MoE layer and a fingerprint of config.json, so a reader (cache-sim) never
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from moekit.engine.generate import Generation
     from moekit.spec.model_spec import ModelSpec
 
-COLUMNS = ("step", "row", "position", "token_id", "layer", "expert_ids", "weights")
+COLUMNS = ("step", "row", "position", "token_id", "layer", "expert_ids", "weights", "entropy")
 METADATA_KEY = b"moekit"
 TRACE_FORMAT = "moekit-trace"
 TRACE_VERSION = 1
@@ -133,6 +135,7 @@ def trace_table(gen: Generation, model: Optional[TraceModel] = None):
         cols["layer"].append(ev.layer)
         cols["expert_ids"].append(ev.expert_ids)
         cols["weights"].append(ev.weights)
+        cols["entropy"].append(ev.entropy)
     schema = pa.schema(
         [
             ("step", pa.int32()),
@@ -142,6 +145,7 @@ def trace_table(gen: Generation, model: Optional[TraceModel] = None):
             ("layer", pa.int32()),
             ("expert_ids", pa.list_(pa.int32())),
             ("weights", pa.list_(pa.float32())),
+            ("entropy", pa.float32()),
         ]
     )
     if model is not None:

@@ -191,19 +191,22 @@ class Decoder(nn.Module):
         return self.head(self.norm(x))
 
     def forward_rows(
-        self, input_ids, cache: KVCache, lengths, decisions: list | None = None, top_k: list[int] | None = None
+        self, input_ids, cache: KVCache, lengths, decisions: list | None = None, top_k: list[int] | None = None,
+        policy=None,
     ) -> torch.Tensor:
         """One decode step over cache rows 0..B-1, each at its own length: continuous batching.
 
         input_ids [B, 1]; lengths [B] int64: slots row r already holds, so its new token goes to
         slot lengths[r] at RoPE position lengths[r] (rows are never padded: slot = position).
         Rows attend over their own slots only. → logits [B, 1, V] fp32. cache.length is not used.
+        policy: None, or an object with .at(layer) → a LayerPolicy (engine.row_routing.RowRouting:
+        each row routed by its own request's policy).
         """
         b = input_ids.shape[0]
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
-        if self.compiled is not None and cache.stack is not None and top_k is None:
+        if self.compiled is not None and cache.stack is not None and top_k is None and policy is None:
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
             return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions)
         if b == 1 or bool((lengths == lengths[0]).all()):
@@ -216,7 +219,8 @@ class Decoder(nn.Module):
             x = x * self.spec.multipliers.embedding
         with self.rope.shared_for(positions, self.dtype):
             for i, block in enumerate(self.layers):
-                x, decision = block(x, positions, cache.layers[i], lengths, key_mask, top_k)
+                x, decision = block(x, positions, cache.layers[i], lengths, key_mask, top_k,
+                                    None if policy is None else policy.at(i))
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         return self.head(self.norm(x))

@@ -32,6 +32,7 @@ from moekit.spec.model_spec import RouterSpec
 class RoutingDecision:
     topk_ids: Tensor  # [T, K] int64, tokens of all rows flattened row-major
     topk_weights: Tensor  # [T, K] float32, the weights that combine expert outputs
+    entropy: Optional[Tensor] = None  # [T] nats of the full distribution, when watched (engine.router_health)
 
 
 def _group_limited(choice: Tensor, n_group: int, topk_group: int) -> Tensor:

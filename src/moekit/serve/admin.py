@@ -1,7 +1,12 @@
-"""Hot swap: replace one routed expert of a running server, blue-green, and roll it back once.
+"""Hot swap: replace one routed expert of a running server, blue-green, and roll it back.
 
   POST /admin/experts/{layer}/{expert}            body: a safetensors file holding the expert
-  POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap
+  POST /admin/experts/{layer}/{expert}?canary=0.1 the same, served to that share of new requests first
+  POST /admin/experts/{layer}/{expert}/promote    the canary's weights served to every request
+  POST /admin/experts/{layer}/{expert}/rollback   the weights it had before the last swap (or: end its canary)
+
+Each expert keeps a history of the weights its swaps replaced (the last HISTORY of them), so
+rollbacks can be repeated, each undoing one more swap, back to the checkpoint's weights.
 
 Only with `--admin-token` set, and then only for `Authorization: Bearer <token>` (401 without a
 token, 403 with another). The file holds `gate_proj.weight` [F, D] and `up_proj.weight` [F, D]
@@ -24,6 +29,7 @@ from typing import Optional
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse
 
+from moekit.serve.canary import Canary, parse_share
 from moekit.serve.errors import ApiError, bad_request
 
 
@@ -87,15 +93,41 @@ def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
     return gate_up, tensors["down_proj.weight"].to(dtype).contiguous(), digest
 
 
+HISTORY = 16  # swaps remembered per expert; a 17th forgets the oldest (its memory is one expert's weights)
+
+
 @dataclass
 class Swaps:
-    """The weights each swapped expert had before its last swap: one rollback each."""
+    """Per swapped expert, the weights each of its swaps replaced, newest last: a stack of rollbacks."""
 
-    previous: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    previous: dict[tuple[int, int], list] = field(default_factory=dict)
+
+    def push(self, key: tuple[int, int], old) -> int:
+        stack = self.previous.setdefault(key, [])
+        stack.append(old)
+        del stack[:-HISTORY]
+        return len(stack)
+
+    def pop(self, key: tuple[int, int]):
+        stack = self.previous.get(key)
+        if not stack:
+            return None
+        old = stack.pop()
+        if not stack:
+            del self.previous[key]
+        return old
+
+    def depth(self, key: tuple[int, int]) -> int:
+        return len(self.previous.get(key, ()))
 
 
 def register_admin_routes(app: FastAPI, state) -> None:
     swaps = Swaps()
+
+    def _allowed(http: HttpRequest) -> None:
+        check_token(state.config.admin_token, http.headers.get("authorization"))
+        if not state.ready.is_set():
+            raise ApiError(503, "the model is loading")
 
     async def _switch(fn):
         future = state.scheduler.between_steps(fn)
@@ -103,9 +135,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
 
     @app.post("/admin/experts/{layer}/{expert}")
     async def swap(layer: int, expert: int, http: HttpRequest):
-        check_token(state.config.admin_token, http.headers.get("authorization"))
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is loading")
+        _allowed(http)
         decoder = state.engine.decoder
         experts = expert_module(decoder, layer, expert)
         raw = await http.body()
@@ -115,21 +145,68 @@ def register_admin_routes(app: FastAPI, state) -> None:
         )
         # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
         staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
+        share = parse_share(http.query_params.get("canary"))
+        if share is not None:
+            def begin():
+                canary = state.scheduler.canary or Canary(share)
+                canary.share = share
+                canary.experts[(layer, expert)] = (experts, staged)
+                state.scheduler.canary = canary
+                return state.scheduler.in_flight()
 
+            in_flight = await _switch(begin)
+            return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": False, "canary": share,
+                                 "in_flight": in_flight})
+
+        return await _serve(layer, expert, experts, staged, {"sha256": digest})
+
+    async def _serve(layer: int, expert: int, experts, staged, reply: dict, before=None) -> JSONResponse:
+        """Switch staged weights in for every request between two steps (after `before()` there),
+        keeping the replaced ones for a rollback."""
         def switch():
+            if before is not None:
+                before()
             return experts.replace_expert(expert, staged), state.scheduler.in_flight()
 
         old, in_flight = await _switch(switch)
-        swaps.previous[(layer, expert)] = old
-        return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": True, "in_flight": in_flight})
+        depth = swaps.push((layer, expert), old)
+        return JSONResponse({"layer": layer, "expert": expert, **reply, "swapped": True, "in_flight": in_flight,
+                             "rollbacks": depth})
+
+    def _end_canary(layer: int, expert: int):
+        """On the scheduler's thread: the expert leaves the canary (the canary ends with its last)."""
+        canary = state.scheduler.canary
+        _, staged = canary.experts.pop((layer, expert))
+        if not canary.experts:
+            state.scheduler.canary = None
+        return staged
+
+    def _in_canary(layer: int, expert: int) -> bool:
+        canary = state.scheduler.canary
+        return canary is not None and (layer, expert) in canary.experts
+
+    @app.post("/admin/experts/{layer}/{expert}/promote")
+    async def promote(layer: int, expert: int, http: HttpRequest):
+        _allowed(http)
+        experts = expert_module(state.engine.decoder, layer, expert)
+        if not _in_canary(layer, expert):
+            raise ApiError(404, f"expert {expert} of layer {layer} has no canary to promote", code="not_found")
+        _, staged = state.scheduler.canary.experts[(layer, expert)]
+        return await _serve(layer, expert, experts, staged, {"promoted": True}, before=lambda: _end_canary(layer, expert))
 
     @app.post("/admin/experts/{layer}/{expert}/rollback")
     async def rollback(layer: int, expert: int, http: HttpRequest):
-        check_token(state.config.admin_token, http.headers.get("authorization"))
-        if not state.ready.is_set():
-            raise ApiError(503, "the model is loading")
+        _allowed(http)
         experts = expert_module(state.engine.decoder, layer, expert)
-        old = swaps.previous.pop((layer, expert), None)
+        if _in_canary(layer, expert):
+            def end():
+                _end_canary(layer, expert)
+                return state.scheduler.in_flight()
+
+            in_flight = await _switch(end)
+            return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "canary_ended": True,
+                                 "in_flight": in_flight, "rollbacks": swaps.depth((layer, expert))})
+        old = swaps.pop((layer, expert))
         if old is None:
             raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")
 
@@ -138,4 +215,5 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return state.scheduler.in_flight()
 
         in_flight = await _switch(switch)
-        return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "in_flight": in_flight})
+        return JSONResponse({"layer": layer, "expert": expert, "rolled_back": True, "in_flight": in_flight,
+                             "rollbacks": swaps.depth((layer, expert))})

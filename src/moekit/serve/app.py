@@ -30,6 +30,10 @@ from moekit.serve.logprobs import chat_logprobs, completion_logprobs, token_text
 from moekit.serve.openapi import openapi_document
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
 from moekit.serve.structured import request_constraint
+from moekit.engine.router_health import watch_routers
+from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
+from moekit.serve.health import EntropyCollector, JitterMetrics
+from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
 from moekit.serve.tools import ToolStream, content_or_none, render_prompt
 from moekit.serve.validation import read_body
@@ -56,6 +60,8 @@ class ServeConfig:
     kernels: str = "auto"  # --kernels: "reference" never loads the C++ operators (moekit.ops)
     weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
     prefix_cache_bytes: int = 1 << 30  # --prefix-cache-memory: KV of prompt prefixes kept; 0: none
+    tiers: dict = field(default_factory=dict)  # --tier: name -> moekit.serve.sla.TierTargets
+    sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
 
 
 @dataclass
@@ -71,6 +77,8 @@ class ServerState:
     thread: Optional[threading.Thread] = None
     metrics: Optional[ServerMetrics] = None
     grammars: Optional[object] = None  # moekit.serve.structured.Grammars: response_format and forced tool calls
+    tiers: Optional[TierControl] = None
+    jitter: Optional[JitterMetrics] = None
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -103,6 +111,8 @@ class ServerState:
                              compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         if engine.decoder.compiled is not None:
             engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
+        else:
+            watch_routers(engine.decoder)  # routing entropy for /metrics (router health)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,
@@ -113,11 +123,16 @@ class ServerState:
             dense_saving=engine.dense_saving,  # and int8 projections (--weights int8)
             queue_limit=cfg.queue_limit,
             store=engine.store,
-            on_step=lambda s: self.metrics.batch.observe(s.batch) if s.batch else None,
+            on_step=self._step_done,
             prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
+
+    def _step_done(self, step) -> None:
+        if step.batch:
+            self.metrics.batch.observe(step.batch)
+            self.tiers.admission.step_done(step.seconds)
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -130,8 +145,11 @@ class ServerState:
 
 
 def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], None]] = None) -> FastAPI:
-    state = ServerState(config=config)
+    state = ServerState(config=config, tiers=TierControl.build(config.tiers, config.sla_action))
     state.metrics = ServerMetrics(state)
+    state.metrics.registry.register(GoodputCollector(state.tiers.goodput))
+    state.metrics.registry.register(EntropyCollector(state))
+    state.jitter = JitterMetrics(state.metrics.registry)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -272,12 +290,13 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
             "max_tokens",
             "context_length_exceeded",
         )
-    tier, top_k = "S", None
+    tier, top_k, routing = "S", None, None
     if body.moe is not None:
         tier = body.moe.tier or "S"
         top_k = body.moe.top_k
         if top_k is not None and scheduler.model_k and top_k > scheduler.model_k:
             raise bad_request(f"moe.top_k must be between 1 and the model's {scheduler.model_k}, got {top_k}", "moe.top_k")
+        routing = _request_policy(scheduler, body.moe)
     sampling = SamplingParams(
         temperature=body.temperature,
         top_k=body.top_k if body.top_k > 0 else None,
@@ -293,6 +312,7 @@ def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: 
         tier=tier,
         top_k=top_k,
         priority=body.priority,
+        routing=routing,
         logprobs=_token_logprobs(body),
         prompt_logprobs=(body.logprobs or 0) if scoring and (body.logprobs is not None or max_tokens == 0) else None,
     )
@@ -314,6 +334,36 @@ def _token_logprobs(body: Sampled) -> Optional[int]:
     if isinstance(body, ChatRequest):
         return (body.top_logprobs or 0) if body.logprobs else None
     return body.logprobs
+
+
+def _request_policy(scheduler, moe):
+    """moe.routing parsed against the model's K, or a 400 naming it."""
+    if moe.routing is None:
+        return None
+    from moekit.model.routing import parse_policy
+
+    if moe.top_k is not None:
+        raise bad_request("moe.routing and moe.top_k both set the experts per token: send one", "moe.routing")
+    if not scheduler.model_k:
+        raise bad_request("this model has no MoE layers, so there is no routing to choose", "moe.routing")
+    try:
+        return parse_policy(moe.routing, scheduler.model_k)
+    except MoekitError as err:
+        raise bad_request(f"moe.routing: {err}", "moe.routing") from None
+
+
+def _place(state: ServerState, request) -> None:
+    """Admission under the tiers' TTFT targets (429, or a lower tier), then the tier's own policy
+    for a request that chose none."""
+    decision = state.tiers.place(request.tier, state.scheduler)
+    if decision.tier is None:
+        raise ApiError(429, decision.reason, code="rate_limit_exceeded")
+    request.tier = decision.tier
+    policy = state.tiers.routing(request.tier)
+    if request.routing is None and request.top_k is None and policy is not None and state.scheduler.model_k:
+        from moekit.model.routing import parse_policy
+
+        request.routing = parse_policy(policy, state.scheduler.model_k)  # checked when the server started
 
 
 @dataclass
@@ -369,6 +419,10 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
     exchange = _Exchange(queue=asyncio.Queue())
     for index, request in enumerate(requests):
         _wire(request, index, exchange, loop)
+    canary = on_canary(state.scheduler.canary, http.headers.get(CANARY_HEADER))
+    for request in requests:
+        _place(state, request)
+        request.canary = canary
     try:
         state.scheduler.submit_all(requests)
     except QueueFull as err:
@@ -472,6 +526,9 @@ class _Reply:
         total = self.state.scheduler.counts.total_params
         times = self.exchange.token_times.get(index, [])
         self.state.metrics.observe_request(choice.request.tier, outcome, times, choice.finish_reason, total)
+        if outcome.finish_reason in ("stop", "length"):
+            self.state.tiers.goodput.observe(choice.request.tier, outcome.submitted_at, times)
+            self.state.jitter.observe(choice.request.tier, times)
         if outcome.finish_reason != "error" and index % self.body.n == 0:  # a shared prefill counts once
             self.state.metrics.prompt_tokens.inc(len(choice.prompt))
         return rest

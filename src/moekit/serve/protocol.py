@@ -5,7 +5,7 @@ number type) but not 7.5, "7" or true; a number field takes 0 or 0.5 but not "0.
 these models do not name is a 400 (`extra="forbid"`), except the unimplemented OpenAI fields that
 moekit.serve.validation accepts at their neutral value and the harmless ones it lists: nothing a
 client asks for is silently ignored. `moe` is moekit's own: `{"tier": "S"|"A"|"B"}` or
-`{"top_k": k}`, the expert budget of the request.
+`{"top_k": k}` or `{"routing": "adaptive:0.85"}`, the expert budget of the request.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class MoeOptions(BaseModel):
 
     tier: Optional[Literal["S", "A", "B"]] = None
     top_k: Optional[integer(ge=1)] = None
+    routing: Optional[StrictStr] = None  # a routing policy (moekit.model.routing.parse_policy's forms)
 
 
 class StreamOptions(BaseModel):

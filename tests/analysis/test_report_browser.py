@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-PLOTS = {"share", "load", "entropy", "domains", "coactivation", "hitrate", "pareto"}
+PLOTS = {"share", "load", "entropy", "router-health", "domains", "coactivation", "hitrate", "pareto"}
 # After load, the page's own images are counted; written into the DOM that --dump-dom prints.
 PROBE = ('<script>window.addEventListener("load", () => { const imgs = [...document.querySelectorAll("figure.plot img")];'
          ' document.body.setAttribute("data-loaded", imgs.filter(i => i.complete && i.naturalWidth > 0).length'
@@ -48,7 +48,7 @@ def _chromium(*args: str) -> subprocess.CompletedProcess:
 
 def test_the_report_is_one_self_contained_file(report):
     html = report.read_text()
-    assert set(re.findall(r'data-name="(\w+)"', html)) == PLOTS
+    assert set(re.findall(r'data-name="([\w-]+)"', html)) == PLOTS
     assert not re.search(r'(src|href)="(https?:)?//', html)  # nothing fetched
     assert html.count("data:image/png;base64,") == len(PLOTS)
     assert "mean 9.35%" in html  # the bundled model's measured active share, stated in the summary

@@ -84,6 +84,18 @@ def test_streaming_gives_the_same_text_and_a_final_usage_chunk(client):
     assert chunks[-1].usage.model_extra["moe"]["top_k"] == 2
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    """vLLM's stream_options.continuous_usage_stats, which GuideLLM sends with every streamed request."""
+    body = {"prompt": PROMPTS[3], "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
+        assert r.status_code == 200
+        objects = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [o["usage"]["completion_tokens"] for o in objects if o["choices"]]
+    assert counts == sorted(counts) and counts[-1] == 6 and len(counts) >= 6
+    assert objects[-1]["choices"] == [] and objects[-1]["usage"]["completion_tokens"] == 6
+
+
 def test_chat_streaming_starts_with_the_role_and_ends_with_done(server):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True}
     with httpx.stream("POST", server.v1 + "/chat/completions", json=body, timeout=TIMEOUT) as r:

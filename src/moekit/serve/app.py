@@ -608,6 +608,8 @@ class _Reply:
             "model": self.state.config.model_name,
             "choices": choices,
         }
+        if usage is None and choices and self.body.continuous_usage:
+            usage = self.usage()  # the tokens so far: vLLM's continuous_usage_stats
         if usage is not None:
             obj["usage"] = usage
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

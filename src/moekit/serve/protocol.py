@@ -80,6 +80,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: every chunk carries the usage so far (GuideLLM asks)
 
 
 class Lenient(BaseModel):
@@ -148,6 +149,10 @@ class Sampled(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(Sampled):

@@ -17,9 +17,12 @@ SUPPORTED_ARCHS = "supported: qwen3moe, qwen2moe, olmoe, llama with experts (Mix
 
 def test_calc_counts_a_gguf_as_its_checkpoint(capsys, converted):
     folder, gguf = converted("qwen3_moe", "q8_0")
-    code, from_gguf, _ = moekit(capsys, "calc", gguf, "--json")
+    # Each plans at its stored form by default (the GGUF's tensor type, the folder's torch_dtype): the same dtype compares.
+    code, from_gguf, err = moekit(capsys, "calc", gguf, "--json")
+    assert code == 0 and "its GGUF tensors are" in err
+    code, from_gguf, _ = moekit(capsys, "calc", gguf, "--json", "--dtype", "fp32")
     assert code == 0
-    code, from_folder, _ = moekit(capsys, "calc", folder, "--json")
+    code, from_folder, _ = moekit(capsys, "calc", folder, "--json", "--dtype", "fp32")
     assert code == 0
     a, b = json.loads(from_gguf), json.loads(from_folder)
     assert a.pop("model") == gguf.stem

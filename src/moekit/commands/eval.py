@@ -40,10 +40,11 @@ def evaluate(
     from moekit.corpus.reader import empty_domains_note
 
     console = Console(stderr=True)
+    checkpoint = resolve_checkpoint(target)  # what to evaluate is checked first: it is the argument
     note = empty_domains_note(corpus, "heldout")
     if note:
         typer.echo(note, err=True)
-    result = run_eval(resolve_checkpoint(target), corpus, window=window, max_tokens=max_tokens, device=device,
+    result = run_eval(checkpoint, corpus, window=window, max_tokens=max_tokens, device=device,
                       verify=not no_verify, progress=lambda d: console.print(f"scoring {d}…") if not as_json else None)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))

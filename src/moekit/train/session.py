@@ -14,7 +14,7 @@ from moekit.train.state import RunFolder, load_checkpoint, prepare_folder, save_
 
 def prepare_tokens(cfg: TrainConfig, run: RunFolder, say: Callable[[str], None]) -> dict:
     """The tokenizer (trained on the train split once) and the tokenized train split, cached in the run."""
-    from moekit.corpus.reader import read_split
+    from moekit.corpus.reader import domains, read_split
     from moekit.train.data import check_streams, load_streams, save_streams, tokenize_domains
     from moekit.train.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
@@ -23,7 +23,10 @@ def prepare_tokens(cfg: TrainConfig, run: RunFolder, say: Callable[[str], None])
     if (tok_folder / "tokenizer.json").is_file() and tokens_path.is_file():
         streams = load_streams(tokens_path)
     else:
-        texts = read_split(Path(cfg.train.corpus), "train")
+        corpus = Path(cfg.train.corpus)
+        # Every domain, strictly: a model trained without one of its corpus's domains is not the model asked for
+        # (eval and report skip an empty domain and name it; training refuses it).
+        texts = read_split(corpus, "train", only=domains(corpus))
         say(f"training a byte-level BPE tokenizer (vocab {cfg.model['vocab_size']}) on {sum(map(len, texts.values()))} documents")
         tok = train_tokenizer((t for docs in texts.values() for t in docs), cfg.model["vocab_size"])
         save_tokenizer(tok, tok_folder)

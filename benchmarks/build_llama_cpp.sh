@@ -5,7 +5,7 @@
 #   bench-out/llama.cpp/venv/                 llama-cpp-python 0.3.36 built from its sdist, numpy,
 #                                             and the sdist's own gguf-py (a venv of its own)
 #   bench-out/llama.cpp/src/llama_cpp_python-0.3.36/vendor/llama.cpp/convert_hf_to_gguf.py
-#   bench-out/llama.cpp/server-build/bin/llama-server      the same vendored llama.cpp, cmake
+#   bench-out/llama.cpp/server-build/bin/llama-server, llama-bench   the same vendored llama.cpp, cmake
 #
 #   benchmarks/build_llama_cpp.sh             # both (5-15 minutes of both cores)
 #   benchmarks/build_llama_cpp.sh python      # only the Python binding
@@ -45,7 +45,7 @@ fi
 if [ "$what" = all ] || [ "$what" = server ]; then
     cmake -S "$vendor" -B "$out/server-build" -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON \
         -DCMAKE_BUILD_TYPE=Release > "$out/build-server.log" 2>&1 || { tail -40 "$out/build-server.log"; exit 1; }
-    cmake --build "$out/server-build" --target llama-server -j"$jobs" >> "$out/build-server.log" 2>&1 \
+    cmake --build "$out/server-build" --target llama-server llama-bench -j"$jobs" >> "$out/build-server.log" 2>&1 \
         || { tail -40 "$out/build-server.log"; exit 1; }
-    echo "llama-server: $out/server-build/bin/llama-server"
+    echo "llama-server, llama-bench: $out/server-build/bin/"
 fi

@@ -408,13 +408,27 @@ class PolicyRun:
     """One policy applied over one batch of rows, with its per-layer state: owned by the caller
     (one per generation or scoring pass), handed to Decoder.forward(..., policy=run)."""
 
-    def __init__(self, policy: RoutingPolicy, rows: int):
+    def __init__(self, policy: RoutingPolicy, rows: int, ledger: Optional[dict[int, PolicyStats]] = None):
+        """ledger: where the counters go, per layer (a server passes one per policy to total its
+        requests' runs for /metrics); None: this run's own."""
         self.policy, self.rows = policy, rows
         self.states: dict[int, LayerState] = {}
-        self.stats = PolicyStats()
+        self.ledger: dict[int, PolicyStats] = {} if ledger is None else ledger
 
-    def at(self, layer: int) -> "LayerPolicy":
-        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState(layer=layer)), self.rows, self.stats)
+    @property
+    def stats(self) -> PolicyStats:
+        """The ledger's counters, all layers added."""
+        total = PolicyStats()
+        for layer in list(self.ledger.values()):
+            for name, value in vars(layer).items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def at(self, layer: int, rows: Optional[int] = None) -> "LayerPolicy":
+        """rows: the rows this call routes together, when not the run's (a batch-level policy's run
+        shared by a serve step's rows sees however many share it in that step)."""
+        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState(layer=layer)), rows or self.rows,
+                           self.ledger.setdefault(layer, PolicyStats()))
 
 
 @dataclass

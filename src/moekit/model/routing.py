@@ -390,6 +390,8 @@ def route_policy(logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tens
     need none. inputs [B*T, D]: the router's input (cache:N keys on it); stats: counters to add to."""
     from moekit.model import routing_policies
 
+    if stats is not None and not isinstance(policy, routing_policies.KNOBS):
+        stats.routed += logits.shape[0]  # the knobs count their own (reset:N's spans, each once)
     if isinstance(policy, routing_policies.KNOBS):
         return routing_policies.route_knob(logits, spec, selection_bias, policy,
                                            state if state is not None else LayerState(), rows, inputs,

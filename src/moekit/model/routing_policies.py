@@ -399,8 +399,6 @@ def _with_resets(logits, spec, bias, policy: Reset, state: LayerState, rows: int
         parts.append(part)
         state.seen += span
         t += span
-    if not isinstance(policy.inner, KNOBS):
-        stats.routed += logits.shape[0]
     width = max(p.topk_ids.shape[1] for p in parts)
     if any(p.topk_ids.shape[1] != width for p in parts):
         raise MoekitError(f"{policy}: spans routed to different widths")  # every stateful policy keeps K

@@ -83,6 +83,12 @@ def test_a_load_run_matches_what_the_server_counted(tmp_path, capsys):
             assert 0 < level["mean_active_share"] < 1
         assert _metric(server.url, "moekit:request_success_total") == 2 * 6 + 2  # + the warm-ups
         assert _metric(server.url, "moekit:generation_tokens_total") == (2 * 6 + 2) * 5
+        code, out, err = moekit(capsys, "bench", "serve", server.url, "--concurrency", "2", "--requests", "2", "--max-tokens",
+                                "3", "--random-ids", "4", "--vocab", "150", "--warmup", "0", "--routing", "topk:1", "--json")
+        assert code == 0 and json.loads(out)["levels"][0]["errors"] == 0, err
+        # every request routed by the policy: 4 prompt tokens + 2 decode passes, per MoE layer
+        layers = 2
+        assert _metric(server.url, "moekit:routing_decisions_total") == 2 * (4 + 2) * layers
     finally:
         assert server.stop() == 0
 

@@ -208,3 +208,33 @@ def test_a_canary_serves_its_share_of_new_requests_beside_the_served_weights(tin
     admin("?canary=0.5", save(new))
     ended = admin("/rollback")  # during a canary: ends it, the served weights unchanged
     assert ended.json()["canary_ended"] and [tokens() for _ in range(2)] == [old, old]
+
+
+def test_a_paged_expert_swapped_and_rolled_back_gives_the_resident_servers_tokens(tiny, serve_process):
+    """--expert-memory: the new weights go to a file of the store's own; the checkpoint is untouched."""
+    engine = load_engine(tiny)
+    expert = _busiest_expert(engine)
+    tensors = _new_expert(engine, seed=4)
+    before = {p.name: p.read_bytes() for p in sorted(tiny.glob("*.safetensors"))}
+    paged = serve_process(tiny, "--admin-token", TOKEN, "--expert-memory", "75%")  # 6 of 8 slots: paged
+    resident = serve_process(tiny, "--admin-token", TOKEN)
+    ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+
+    def tokens(server):
+        return httpx.post(server.v1 + "/completions", json=ask, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+    def admin(server, path="", content=None):
+        return httpx.post(f"{server.url}/admin/experts/0/{expert}{path}", content=content, headers=AUTH, timeout=TIMEOUT)
+
+    original = tokens(paged)  # the busiest expert is now resident in the store: the swap must drop it
+    assert original == tokens(resident)
+    swapped = admin(paged, "", save(tensors))
+    assert swapped.status_code == 200, swapped.text
+    assert swapped.json()["paged"] and swapped.json()["rollbacks"] == 1
+    assert admin(resident, "", save(tensors)).status_code == 200
+    after = tokens(paged)
+    assert after == tokens(resident) and after != original
+    assert admin(paged, "?canary=0.5", save(tensors)).status_code == 409  # a canary needs resident experts
+    assert admin(paged, "/rollback").json()["rollbacks"] == 0
+    assert tokens(paged) == original
+    assert {p.name: p.read_bytes() for p in sorted(tiny.glob("*.safetensors"))} == before

@@ -63,7 +63,7 @@ def test_rows_of_different_policies_in_one_batch_each_get_their_own_tokens(serve
     assert 'moekit:itl_jitter_index_count{tier="S"}' in metrics
 
     client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
-    for bad in ("adaptive:2x", "topk:9", "nonsense"):
+    for bad in ("adaptive:2x", "topk:129", "nonsense"):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="moekit-demo", prompt="x", max_tokens=2, extra_body={"moe": {"routing": bad}})
         assert err.value.body["param"] == "moe.routing" and bad in err.value.body["message"]
@@ -91,7 +91,7 @@ def test_bad_tier_options_exit_2_with_one_line(tmp_path):
     import subprocess
     import sys
 
-    for args, needle in ((["--tier", "S=ttft:fast"], "not a duration"), (["--tier", "A=topk:9"], "k must be"),
+    for args, needle in ((["--tier", "S=ttft:fast"], "not a duration"), (["--tier", "A=topk:129"], "k must be"),
                          (["--sla-action", "drop"], "--sla-action")):
         proc = subprocess.run([sys.executable, "-m", "moekit", "serve", "--port", "0", *args], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, proc.stderr

@@ -18,6 +18,7 @@ Every request streams exactly --max-tokens tokens (greedy, ignore_eos). Load is 
   moekit bench serve http://127.0.0.1:8000 --concurrency 1,4,16 --requests 64
   moekit bench serve http://127.0.0.1:8080 --random-ids 32 --vocab 32000 --max-tokens 64 --json   # llama-server
   moekit bench serve http://127.0.0.1:8000 --rate 4 --requests 100 --tier B
+  moekit bench serve http://127.0.0.1:8000 --concurrency 16 --routing capacity:1:drop
   moekit bench serve http://127.0.0.1:8000 --concurrency 1,4,16 --price-per-hour 0.10 --api-price 0.20,0.80
 """
 
@@ -32,6 +33,12 @@ def _ints(text: str, name: str) -> list[int]:
     return values
 
 
+def _moe(tier: Optional[str], routing: Optional[str]) -> dict:
+    """The body's "moe" object for --tier and --routing (the server checks the policy: a 400 names it)."""
+    moe = {key: value for key, value in (("tier", tier), ("routing", routing)) if value}
+    return {"moe": moe} if moe else {}
+
+
 def serve(
     url: str = typer.Argument(..., help="The server's base URL, e.g. http://127.0.0.1:8000 (with or without /v1)."),
     concurrency: str = typer.Option("1,4,16", "--concurrency", help="Comma-separated client counts, one load level each."),
@@ -42,6 +49,8 @@ def serve(
     random_ids: Optional[int] = typer.Option(None, "--random-ids", help="Random token-id prompts of this length (the same for every server)."),
     vocab: int = typer.Option(1000, "--vocab", help="Random ids are drawn from 1..vocab-1."),
     tier: Optional[str] = typer.Option(None, "--tier", help="moekit's expert-budget tier for every request: S, A or B."),
+    routing: Optional[str] = typer.Option(None, "--routing", help="moekit's routing policy for every request "
+                                          "(\"moe\": {\"routing\": P}), e.g. capacity:1:drop."),
     model: Optional[str] = typer.Option(None, "--model", help="Model id to send. Default: the first one /v1/models lists."),
     warmup: int = typer.Option(2, "--warmup", help="Requests sent before each level, not counted."),
     seed: int = typer.Option(0, "--seed", help="Seed for random prompts and arrivals."),
@@ -66,7 +75,7 @@ def serve(
     priced = _prices(price_per_hour, api_price)
     texts = load_prompts(prompts, random_ids, vocab, max(requests, 1), seed)
     plan = LoadPlan(url=url, prompts=texts, max_tokens=max_tokens, model=model or first_model(url),
-                    extra={"moe": {"tier": tier}} if tier else {})
+                    extra=_moe(tier, routing))
     results = []
     with Progress(transient=True, disable=json_out) as bar:
         for level in levels:

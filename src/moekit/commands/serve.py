@@ -72,7 +72,7 @@ def _listen(host: str, port: int):
 
 def _tiers(options: list[str], action: str, spec) -> dict:
     """--tier values, each tier's policy checked against the model's K before the port opens."""
-    from moekit.analysis.policy_eval import model_k
+    from moekit.analysis.policy_eval import model_experts, model_k
     from moekit.model.routing import parse_policy
     from moekit.serve.sla import ACTIONS, parse_tiers
 
@@ -81,7 +81,7 @@ def _tiers(options: list[str], action: str, spec) -> dict:
     tiers = parse_tiers(options)
     for name, targets in tiers.items():
         if targets.routing is not None:
-            parse_policy(targets.routing, model_k(spec))
+            parse_policy(targets.routing, model_k(spec), model_experts(spec))
     return tiers
 
 

@@ -6,6 +6,9 @@ row with a policy by that request's own PolicyRun (whose state — ema's average
 experts — belongs to the request and follows it when its row moves), a row without one exactly at
 its tier's K (route_rows). Routing is row-wise, so a row's decision is what it gets alone; rows
 narrower than the widest repeat their first expert at weight 0, as route_rows pads them.
+A batch-level policy (capacity, loadaware: routing_policies.BATCH_LEVEL) is the exception by
+design: its rows share one PolicyRun and are routed as one batch, so "the load in the current
+batch" is the load of every row of the step that runs it.
 """
 
 from __future__ import annotations
@@ -36,19 +39,31 @@ class LayerRows:
 
     def route(self, logits: torch.Tensor, spec, selection_bias, inputs: Optional[torch.Tensor] = None) -> RoutingDecision:
         """logits [B*T, E] (inputs [B*T, D]: the router's input, for policies keyed on it) → the
-        decision of every row's tokens, [B*T, K_max] row-major."""
+        decision of every row's tokens, [B*T, K_max] row-major. Rows that share one PolicyRun (a
+        batch-level policy's) are routed together, that run seeing them as one batch of rows."""
         runs = self.rows.runs
         t = logits.shape[0] // len(runs)
-        parts = []
+        parts: list[Optional[RoutingDecision]] = [None] * len(runs)
         for r, run in enumerate(runs):
-            part = logits[r * t : (r + 1) * t]  # [T, E]
             if run is None:
-                parts.append(route_rows(part, spec, selection_bias, [self.rows.top_k[r]] * t))
-            elif inputs is None:
-                parts.append(run.at(self.layer).route(part, spec, selection_bias))
-            else:
-                parts.append(run.at(self.layer).route(part, spec, selection_bias, inputs[r * t : (r + 1) * t]))
+                parts[r] = route_rows(logits[r * t : (r + 1) * t], spec, selection_bias, [self.rows.top_k[r]] * t)
+        for run, members in shared_runs(runs):
+            tokens = torch.cat([torch.arange(r * t, (r + 1) * t) for r in members]).to(logits.device)  # [n*T]
+            part = run.at(self.layer, len(members)).route(logits[tokens], spec, selection_bias,
+                                                           None if inputs is None else inputs[tokens])
+            for i, r in enumerate(members):
+                parts[r] = RoutingDecision(topk_ids=part.topk_ids[i * t : (i + 1) * t],
+                                           topk_weights=part.topk_weights[i * t : (i + 1) * t])
         return stack_decisions(parts)
+
+
+def shared_runs(runs: Sequence[Optional[PolicyRun]]) -> list[tuple[PolicyRun, list[int]]]:
+    """Each distinct run (by identity) with the rows it routes, in row order."""
+    groups: dict[int, tuple[PolicyRun, list[int]]] = {}
+    for r, run in enumerate(runs):
+        if run is not None:
+            groups.setdefault(id(run), (run, []))[1].append(r)
+    return list(groups.values())
 
 
 def stack_decisions(parts: list[RoutingDecision]) -> RoutingDecision:

@@ -39,7 +39,8 @@ from moekit.engine.sampling import SamplingParams, check_sampling, make_generato
 from moekit.engine.waiting import WaitingQueue
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
-from moekit.model.routing import PolicyRun, RoutingDecision
+from moekit.model.routing import PolicyRun, PolicyStats, RoutingDecision
+from moekit.model.routing_policies import is_batch_level, policy_width
 
 TIERS = ("S", "A", "B")  # admitted in this order
 
@@ -206,6 +207,12 @@ class Scheduler:
         self.model_k = max(self.counts.top_k.values(), default=0)
         self.moe_layers = sorted(self.counts.top_k)
         experts = max((spec.layers[l].ffn.num_experts for l in self.moe_layers), default=0)
+        # What a policy may widen a token to (topk:k up to E): the fewest routed experts of any MoE layer.
+        self.num_experts = min((spec.layers[l].ffn.num_experts for l in self.moe_layers), default=0)
+        # Routing policies' counters (overflow, drops, cache hits, ...) per policy, per layer, over
+        # every request's run: /metrics reads them. A batch-level policy's rows share one run.
+        self.policy_stats: dict[str, dict[int, PolicyStats]] = {}
+        self._batch_runs: dict = {}  # batch-level policy → the run its running rows share
         # Tokens routed to each (layer, expert) since start: Prometheus reads it at scrape time.
         self.expert_tokens = {l: [0] * experts for l in self.moe_layers}
         # Routing entropy of decode steps by layer and position, when the routers are watched.
@@ -375,7 +382,7 @@ class Scheduler:
                 continue
             self._admitting.append(request)
             try:
-                row = self._new_row(request)
+                row = self._new_row(request, rows)
             except Exception as err:  # noqa: BLE001 - e.g. a seed the generator refuses: this request alone fails
                 self._finish_unstarted(request, "error", f"setting up the request failed: {_message(err)}")
                 continue
@@ -426,18 +433,30 @@ class Scheduler:
         if not self.model_k:
             return 0
         if request.routing is not None:
-            return self.model_k  # the policy decides each token's experts; the decision is at most K wide
+            return policy_width(request.routing, self.model_k)  # the policy decides each token's experts, at most this many
         return request.top_k if request.top_k is not None else tier_top_k(request.tier, self.model_k)
 
-    def _new_row(self, request: Request) -> _Row:
+    def _new_row(self, request: Request, admitting: Sequence[_Row] = ()) -> _Row:
         return _Row(
             request=request,
             top_k=self._row_k(request),
             generator=make_generator(request.sampling, self.device),
             length=len(request.prompt),
             admitted_at=time.perf_counter(),
-            run=None if request.routing is None or not self.model_k else PolicyRun(request.routing, 1),
+            run=None if request.routing is None or not self.model_k else self._run_for(request.routing, admitting),
         )
+
+    def _run_for(self, policy, admitting: Sequence[_Row]) -> PolicyRun:
+        """A request's run of its policy, counting into the server's ledger for that policy. A
+        batch-level policy's rows share one run while any of them runs (so its state and its
+        capacity span the batch); the first row after none starts a fresh one, as a lone run does."""
+        ledger = self.policy_stats.setdefault(str(policy), {})
+        if not is_batch_level(policy):
+            return PolicyRun(policy, 1, ledger)
+        shared = self._batch_runs.get(policy)
+        if shared is None or not any(row.run is shared for row in [*self.rows, *admitting]):
+            shared = self._batch_runs[policy] = PolicyRun(policy, 1, ledger)
+        return shared
 
     def _prefill(self, rows: list[_Row], keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
         """Prefill one prompt alone into a cache of its size, after its first C tokens' KV taken from

@@ -390,6 +390,8 @@ def route_policy(logits: Tensor, spec: RouterSpec, selection_bias: Optional[Tens
     need none. inputs [B*T, D]: the router's input (cache:N keys on it); stats: counters to add to."""
     from moekit.model import routing_policies
 
+    if stats is not None and not isinstance(policy, routing_policies.KNOBS):
+        stats.routed += logits.shape[0]  # the knobs count their own (reset:N's spans, each once)
     if isinstance(policy, routing_policies.KNOBS):
         return routing_policies.route_knob(logits, spec, selection_bias, policy,
                                            state if state is not None else LayerState(), rows, inputs,
@@ -408,13 +410,27 @@ class PolicyRun:
     """One policy applied over one batch of rows, with its per-layer state: owned by the caller
     (one per generation or scoring pass), handed to Decoder.forward(..., policy=run)."""
 
-    def __init__(self, policy: RoutingPolicy, rows: int):
+    def __init__(self, policy: RoutingPolicy, rows: int, ledger: Optional[dict[int, PolicyStats]] = None):
+        """ledger: where the counters go, per layer (a server passes one per policy to total its
+        requests' runs for /metrics); None: this run's own."""
         self.policy, self.rows = policy, rows
         self.states: dict[int, LayerState] = {}
-        self.stats = PolicyStats()
+        self.ledger: dict[int, PolicyStats] = {} if ledger is None else ledger
 
-    def at(self, layer: int) -> "LayerPolicy":
-        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState(layer=layer)), self.rows, self.stats)
+    @property
+    def stats(self) -> PolicyStats:
+        """The ledger's counters, all layers added."""
+        total = PolicyStats()
+        for layer in list(self.ledger.values()):
+            for name, value in vars(layer).items():
+                setattr(total, name, getattr(total, name) + value)
+        return total
+
+    def at(self, layer: int, rows: Optional[int] = None) -> "LayerPolicy":
+        """rows: the rows this call routes together, when not the run's (a batch-level policy's run
+        shared by a serve step's rows sees however many share it in that step)."""
+        return LayerPolicy(self.policy, self.states.setdefault(layer, LayerState(layer=layer)), rows or self.rows,
+                           self.ledger.setdefault(layer, PolicyStats()))
 
 
 @dataclass

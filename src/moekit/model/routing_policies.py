@@ -130,6 +130,21 @@ class Reset:
 
 KNOBS = (Temperature, Gumbel, MinConf, Split, DecisionCache, LoadAware, Capacity, Reset)
 STATEFUL = (Smooth, Reuse, DecisionCache, LoadAware)
+# Policies whose decision for a token depends on the other rows of its step ("load in the current
+# batch"): a server routes the rows of one step that share such a policy together, as one batch.
+BATCH_LEVEL = (LoadAware, Capacity)
+
+
+def is_batch_level(policy) -> bool:
+    return isinstance(policy, BATCH_LEVEL)
+
+
+def policy_width(policy, model_k: int) -> int:
+    """Experts per token a policy's decision can hold: k for topk:k and split:k:w (above the
+    model's K where asked), else the model's K."""
+    from moekit.model.routing import TopK
+
+    return policy.k if isinstance(policy, (TopK, Split)) else model_k
 
 
 # --- parsing ---------------------------------------------------------------------------------
@@ -384,8 +399,6 @@ def _with_resets(logits, spec, bias, policy: Reset, state: LayerState, rows: int
         parts.append(part)
         state.seen += span
         t += span
-    if not isinstance(policy.inner, KNOBS):
-        stats.routed += logits.shape[0]
     width = max(p.topk_ids.shape[1] for p in parts)
     if any(p.topk_ids.shape[1] != width for p in parts):
         raise MoekitError(f"{policy}: spans routed to different widths")  # every stateful policy keeps K

@@ -187,7 +187,12 @@ class _ExpertLoader:
         self.verified.add((layer, e))  # only after the check passed
         if kind is not None:
             return gate_up, down
-        if not in_place:
+        return self.lay_out(gate_up, down, into)
+
+    def lay_out(self, gate_up: torch.Tensor, down: torch.Tensor, into: Optional[tuple] = None):
+        """A float expert's Hub tensors → the float kernels' layout (written into `into` where it fits)."""
+        kernels = self.kernels[None]
+        if not all(k.layout is not None for k in kernels):
             return kernels[0].prepare(gate_up), kernels[1].prepare(down)
         into = into or (None, None)
         dtype = self.reader.dtype
@@ -244,6 +249,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     quantize: float experts are quantized to q8_0 as they load (`--weights int8`). manifest: where
     the experts are when not in folder's moekit-experts.json (a GGUF's; its files are absolute)."""
     from moekit.weights.manifest import load_or_build_manifest
+    from moekit.offload.overlay import ExpertOverlay
     from moekit.offload.reader import ExpertReader
     from moekit.offload.substitute import stand_in_bytes, stand_ins
 
@@ -261,7 +267,8 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
     kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
                for kind in sorted(set(kinds.values()), key=str)}
-    load = _ExpertLoader(reader, kinds, kernels, verify=verify)
+    read = _ExpertLoader(reader, kinds, kernels, verify=verify)
+    load = ExpertOverlay(read, read.lay_out)  # hot-swapped experts read from their own files
     own = manifest.source == "packed" or given or bool(formats)  # the extents decide each expert's bytes
     sizes = held_bytes(spec, decoder.dtype, manifest.experts if own else None, quantize)
     float_name = "int8" if quantize else _FLOAT_NAMES.get(decoder.dtype, ("", str(decoder.dtype)))[1]
@@ -334,5 +341,6 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         budget=plan.budget_bytes,
         substitute=options.substitute or "",
         substitute_bytes=substitute_bytes,
+        overlay=load,
     )
 

@@ -234,6 +234,17 @@ class LayerStore:
             self.cache.discard(e)
             raise
 
+    def forget(self, e: int) -> None:
+        """Expert e's weights changed where its loads read them (a hot swap, between two forwards):
+        drop any copy held or loading, so its next use reads the new ones. A pinned expert stays
+        pinned and is read again now, on a worker."""
+        pinned = e in self.cache.pinned
+        self._drop(e)
+        if pinned:
+            self._start_load(e)
+        else:
+            self.cache.discard(e)
+
     # --- prefetch ------------------------------------------------------------------------------
 
     def prefetch(self, predicted: list[int]) -> None:
@@ -318,6 +329,7 @@ class ExpertStore:
     budget: Optional[int] = None  # --expert-memory in bytes, when less than every slot full of the largest expert
     substitute: str = ""  # "int4": every expert's stand-in resident (moekit.offload.substitute)
     substitute_bytes: int = 0  # what the stand-ins hold, beyond the budget
+    overlay: Optional[object] = None  # moekit.offload.overlay.ExpertOverlay: hot-swapped experts' files
 
     def expert_nbytes(self, layer: int, e: int) -> int:
         """Bytes expert e of `layer` holds once loaded (what a token that uses it reads)."""
@@ -325,6 +337,8 @@ class ExpertStore:
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        if self.overlay is not None:
+            self.overlay.close()
 
     def stats(self) -> dict:
         per_layer = {str(l): s.stats.as_dict() for l, s in self.layers.items()}

@@ -16,6 +16,12 @@ checked (names, shapes, floating dtype, finite values, and the body's sha256 aga
 slot off the engine thread; the switch itself runs on the scheduler's thread between two decode
 steps, so no step mixes old and new weights. The answer tells how many tokens each running request
 had generated when the switch came.
+
+Paged experts (--expert-memory): the new weights go to a file of their own that the store reads
+instead of the checkpoint (moekit.offload.overlay; the checkpoint is never written), and the store
+forgets any copy it holds at the switch; a rollback points the store back. A canary needs resident
+experts (its rows run on weights the batch does not), and so does a store with int4 stand-ins
+(--substitute: the stand-in would keep the old weights); both are a 409.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ def check_token(configured: Optional[str], header: Optional[str]) -> None:
 
 
 def expert_module(decoder, layer: int, expert: int):
-    """The RoutedExperts of MoE layer `layer`, checked to hold expert `expert` resident."""
+    """The RoutedExperts of MoE layer `layer`, checked to hold expert `expert` (resident or paged)."""
     from moekit.model.moe import MoE
 
     if not 0 <= layer < len(decoder.layers) or not isinstance(decoder.layers[layer].ffn, MoE):
@@ -52,8 +58,6 @@ def expert_module(decoder, layer: int, expert: int):
     experts = decoder.layers[layer].ffn.experts
     if not 0 <= expert < experts.num_experts:
         raise ApiError(404, f"expert {expert} is out of range (0..{experts.num_experts - 1})", "expert", "not_found")
-    if experts.store is not None:
-        raise ApiError(409, "hot swap needs resident experts; this server pages them (--expert-memory)", code="paged_experts")
     if experts.gate_up_bias is not None:
         raise ApiError(409, "hot swap does not support experts with biases (gpt_oss) yet", code="unsupported")
     return experts
@@ -91,6 +95,13 @@ def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
     parts = [tensors["gate_proj.weight"], tensors["up_proj.weight"]] if spec.gated else [tensors["up_proj.weight"]]
     gate_up = torch.cat(parts).to(dtype).contiguous()
     return gate_up, tensors["down_proj.weight"].to(dtype).contiguous(), digest
+
+
+@dataclass(frozen=True)
+class PagedSource:
+    """What a paged expert's loads read before a swap: a swapped-in file, or None (the checkpoint)."""
+
+    path: Optional[object]
 
 
 HISTORY = 16  # swaps remembered per expert; a 17th forgets the oldest (its memory is one expert's weights)
@@ -143,9 +154,11 @@ def register_admin_routes(app: FastAPI, state) -> None:
         gate_up, down, digest = await asyncio.get_running_loop().run_in_executor(
             None, parse_expert_file, raw, spec, decoder.dtype, http.headers.get("x-checksum-sha256")
         )
+        share = parse_share(http.query_params.get("canary"))
+        if experts.store is not None:
+            return await _swap_paged(layer, expert, gate_up, down, share, {"sha256": digest})
         # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
         staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
-        share = parse_share(http.query_params.get("canary"))
         if share is not None:
             def begin():
                 canary = state.scheduler.canary or Canary(share)
@@ -158,15 +171,33 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": False, "canary": share,
                                  "in_flight": in_flight})
 
-        return await _serve(layer, expert, experts, staged, {"sha256": digest})
+        return await _serve(layer, expert, lambda: experts.replace_expert(expert, staged), {"sha256": digest})
 
-    async def _serve(layer: int, expert: int, experts, staged, reply: dict, before=None) -> JSONResponse:
-        """Switch staged weights in for every request between two steps (after `before()` there),
-        keeping the replaced ones for a rollback."""
+    async def _swap_paged(layer: int, expert: int, gate_up, down, share, reply: dict) -> JSONResponse:
+        store = state.scheduler.store
+        if share is not None:
+            raise ApiError(409, "a canary needs resident experts; this server pages them (--expert-memory): "
+                           "swap without ?canary", code="paged_experts")
+        if store.substitute:
+            raise ApiError(409, f"hot swap of paged experts with --substitute {store.substitute} is not supported "
+                           "(the stand-in would keep the old weights)", code="unsupported")
+        path = await asyncio.get_running_loop().run_in_executor(None, store.overlay.write, layer, expert, gate_up, down)
+        return await _serve(layer, expert, lambda: _point_paged(layer, expert, path), {**reply, "paged": True})
+
+    def _point_paged(layer: int, expert: int, path) -> PagedSource:
+        """On the scheduler's thread: the store reads the expert from `path` (None: the checkpoint)."""
+        store = state.scheduler.store
+        before = store.overlay.point(layer, expert, path)
+        store.layers[layer].forget(expert)
+        return PagedSource(before)
+
+    async def _serve(layer: int, expert: int, put, reply: dict, before=None) -> JSONResponse:
+        """Switch new weights in for every request between two steps (after `before()` there):
+        put() does it and returns what it replaced, kept for a rollback."""
         def switch():
             if before is not None:
                 before()
-            return experts.replace_expert(expert, staged), state.scheduler.in_flight()
+            return put(), state.scheduler.in_flight()
 
         old, in_flight = await _switch(switch)
         depth = swaps.push((layer, expert), old)
@@ -192,7 +223,8 @@ def register_admin_routes(app: FastAPI, state) -> None:
         if not _in_canary(layer, expert):
             raise ApiError(404, f"expert {expert} of layer {layer} has no canary to promote", code="not_found")
         _, staged = state.scheduler.canary.experts[(layer, expert)]
-        return await _serve(layer, expert, experts, staged, {"promoted": True}, before=lambda: _end_canary(layer, expert))
+        return await _serve(layer, expert, lambda: experts.replace_expert(expert, staged), {"promoted": True},
+                            before=lambda: _end_canary(layer, expert))
 
     @app.post("/admin/experts/{layer}/{expert}/rollback")
     async def rollback(layer: int, expert: int, http: HttpRequest):
@@ -211,7 +243,10 @@ def register_admin_routes(app: FastAPI, state) -> None:
             raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")
 
         def switch():
-            experts.replace_expert(expert, old)
+            if isinstance(old, PagedSource):
+                _point_paged(layer, expert, old.path)
+            else:
+                experts.replace_expert(expert, old)
             return state.scheduler.in_flight()
 
         in_flight = await _switch(switch)

@@ -347,7 +347,7 @@ def _request_policy(scheduler, moe):
     if not scheduler.model_k:
         raise bad_request("this model has no MoE layers, so there is no routing to choose", "moe.routing")
     try:
-        return parse_policy(moe.routing, scheduler.model_k)
+        return parse_policy(moe.routing, scheduler.model_k, scheduler.num_experts)
     except MoekitError as err:
         raise bad_request(f"moe.routing: {err}", "moe.routing") from None
 
@@ -363,7 +363,7 @@ def _place(state: ServerState, request) -> None:
     if request.routing is None and request.top_k is None and policy is not None and state.scheduler.model_k:
         from moekit.model.routing import parse_policy
 
-        request.routing = parse_policy(policy, state.scheduler.model_k)  # checked when the server started
+        request.routing = parse_policy(policy, state.scheduler.model_k, state.scheduler.num_experts)  # checked when the server started
 
 
 @dataclass

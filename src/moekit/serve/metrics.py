@@ -44,6 +44,8 @@ class SchedulerCollector:
                 mean = sum(snapshot) / len(snapshot) if snapshot else 0.0
                 imbalance.add_metric([str(layer)], max(snapshot) / mean if mean else 0.0)
         yield from (running, waiting, tokens, imbalance)
+        if scheduler is not None:
+            yield from policy_counters(scheduler.policy_stats)
         prefix = scheduler.prefix_cache if scheduler is not None else None
         if prefix is not None:
             queries = CounterMetricFamily("moekit:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
@@ -59,6 +61,32 @@ class SchedulerCollector:
             hits.add_metric([], sum(s.hits for s in stats))
             misses.add_metric([], sum(s.accesses - s.hits for s in stats))
             yield from (hits, misses)
+
+
+# PolicyStats field → (counter name, help): the load-control and router-cache counters of the
+# routing policies requests run (moekit.model.routing.PolicyStats says what each counts).
+POLICY_COUNTERS = {
+    "routed": ("moekit:routing_decisions", "Token x layer routing decisions made by a routing policy."),
+    "overflow": ("moekit:routing_overflow", "Assignments beyond an expert's capacity in their step (capacity, loadaware)."),
+    "dropped": ("moekit:routing_dropped", "Overflowing assignments dropped (given weight 0)."),
+    "rerouted": ("moekit:routing_rerouted", "Overflowing assignments moved to the token's next choice with room."),
+    "penalised": ("moekit:routing_penalised", "Assignments loadaware's overload penalty moved off exact routing's expert."),
+    "cache_lookups": ("moekit:routing_cache_lookups", "Router decision cache (cache:N) lookups."),
+    "cache_hits": ("moekit:routing_cache_hits", "Router decision cache lookups that reused a cached decision."),
+    "resets": ("moekit:routing_resets", "Times reset:N cleared a layer's policy state."),
+}
+
+
+def policy_counters(ledgers: dict):
+    """ledgers: policy text → {layer: PolicyStats} (the scheduler's) → one counter family per field,
+    labelled by policy and layer."""
+    families = {field: CounterMetricFamily(name, text, labels=["policy", "layer"])
+                for field, (name, text) in POLICY_COUNTERS.items()}
+    for policy, layers in list(ledgers.items()):
+        for layer, stats in sorted(list(layers.items())):
+            for field, family in families.items():
+                family.add_metric([policy, str(layer)], getattr(stats, field))
+    return families.values()
 
 
 class ServerMetrics:

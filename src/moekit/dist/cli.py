@@ -31,6 +31,13 @@ def parse_ranks(text: str) -> Optional[int]:
     return ranks
 
 
+def offload_fields(offload) -> Optional[dict]:
+    """OffloadOptions as a Job carries them (JSON: paths as text)."""
+    if offload is None:
+        return None
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(offload).items()}
+
+
 def run_sharded(expert_parallel: Optional[str], placement: Optional[Path], timeout_s: float, checkpoint, prompt,
                 prompt_ids, dtype: str, device: str, offload, max_new_tokens: int, sampling, stop_ids, report) -> None:
     from moekit.dist.session import Job, run_expert_parallel, summary
@@ -40,9 +47,6 @@ def run_sharded(expert_parallel: Optional[str], placement: Optional[Path], timeo
     if timeout_s <= 0:
         raise MoekitError(f"--ep-timeout must be positive, got {timeout_s:g}")
     ranks = parse_ranks(expert_parallel)
-    offload_fields = None
-    if offload is not None:
-        offload_fields = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(offload).items()}
     job = Job(
         checkpoint=str(checkpoint),
         dtype=dtype,
@@ -52,7 +56,7 @@ def run_sharded(expert_parallel: Optional[str], placement: Optional[Path], timeo
         max_new_tokens=max_new_tokens,
         sampling=asdict(sampling),
         stop_ids=None if stop_ids is None else list(stop_ids),
-        offload=offload_fields,
+        offload=offload_fields(offload),
         placement=None if placement is None else str(placement),
         timeout_s=timeout_s,
     )

@@ -678,8 +678,8 @@ class _Reply:
                 if kind == "finish" and value.finish_reason == "error":
                     finished = True
                     self.fail(item)
-                    error = {"message": f"generation failed: {value.error}", "type": "server_error", "param": None, "code": "engine_error"}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    failure = _failed(self.state, value)
+                    yield f"data: {failure.response().body.decode()}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 piece = self._take(item)

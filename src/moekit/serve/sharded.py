@@ -21,6 +21,7 @@ from typing import Optional
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+FAULT_LINGER_S = 3.0  # after a rank failed: answering 503 this long, then stopping (SIGTERM cuts it short)
 SCRAPE_WAIT_S = 10.0  # how long a scrape waits for the ranks' figures before showing the last ones
 
 
@@ -76,6 +77,7 @@ class ShardedBackend:
         finally:
             if leader.broken is not None:
                 state.scheduler.abort_all(leader.broken, reason="error")
+                stop.wait(FAULT_LINGER_S)  # clients and /health probes hear the 503 before the port closes
                 if state.on_fatal is not None:
                     state.on_fatal(leader.broken)
             else:

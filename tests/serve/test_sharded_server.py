@@ -1,0 +1,178 @@
+"""`moekit serve --expert-parallel`: real rank processes (gloo on loopback) behind a real server,
+driven by the official OpenAI client.
+
+One sharded server per family answers every assertion about it: greedy fp32 tokens of 8
+concurrent clients (two of them streaming) equal to what the engine gives each prompt alone in
+this process (the single-process server's answer: tests/serve/test_server.py), the exchange per
+rank in /metrics, and SIGTERM that drains and stops every rank. qwen3_moe runs a placement that
+replicates two experts on both ranks. A rank killed mid-stream gives 503s naming it, /health 503,
+and every process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from server_process import start_server
+from moekit.engine.loader import load_engine
+
+pytestmark = pytest.mark.processes
+
+openai = pytest.importorskip("openai")
+
+PROMPTS = [[1, 17, 42, 9, 33], [5, 77, 3], [8, 8, 8, 8, 8, 8, 8], [2], [40, 41, 42, 43], [11, 12], [90, 3, 7], [6, 60, 6]]
+TIMEOUT = httpx.Timeout(60.0)
+# qwen3_moe's tiny checkpoint: 2 MoE layers of 8 experts; experts 1 and 6 copied onto both ranks.
+REPLICAS = {"0": [[0, 1, 2, 3, 6], [4, 5, 6, 7, 1]], "1": [[0, 1, 2, 3, 6], [4, 5, 6, 7, 1]]}
+
+
+def _worker_pids(server) -> list[int]:
+    return [int(m.group(1)) for line in server.log for m in [re.search(r"started expert-parallel rank \d+ \(pid (\d+)\)", line)] if m]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    try:  # a zombie is gone too (its parent has not reaped it yet)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1].startswith("Z")
+    except OSError:
+        return True
+
+
+def _wait_gone(pids: list[int], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.1)
+    return all(_gone(p) for p in pids)
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def sharded(request, tiny_checkpoints, tmp_path_factory):
+    """(family, its checkpoint, a 2-rank server of it); the server must drain, exit 0 and take its ranks along."""
+    family = request.param
+    folder = tiny_checkpoints(family)
+    args = [folder, "--expert-parallel", "2", "--ep-timeout", "30", "--max-batch", "8"]
+    if family == "qwen3_moe":
+        placement = tmp_path_factory.mktemp("placement") / "replicas.json"
+        placement.write_text(json.dumps({"format": "moekit-placement", "version": 1, "ranks": 2,
+                                         "layers": {l: {"num_experts": 8, "ranks": r} for l, r in REPLICAS.items()}}))
+        args += ["--placement", placement]
+    server = start_server(*args)
+    yield family, folder, server
+    workers = _worker_pids(server)
+    assert server.stop() == 0, server.log
+    assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
+
+
+def _solo(folder, jobs) -> list[list[int]]:
+    engine = load_engine(folder)
+    try:
+        return [engine.generate([p], max_new_tokens=n, stop_ids=()).token_ids[0] for p, n in jobs]
+    finally:
+        engine.close()
+
+
+def test_eight_concurrent_clients_get_the_single_process_tokens(sharded):
+    family, folder, server = sharded
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=60.0, max_retries=0)
+    jobs = [(PROMPTS[i], 5 + 2 * i) for i in range(8)]  # rows leave at different steps
+
+    def ask(i: int) -> list[int]:
+        prompt, new = jobs[i]
+        extra = {"ignore_eos": True, "return_token_ids": True}
+        if i % 4 == 3:  # two of them stream
+            stream = client.completions.create(model=folder.name, prompt=prompt, max_tokens=new, temperature=0,
+                                               stream=True, extra_body=extra)
+            return [t for chunk in stream for c in chunk.choices for t in (c.model_extra.get("token_ids") or [])]
+        reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=new, temperature=0, extra_body=extra)
+        assert reply.usage.model_extra["moe"]["experts_touched"] > 0  # usage.moe as on one process
+        return reply.choices[0].model_extra["token_ids"]
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(ask, range(8)))
+    assert got == _solo(folder, jobs), family
+
+
+def test_metrics_show_each_ranks_exchange(sharded):
+    family, folder, server = sharded
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    assert httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).status_code == 200
+    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+    values: dict = {}
+    for line in text.splitlines():
+        if line.startswith("moekit:ep_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for rank in ("0", "1"):
+        for metric in ("sent_bytes_total", "received_bytes_total", "exchange_seconds_total", "steps_total"):
+            assert values[f'moekit:ep_{metric}{{rank="{rank}"}}'] > 0, (metric, rank)
+        served = [v for k, v in values.items() if k.startswith("moekit:ep_expert_tokens_total") and f'rank="{rank}"' in k]
+        assert sum(served) > 0
+    balance = [v for k, v in values.items() if k.startswith("moekit:ep_balancedness")]
+    assert balance and all(0 < v <= 1 for v in balance)
+    if family == "qwen3_moe":  # a replicated expert's tokens are split between its two copies
+        copies = [k for k in values if k.startswith("moekit:ep_expert_tokens_total") and 'expert="6"' in k and 'layer="1"' in k]
+        assert {re.search(r'rank="(\d)"', k).group(1) for k in copies} == {"0", "1"}
+
+
+def test_a_dropped_stream_is_cancelled_and_the_next_request_is_exact(sharded):
+    family, folder, server = sharded
+    body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
+        for n, line in enumerate(r.iter_lines()):
+            if n >= 3:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
+        if "moekit:num_requests_running 0.0" in metrics:
+            break
+        time.sleep(0.2)
+    assert "moekit:num_requests_running 0.0" in metrics
+    again = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    ids = httpx.post(server.v1 + "/completions", json=again, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+    assert ids == _solo(folder, [(PROMPTS[2], 6)])[0]
+
+
+def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpoints):
+    timeout_s = 30  # joining 3 ranks on a loaded 2-core machine takes a while too
+    server = start_server(tiny_checkpoints("qwen3_moe"), "--expert-parallel", "3", "--ep-timeout", str(timeout_s))
+    workers = _worker_pids(server)
+    try:
+        assert len(workers) == 2
+        body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True, "stream": True}
+        frames = []
+        started = time.monotonic()
+        with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                    if len(frames) == 2:
+                        os.kill(workers[0], 9)  # rank 1
+                        started = time.monotonic()
+        bound = timeout_s + 5
+        assert time.monotonic() - started < bound
+        assert frames[-1] == "[DONE]"
+        error = json.loads(frames[-2])["error"]
+        assert error["type"] == "service_unavailable" and "rank 1" in error["message"], error
+        health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        late = httpx.post(server.v1 + "/completions", json={**body, "stream": False}, timeout=TIMEOUT)
+        assert late.status_code == 503 and "rank 1" in late.json()["error"]["message"]
+        assert server.proc.wait(bound) != 0
+        assert any("rank 1" in line for line in server.log[-3:]), server.log
+        assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
+    finally:
+        server.stop()

@@ -18,6 +18,16 @@ from moekit.errors import MoekitError
 AUTO = "auto"
 
 
+def bare_flag(argv: list[str]) -> Optional[str]:
+    """The line for `--expert-parallel` given no value (click would only say it "requires an
+    argument"; under torchrun the value a user means is `auto`), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--expert-parallel" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            return ("--expert-parallel needs a value: a rank count (--expert-parallel 2, ranks started here) or auto "
+                    "(torchrun's ranks: torchrun --nproc-per-node N -m moekit ... --expert-parallel auto)")
+    return None
+
+
 def parse_ranks(text: str) -> Optional[int]:
     """'4' → 4; 'auto' → None (torchrun's world size)."""
     if text.strip().lower() == AUTO:

@@ -176,3 +176,58 @@ def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpo
         assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
     finally:
         server.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
+    """Two "machines": two torchrun agents meeting at a c10d rendezvous on loopback, one rank each."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tiny_checkpoints("deepseek_v3")
+    torchrun = Path(sys.executable).parent / "torchrun"
+    endpoint = f"127.0.0.1:{_free_port()}"
+    logs = [tmp_path / f"agent{i}.err" for i in range(2)]
+    agents = []
+    try:
+        for log in logs:
+            with open(log, "w") as err:
+                agents.append(subprocess.Popen(
+                    [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder, "--expert-parallel", "auto",
+                     "--port", "0", "--threads", "1", "--ep-timeout", "60"], stdout=subprocess.DEVNULL, stderr=err))
+        url, deadline = None, time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            for log in logs:
+                m = re.search(r"^serving .* on (http://[\d.:]+)/v1", log.read_text(), re.M)
+                url = url or (m and m.group(1))
+            assert all(a.poll() is None for a in agents), [l.read_text()[-2000:] for l in logs]
+            time.sleep(0.3)
+        assert url, [l.read_text()[-2000:] for l in logs]
+        jobs = [(PROMPTS[i], 6 + i) for i in range(4)]
+
+        def ask(job) -> list[int]:
+            body = {"prompt": job[0], "max_tokens": job[1], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            return httpx.post(url + "/v1/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, jobs))
+        assert got == _solo(folder, jobs)
+        for agent in agents:
+            agent.send_signal(signal.SIGTERM)
+        for agent in agents:  # torchrun stops its rank; rank 0 drains and tells rank 1 to leave
+            agent.wait(60)
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()

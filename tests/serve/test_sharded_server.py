@@ -116,8 +116,17 @@ def test_metrics_show_each_ranks_exchange(sharded):
             name, value = line.rsplit(" ", 1)
             values[name] = float(value)
     for rank in ("0", "1"):
-        for metric in ("sent_bytes_total", "received_bytes_total", "exchange_seconds_total", "steps_total"):
+        for metric in ("exchange_seconds_total", "steps_total"):
             assert values[f'moekit:ep_{metric}{{rank="{rank}"}}'] > 0, (metric, rank)
+        for kind in ("dispatch", "combine", "all_gather"):
+            assert values[f'moekit:ep_sent_bytes_total{{kind="{kind}",rank="{rank}"}}'] > 0, (kind, rank)
+    # rank 0 broadcasts each MoE layer's tokens and routing; rank 1 receives exactly that
+    assert values['moekit:ep_sent_bytes_total{kind="broadcast",rank="0"}'] == \
+        values['moekit:ep_received_bytes_total{kind="broadcast",rank="1"}'] > 0
+    # what one rank dispatches, the other receives (two ranks)
+    assert values['moekit:ep_sent_bytes_total{kind="dispatch",rank="0"}'] == \
+        values['moekit:ep_received_bytes_total{kind="dispatch",rank="1"}']
+    for rank in ("0", "1"):
         served = [v for k, v in values.items() if k.startswith("moekit:ep_expert_tokens_total") and f'rank="{rank}"' in k]
         assert sum(served) > 0
     balance = [v for k, v in values.items() if k.startswith("moekit:ep_balancedness")]

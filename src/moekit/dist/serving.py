@@ -35,6 +35,9 @@ from moekit.model.routing import RoutingDecision
 
 FORWARD, PING, STOP, STATS = 1, 2, 3, 4
 HEADER = 6
+# What the bytes moved: hidden rows to the experts' ranks, their outputs back, the all-gather of the
+# home chunks, and rank 0's broadcast of each MoE layer's tokens and routing.
+KINDS = ("dispatch", "combine", "all_gather", "broadcast")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # what travels, by index
 
 
@@ -46,8 +49,8 @@ class RankCounters:
     forwards: int = 0  # MoE layer forwards run
     steps: int = 0  # model forwards (prefills and decode steps)
     exchange_seconds: float = 0.0  # in ExpertParallelLayer.forward: the collectives and the local experts
-    sent_bytes: int = 0  # dispatched rows, combined outputs, all-gather chunks, the leader's broadcasts
-    received_bytes: int = 0
+    sent_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))  # kind → bytes this rank sent
+    received_bytes: dict = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     served: dict = field(default_factory=dict)  # str(layer) → tokens each logical expert served here [E]
     loads: dict = field(default_factory=dict)  # str(layer) → (token, expert) pairs each rank computed [R]
     rss_bytes: Optional[int] = None
@@ -86,9 +89,11 @@ class CountedLayer:
         out = layer.forward(experts, x, decision)
         c.exchange_seconds += time.perf_counter() - started
         s = layer.stats
-        moved = s.dispatch_bytes[-1] + s.combine_bytes[-1] + s.gather_bytes[-1]
-        c.sent_bytes += moved
-        c.received_bytes += moved  # rows in = outputs out, outputs in = rows out, chunks in = chunks out
+        for kind, sent, received in (("dispatch", s.dispatch_bytes[-1], s.combine_bytes[-1]),  # rows in = outputs out
+                                     ("combine", s.combine_bytes[-1], s.dispatch_bytes[-1]),
+                                     ("all_gather", s.gather_bytes[-1], s.gather_bytes[-1])):  # chunks padded alike
+            c.sent_bytes[kind] += sent
+            c.received_bytes[kind] += received
         c.forwards += 1
         key = str(layer.layer)
         here = served_here(ids, layer.rank, layer, forward)
@@ -159,7 +164,7 @@ class Leader:
 
         self._order(f"layer {index} forward", run)
         sent = (x.numel() * x.element_size() + ids.numel() * 8 + weights.numel() * weights.element_size()) * (self.world - 1)
-        self.counters.sent_bytes += sent
+        self.counters.sent_bytes["broadcast"] += sent
         if index == min(self.layers):
             self.counters.steps += 1
         return out[0]
@@ -240,7 +245,7 @@ def follow(sharded) -> None:
                     _broadcast(t)
             except (RuntimeError, dist.DistError) as err:
                 raise ExchangeError(_failure(me.rank, "wait for rank 0's next order", err, timeout)) from None
-            counters.received_bytes += x.numel() * x.element_size() + ids.numel() * 8 + weights.numel() * weights.element_size()
+            counters.received_bytes["broadcast"] += x.numel() * x.element_size() + ids.numel() * 8 + weights.numel() * weights.element_size()
             layers[index].forward(experts[index], x, RoutingDecision(ids, weights))
             if index == min(layers):
                 counters.steps += 1

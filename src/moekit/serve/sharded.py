@@ -115,10 +115,11 @@ class ShardedCollector:
         served = CounterMetricFamily("moekit:ep_expert_tokens", "Tokens each logical expert computed on each rank "
                                      "(a replicated expert's tokens are split between its copies).",
                                      labels=["rank", "layer", "expert"])
-        sent = CounterMetricFamily("moekit:ep_sent_bytes", "Bytes this rank sent: dispatched rows, combined outputs, "
-                                   "all-gather chunks and rank 0's broadcast of each MoE layer's tokens.", labels=["rank"])
-        received = CounterMetricFamily("moekit:ep_received_bytes", "Bytes this rank received in the same exchanges.",
-                                       labels=["rank"])
+        sent = CounterMetricFamily("moekit:ep_sent_bytes", "Bytes this rank sent, by kind: dispatch (hidden rows to "
+                                   "the experts' ranks), combine (outputs back), all_gather (home chunks) and broadcast "
+                                   "(rank 0's copy of each MoE layer's tokens and routing).", labels=["rank", "kind"])
+        received = CounterMetricFamily("moekit:ep_received_bytes", "Bytes this rank received, by kind.",
+                                       labels=["rank", "kind"])
         seconds = CounterMetricFamily("moekit:ep_exchange_seconds", "Time in the expert-parallel layers (collectives "
                                       "and this rank's experts).", labels=["rank"])
         steps = CounterMetricFamily("moekit:ep_steps", "Model forwards (prefills and decode steps) run.", labels=["rank"])
@@ -131,8 +132,10 @@ class ShardedCollector:
                 for expert, n in enumerate(counts):
                     if n:
                         served.add_metric([rank, layer, str(expert)], n)
-            sent.add_metric([rank], r["sent_bytes"])
-            received.add_metric([rank], r["received_bytes"])
+            for kind, n in r["sent_bytes"].items():
+                sent.add_metric([rank, kind], n)
+            for kind, n in r["received_bytes"].items():
+                received.add_metric([rank, kind], n)
             seconds.add_metric([rank], r["exchange_seconds"])
             steps.add_metric([rank], r["steps"])
             if r.get("rss_bytes") is not None:

@@ -9,10 +9,12 @@ import typer
 
 from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
 from moekit.errors import MoekitError
 
 DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
+
+EP_OPTIONS = expert_parallel_options()  # --expert-parallel, --placement, --ep-timeout
 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
 
@@ -123,13 +125,9 @@ def serve(
     sla_action: str = typer.Option("reject", "--sla-action", help="A request over its tier's TTFT target: reject (429) or demote (to the next tier)."),
     admin_token: Optional[str] = typer.Option(
         None, "--admin-token", help="Enable POST /admin/experts/{layer}/{expert} (hot swap) for this bearer token."),
-    expert_parallel: Optional[str] = typer.Option(
-        None, "--expert-parallel", metavar="N|auto", help="Shard the routed experts over N ranks started here, or "
-        "over torchrun's ranks with auto; rank 0 serves HTTP (docs/SCALING.md)."),
-    placement: Optional[Path] = typer.Option(None, "--placement", help="With --expert-parallel: a plan from "
-                                             "`moekit placement` (replicated hot experts; default: an even split)."),
-    ep_timeout: float = typer.Option(120.0, "--ep-timeout", help="With --expert-parallel: seconds a rank waits for "
-                                     "another before the server answers 503 and stops."),
+    expert_parallel: Optional[str] = EP_OPTIONS[0],
+    placement: Optional[Path] = EP_OPTIONS[1],
+    ep_timeout: float = EP_OPTIONS[2],
 ) -> None:
 
     from moekit.engine.default_model import default_checkpoint

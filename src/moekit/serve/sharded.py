@@ -22,7 +22,7 @@ from typing import Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 FAULT_LINGER_S = 3.0  # after a rank failed: answering 503 this long, then stopping (SIGTERM cuts it short)
-SCRAPE_WAIT_S = 10.0  # how long a scrape waits for the ranks' figures before showing the last ones
+SCRAPE_WAIT_S = 2.0  # a scrape waits this long (on the event loop) for the ranks' figures, else shows the last ones
 
 
 @dataclass

@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import save
 
 from server_process import start_server
 from moekit.engine.loader import load_engine
@@ -30,6 +32,7 @@ openai = pytest.importorskip("openai")
 PROMPTS = [[1, 17, 42, 9, 33], [5, 77, 3], [8, 8, 8, 8, 8, 8, 8], [2], [40, 41, 42, 43], [11, 12], [90, 3, 7], [6, 60, 6]]
 TIMEOUT = httpx.Timeout(60.0)
 # qwen3_moe's tiny checkpoint: 2 MoE layers of 8 experts; experts 1 and 6 copied onto both ranks.
+TOKEN = "s3cret"
 REPLICAS = {"0": [[0, 1, 2, 3, 6], [4, 5, 6, 7, 1]], "1": [[0, 1, 2, 3, 6], [4, 5, 6, 7, 1]]}
 
 
@@ -68,7 +71,7 @@ def sharded(request, tiny_checkpoints, tmp_path_factory):
         placement = tmp_path_factory.mktemp("placement") / "replicas.json"
         placement.write_text(json.dumps({"format": "moekit-placement", "version": 1, "ranks": 2,
                                          "layers": {l: {"num_experts": 8, "ranks": r} for l, r in REPLICAS.items()}}))
-        args += ["--placement", placement]
+        args += ["--placement", placement, "--admin-token", TOKEN]
     server = start_server(*args)
     yield family, folder, server
     workers = _worker_pids(server)
@@ -153,6 +156,52 @@ def test_a_dropped_stream_is_cancelled_and_the_next_request_is_exact(sharded):
     again = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     ids = httpx.post(server.v1 + "/completions", json=again, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
     assert ids == _solo(folder, [(PROMPTS[2], 6)])[0]
+
+
+def _new_expert(experts, seed: int) -> dict:
+    f, d = experts.in_features[1], experts.in_features[0]
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(*shape, generator=gen) * 0.3
+            for name, shape in (("gate_proj.weight", (f, d)), ("up_proj.weight", (f, d)), ("down_proj.weight", (d, f)))}
+
+
+def test_a_hot_swap_reaches_every_copy_and_rolls_back(sharded):
+    family, folder, server = sharded
+    if family != "qwen3_moe":
+        pytest.skip("hot swap is checked on the server whose placement replicates experts")
+    jobs = [(PROMPTS[i], 10) for i in range(3)]
+    engine = load_engine(folder)
+    swaps = [(1, 6), (0, 4)]  # layer 1's expert 6 has a copy on each rank; layer 0's expert 4 lives on rank 1
+    bodies = {}
+    for seed, (layer, expert) in enumerate(swaps):
+        experts = engine.decoder.layers[layer].ffn.experts
+        tensors = _new_expert(experts, seed)
+        bodies[(layer, expert)] = save(tensors)
+        gate_up = torch.cat([tensors["gate_proj.weight"], tensors["up_proj.weight"]])
+        experts.replace_expert(expert, (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(tensors["down_proj.weight"])))
+    swapped = [engine.generate([p], max_new_tokens=n, stop_ids=()).token_ids[0] for p, n in jobs]
+    engine.close()
+    original = _solo(folder, jobs)
+    assert swapped != original  # the new experts are used by these prompts
+
+    def ask() -> list[list[int]]:
+        out = []
+        for prompt, new in jobs:
+            body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            out.append(httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["token_ids"])
+        return out
+
+    auth = {"authorization": f"Bearer {TOKEN}"}
+    for (layer, expert), raw in bodies.items():
+        r = httpx.post(f"{server.url}/admin/experts/{layer}/{expert}", content=raw, headers=auth, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["swapped"], r.text
+    assert ask() == swapped
+    canary = httpx.post(f"{server.url}/admin/experts/1/6?canary=0.5", content=bodies[(1, 6)], headers=auth, timeout=TIMEOUT)
+    assert canary.status_code == 409 and "--expert-parallel" in canary.json()["error"]["message"]
+    for layer, expert in swaps:
+        r = httpx.post(f"{server.url}/admin/experts/{layer}/{expert}/rollback", headers=auth, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["rolled_back"], r.text
+    assert ask() == original
 
 
 def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpoints):

@@ -255,7 +255,8 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
     if expert_parallel is None:
         raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
     for flag, used in (("--compile", compile_step), (f"--weights {weights}", weights != "dtype"),
-                       ("--no-verify", no_verify), ("--admin-token", admin_token is not None)):
+                       ("--no-verify", no_verify), ("--admin-token with --expert-memory",
+                                                    admin_token is not None and offload is not None)):
         if used:
             raise MoekitError(f"{flag} with --expert-parallel is not supported yet")
     if timeout_s <= 0:

@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 from moekit.dist.layer import ExchangeError, ExpertParallelLayer, _wire
+from moekit.errors import MoekitError
 from moekit.model.routing import RoutingDecision
 
-FORWARD, PING, STOP, STATS = 1, 2, 3, 4
+FORWARD, PING, STOP, STATS, SWAP = 1, 2, 3, 4, 5
 HEADER = 6
 # What the bytes moved: hidden rows to the experts' ranks, their outputs back, the all-gather of the
 # home chunks, and rank 0's broadcast of each MoE layer's tokens and routing.
@@ -193,14 +194,73 @@ class Leader:
             self._order("stop", lambda: self._header(STOP))
 
 
-class LeaderStore:
-    """What RoutedExperts.forward calls on rank 0 for one MoE layer (its `store` hook)."""
+    def swap(self, index: int, e: int, experts, weights: tuple) -> tuple:
+        """Expert e of MoE layer `index` ← `weights` (prepared for rank 0's kernels) on every rank
+        holding a copy, or on none (a rank that cannot take it says so before any rank changes).
+        Between two steps. → the replaced weights, prepared for rank 0's kernels (for a rollback)."""
+        hub = tuple(k.hub(w, n).contiguous() for k, w, n in zip(experts.kernels, weights, experts.in_features))
+        out: list = []
 
-    def __init__(self, leader: Leader, index: int):
-        self.leader, self.index = leader, index
+        def run() -> None:
+            self._header(SWAP, index, e, hub[0].shape[0], DTYPES.index(hub[0].dtype))
+            for t in hub:
+                _broadcast(t)
+            out.append(_swap_here(self.layers[index].layer, e, experts, hub))
+
+        self._order(f"swap of expert {e} at layer {index}", run)
+        refused, old = out[0]
+        if refused:
+            raise MoekitError(refused)
+        return tuple(k.prepare(w) for k, w in zip(experts.kernels, old))
+
+
+def _swap_here(layer: ExpertParallelLayer, e: int, experts, hub: tuple) -> tuple[Optional[str], Optional[tuple]]:
+    """This rank's part of a swap: vote, then (all for it) replace its copy, then the first holder's
+    replaced weights (Hub layout) to rank 0. → (why it was refused, or None; the old weights on rank 0)."""
+    holds = layer.weights is not None and e in layer.weights
+    staged = tuple(k.prepare(w) for k, w in zip(experts.kernels, hub)) if holds else None
+    refusal = None
+    if layer.weights is None:
+        refusal = f"rank {layer.rank} pages its experts (--expert-memory): hot swap needs them resident"
+    elif holds and any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(staged, layer.weights[e])):
+        refusal = f"rank {layer.rank}: the new weights of expert {e} are not laid out as its copy"
+    votes = torch.zeros(layer.ranks, dtype=torch.int64)
+    votes[layer.rank] = 0 if refusal is None else 1
+    dist.all_reduce(votes)
+    if votes.any():
+        return f"the swap of expert {e} at layer {layer.layer} was refused, no rank changed: " + (
+            refusal or f"rank {int(votes.nonzero()[0])} could not take it"), None
+    old = None
+    if holds:
+        old = layer.weights[e]
+        layer.weights[e] = staged
+    first = int(layer.table.table[e, 0])  # the lowest rank holding a copy
+    if first == layer.rank:
+        old_hub = tuple(k.hub(w, n).contiguous() for k, w, n in zip(experts.kernels, old, experts.in_features))
+        if layer.rank != 0:
+            for t in old_hub:
+                dist.send(_wire(t), dst=0)
+        return None, old_hub
+    if layer.rank == 0:
+        old_hub = tuple(torch.empty_like(t) for t in hub)
+        for t in old_hub:
+            dist.recv(_wire(t), src=first)
+        return None, old_hub
+    return None, None
+
+
+class LeaderStore:
+    """What RoutedExperts calls on rank 0 for one MoE layer: its `store` hook for the forward, and
+    the hot swap's way to every copy of an expert."""
+
+    def __init__(self, leader: Leader, index: int, experts):
+        self.leader, self.index, self.experts = leader, index, experts
 
     def forward(self, experts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         return self.leader.forward(self.index, experts, x, decision)
+
+    def replace_expert(self, e: int, weights: tuple) -> tuple:
+        return self.leader.swap(self.index, e, self.experts, weights)
 
 
 def lead(sharded, timeout_s: float, culprit=None) -> Leader:
@@ -209,7 +269,8 @@ def lead(sharded, timeout_s: float, culprit=None) -> Leader:
     layers = {i: CountedLayer(layer, counters) for i, layer in sharded.layers.items()}
     leader = Leader(layers, counters, sharded.me.world, timeout_s, culprit)
     for i in layers:
-        sharded.engine.decoder.layers[i].ffn.experts.store = LeaderStore(leader, i)
+        experts = sharded.engine.decoder.layers[i].ffn.experts
+        experts.store = LeaderStore(leader, i, experts)
     return leader
 
 
@@ -235,6 +296,13 @@ def follow(sharded) -> None:
                 if op == STATS:
                     counters.rss_bytes = _rss()
                     dist.gather_object(counters.as_dict(), None, dst=0)
+                    continue
+                if op == SWAP:  # header: [SWAP, layer, expert, gate_up rows, dtype]
+                    ex = experts[index]
+                    hub = tuple(torch.empty(shape, dtype=DTYPES[x_dtype]) for shape in ex.weight_shapes)
+                    for t in hub:
+                        _broadcast(t)
+                    _swap_here(layers[index].layer, tokens, ex, hub)
                     continue
                 if op != FORWARD:
                     continue  # a ping

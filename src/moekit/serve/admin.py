@@ -52,11 +52,18 @@ def expert_module(decoder, layer: int, expert: int):
     experts = decoder.layers[layer].ffn.experts
     if not 0 <= expert < experts.num_experts:
         raise ApiError(404, f"expert {expert} is out of range (0..{experts.num_experts - 1})", "expert", "not_found")
-    if experts.store is not None:
+    if experts.store is not None and not hasattr(experts.store, "replace_expert"):
         raise ApiError(409, "hot swap needs resident experts; this server pages them (--expert-memory)", code="paged_experts")
     if experts.gate_up_bias is not None:
         raise ApiError(409, "hot swap does not support experts with biases (gpt_oss) yet", code="unsupported")
     return experts
+
+
+def replace_expert(experts, e: int, weights):
+    """Expert e's weights ← `weights`, → the replaced ones: in this process, or, with
+    --expert-parallel, on every rank holding a copy (moekit.dist.serving.LeaderStore)."""
+    target = experts.store if experts.store is not None else experts
+    return target.replace_expert(e, weights)
 
 
 def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
@@ -146,6 +153,9 @@ def register_admin_routes(app: FastAPI, state) -> None:
         # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
         staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
         share = parse_share(http.query_params.get("canary"))
+        if share is not None and experts.store is not None:
+            raise ApiError(409, "a canary is not supported with --expert-parallel yet: swap without ?canary",
+                           code="unsupported")
         if share is not None:
             def begin():
                 canary = state.scheduler.canary or Canary(share)
@@ -166,7 +176,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
         def switch():
             if before is not None:
                 before()
-            return experts.replace_expert(expert, staged), state.scheduler.in_flight()
+            return replace_expert(experts, expert, staged), state.scheduler.in_flight()
 
         old, in_flight = await _switch(switch)
         depth = swaps.push((layer, expert), old)
@@ -211,7 +221,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
             raise ApiError(404, f"expert {expert} of layer {layer} has no swap to roll back", code="not_found")
 
         def switch():
-            experts.replace_expert(expert, old)
+            replace_expert(experts, expert, old)
             return state.scheduler.in_flight()
 
         in_flight = await _switch(switch)

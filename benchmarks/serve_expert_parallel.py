@@ -60,6 +60,7 @@ def start(checkpoint: str, ranks: int, threads: int, max_batch: int):
 
 
 def metrics(url: str) -> dict:
+    time.sleep(1.5)  # the server gathers its ranks' figures once a second
     out = {}
     for line in httpx.get(url + "/metrics", timeout=600).text.splitlines():
         if line.startswith("moekit:ep_"):
@@ -115,7 +116,7 @@ def simulated(checkpoint: str, ranks: int, tokens: int, forwards: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
-    parser.add_argument("--ranks", default="1,2,4")
+    parser.add_argument("--ranks", default="1,1t,2,4", help="1: the plain server on every core; 1t: on one thread")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=4, help="requests of the concurrency-1 phase")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -125,9 +126,10 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
-    rows = []
-    for ranks in [int(r) for r in args.ranks.split(",")]:
-        threads = max(1, args.cores // ranks)
+    rows: list = []
+    for name in args.ranks.split(","):
+        ranks = int(name.rstrip("t"))
+        threads = 1 if name.endswith("t") else max(1, args.cores // ranks)
         proc, url = start(args.checkpoint, ranks, threads, 16)
         try:
             phase(url, prompts[:1], 4, 1)  # warm-up
@@ -163,7 +165,9 @@ def main() -> None:
     print()
     print("| ranks | c | bytes per generated token, all ranks: dispatch + combine (simulated) | all-gather | broadcast |")
     print("|---|---|---|---|---|")
-    for r in rows[1:]:
+    for r in rows:
+        if r["ranks"] == 1:
+            continue
         for c in ("c1", "c16"):
             b = r[f"{c}_bytes_per_token"]
             print(f"| {r['ranks']} | {c[1:]} | {b['dispatch'] + b['combine']:.0f} ({r[f'sim_{c}_bytes_per_token']:.0f}) | "

@@ -108,16 +108,26 @@ def test_eight_concurrent_clients_get_the_single_process_tokens(sharded):
     assert got == _solo(folder, jobs), family
 
 
+def _ep_metrics(server) -> dict:
+    values = {}
+    for line in httpx.get(server.url + "/metrics", timeout=TIMEOUT).text.splitlines():
+        if line.startswith("moekit:ep_"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
 def test_metrics_show_each_ranks_exchange(sharded):
     family, folder, server = sharded
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     assert httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).status_code == 200
-    text = httpx.get(server.url + "/metrics", timeout=TIMEOUT).text
-    values: dict = {}
-    for line in text.splitlines():
-        if line.startswith("moekit:ep_"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    done = time.monotonic()
+    while True:  # the server gathers its ranks' figures once a second
+        values = _ep_metrics(server)
+        if values.get('moekit:ep_steps_total{rank="1"}', 0) > 0 and time.monotonic() - done > 1.5:
+            break
+        assert time.monotonic() - done < 20, values
+        time.sleep(0.3)
     for rank in ("0", "1"):
         for metric in ("exchange_seconds_total", "steps_total"):
             assert values[f'moekit:ep_{metric}{{rank="{rank}"}}'] > 0, (metric, rank)

@@ -8,8 +8,8 @@ request in flight and every new one gets a 503 naming the rank, /health answers 
 server stops, so that the process exits non-zero and takes its ranks with it. A drained stop
 (SIGTERM) tells the other ranks to leave.
 
-ShardedCollector puts every rank's exchange into /metrics, gathered from the ranks between two
-steps when Prometheus scrapes.
+ShardedCollector puts every rank's exchange into /metrics: the engine thread gathers them from the
+ranks between two steps, once a second, so that a scrape never waits on the engine.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 FAULT_LINGER_S = 3.0  # after a rank failed: answering 503 this long, then stopping (SIGTERM cuts it short)
-SCRAPE_WAIT_S = 2.0  # a scrape waits this long (on the event loop) for the ranks' figures, else shows the last ones
+FIGURES_EVERY_S = 1.0  # how often the engine thread gathers every rank's figures for /metrics, between steps
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ShardedBackend:
     workers: list = field(default_factory=list)  # self-launched ranks' processes (rank r at r - 1)
     leader: Optional[object] = None  # moekit.dist.serving.Leader, once loaded
     last_figures: list = field(default_factory=list)  # every rank's RankCounters, as last gathered
+    gathered_at: float = 0.0  # time.monotonic() of that gather
     store: Optional[object] = None  # the TCPStore self-launched ranks joined (alive while they run)
 
     @property
@@ -65,7 +66,10 @@ class ShardedBackend:
         leader.on_broken = lambda message: setattr(state, "fault", message)  # before any failed row reports
         try:
             while not stop.is_set() and leader.broken is None:
-                if state.scheduler.step_or_wait() or leader.broken is not None:
+                busy = state.scheduler.step_or_wait()
+                if leader.broken is None and time.monotonic() - self.gathered_at > FIGURES_EVERY_S:
+                    self.gather()
+                if busy or leader.broken is not None:
                     continue
                 if any(proc.poll() is not None for proc in self.workers):
                     leader.fail("an expert-parallel rank exited")
@@ -89,16 +93,13 @@ class ShardedBackend:
     def attach(self, state) -> None:
         state.metrics.registry.register(ShardedCollector(self, state))
 
-    def figures(self, state) -> list:
-        """Every rank's counters, gathered between two steps (the last ones if that takes too long)."""
-        scheduler, leader = state.scheduler, self.leader
-        if scheduler is None or leader is None or leader.broken is not None:
-            return self.last_figures
+    def gather(self) -> None:
+        """On the engine thread: every rank's counters, kept for /metrics (a failure breaks the leader)."""
         try:
-            self.last_figures = scheduler.between_steps(leader.gather).result(timeout=SCRAPE_WAIT_S)
-        except Exception:  # noqa: BLE001 - a busy or broken engine: show what was last known
+            self.last_figures = self.leader.gather()
+        except Exception:  # noqa: BLE001 - the leader is broken now; the run loop ends
             pass
-        return self.last_figures
+        self.gathered_at = time.monotonic()
 
 
 class ShardedCollector:
@@ -111,7 +112,7 @@ class ShardedCollector:
     def collect(self):
         from moekit.dist.serving import balancedness
 
-        ranks = self.backend.figures(self.state)
+        ranks = list(self.backend.last_figures)
         served = CounterMetricFamily("moekit:ep_expert_tokens", "Tokens each logical expert computed on each rank "
                                      "(a replicated expert's tokens are split between its copies).",
                                      labels=["rank", "layer", "expert"])

@@ -647,7 +647,7 @@ class _Reply:
                 continue
             if item[1] == "finish" and item[2].finish_reason == "error":
                 self.fail(item)
-                raise _failed(state, item[2])
+                raise _failed(self.state, item[2])
             piece = self._take(item)
             if piece:
                 pieces[item[0]].append(piece)

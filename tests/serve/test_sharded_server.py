@@ -5,8 +5,9 @@ One sharded server per family answers every assertion about it: greedy fp32 toke
 concurrent clients (two of them streaming) equal to what the engine gives each prompt alone in
 this process (the single-process server's answer: tests/serve/test_server.py), the exchange per
 rank in /metrics, and SIGTERM that drains and stops every rank. qwen3_moe runs a placement that
-replicates two experts on both ranks. A rank killed mid-stream gives 503s naming it, /health 503,
-and every process exits.
+replicates two experts on both ranks, and takes a hot swap (and its rollback) of a replicated
+expert and of one only rank 1 holds. A rank killed mid-stream gives 503s naming it, /health 503,
+and every process exits. Two torchrun agents on a loopback rendezvous serve the same tokens.
 """
 
 from __future__ import annotations

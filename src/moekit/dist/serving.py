@@ -126,7 +126,6 @@ class Leader:
         self.broken: Optional[str] = None  # the first failure's line; every later order fails with it
         self.on_broken: Optional[Callable[[str], None]] = None
         self.last_order = time.monotonic()
-        self._forward_done = True  # the first layer of a model forward counts a step
 
     def _order(self, what: str, fn) -> None:
         if self.broken is not None:
@@ -176,9 +175,9 @@ class Leader:
 
     def gather(self) -> list[dict]:
         """Every rank's RankCounters (rank 0's own first)."""
-        from moekit.dist.session import _rss
+        from moekit.dist.session import resident_bytes
 
-        self.counters.rss_bytes = _rss()
+        self.counters.rss_bytes = resident_bytes()
         everyone: list = [None] * self.world
 
         def run() -> None:
@@ -192,7 +191,6 @@ class Leader:
         """Tell the followers to leave (a drained server); nothing to tell once broken."""
         if self.broken is None:
             self._order("stop", lambda: self._header(STOP))
-
 
     def swap(self, index: int, e: int, experts, weights: tuple) -> tuple:
         """Expert e of MoE layer `index` ← `weights` (prepared for rank 0's kernels) on every rank
@@ -277,7 +275,7 @@ def lead(sharded, timeout_s: float, culprit=None) -> Leader:
 def follow(sharded) -> None:
     """A follower rank: run rank 0's orders until it says stop. A failed collective (rank 0 gone,
     hung or another follower dead) raises ExchangeError within the process group's timeout."""
-    from moekit.dist.session import _rss
+    from moekit.dist.session import resident_bytes
 
     me = sharded.me
     counters = RankCounters(rank=me.rank)
@@ -294,7 +292,7 @@ def follow(sharded) -> None:
                 if op == STOP:
                     return
                 if op == STATS:
-                    counters.rss_bytes = _rss()
+                    counters.rss_bytes = resident_bytes()
                     dist.gather_object(counters.as_dict(), None, dst=0)
                     continue
                 if op == SWAP:  # header: [SWAP, layer, expert, gate_up rows, dtype]

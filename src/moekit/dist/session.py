@@ -96,13 +96,19 @@ def _rss() -> Optional[int]:
     trim, 581 with it, measured; docs/SCALING.md)."""
     import ctypes
     import gc
-    import os
 
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: the memory is reused by this process, just not returned
+    return resident_bytes()
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident bytes now (Linux /proc; None elsewhere): cheap, nothing collected."""
+    import os
+
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

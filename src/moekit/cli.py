@@ -86,6 +86,12 @@ def main() -> None:
 
     command = typer.main.get_command(app)
     readable(command)
+    from moekit.dist.cli import bare_flag
+
+    bare = bare_flag(sys.argv[1:])
+    if bare is not None:
+        typer.echo(f"error: {bare}", err=True)
+        sys.exit(2)
     try:
         command(prog_name="moekit")
     except MoekitError as err:

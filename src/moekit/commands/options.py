@@ -20,3 +20,18 @@ KERNELS = ("auto: moekit's C++ operators where the run uses them (built once per
 COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "
            "seconds to a minute, cached on disk for later runs). Models or options it does not cover run eager, "
            "and the notes say why.")
+
+# --expert-parallel, --placement and --ep-timeout, on run and serve (moekit.dist).
+EXPERT_PARALLEL = ("Shard the routed experts over N ranks launched here, or over torchrun's ranks with auto "
+                   "(see docs/SCALING.md).")
+PLACEMENT = "With --expert-parallel: a plan from `moekit placement` (default: experts split evenly, in order)."
+EP_TIMEOUT = "With --expert-parallel: seconds a rank waits for the others before failing."
+
+
+def expert_parallel_options():
+    """The three options' typer defaults, (--expert-parallel, --placement, --ep-timeout)."""
+    import typer
+
+    return (typer.Option(None, "--expert-parallel", metavar="N|auto", help=EXPERT_PARALLEL),
+            typer.Option(None, "--placement", help=PLACEMENT),
+            typer.Option(120.0, "--ep-timeout", help=EP_TIMEOUT))

@@ -16,8 +16,10 @@ import typer
 
 from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
 from moekit.errors import MoekitError
+
+EP_OPTIONS = expert_parallel_options()  # --expert-parallel, --placement, --ep-timeout
 
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
 
@@ -197,13 +199,9 @@ def run(
     substitute: Optional[str] = typer.Option(None, "--substitute", metavar="int4", help="With --expert-memory: keep an "
                                              "int4 copy of every expert resident and run it on a miss instead of "
                                              "waiting, the full copy read behind (HOBBIT; docs/ROUTING.md)."),
-    expert_parallel: Optional[str] = typer.Option(
-        None, "--expert-parallel", metavar="N|auto", help="Shard the routed experts over N ranks of this machine "
-        "(launched here), or over torchrun's ranks with auto (see docs/SCALING.md)."),
-    placement: Optional[Path] = typer.Option(None, "--placement", help="With --expert-parallel: a plan from "
-                                             "`moekit placement` (default: experts split evenly, in order)."),
-    ep_timeout: float = typer.Option(120.0, "--ep-timeout", help="With --expert-parallel: seconds a rank waits for "
-                                     "the others before failing."),
+    expert_parallel: Optional[str] = EP_OPTIONS[0],
+    placement: Optional[Path] = EP_OPTIONS[1],
+    ep_timeout: float = EP_OPTIONS[2],
     routing: Optional[str] = typer.Option(
         None, "--routing", metavar="POLICY", help="A routing policy instead of the family's exact routing: topk:k "
         "(k up to E), adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed] (else --seed), minconf:c, split:k:w, "

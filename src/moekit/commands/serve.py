@@ -9,10 +9,12 @@ import typer
 
 from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS
+from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
 from moekit.errors import MoekitError
 
 DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
+
+EP_OPTIONS = expert_parallel_options()  # --expert-parallel, --placement, --ep-timeout
 
 HELP = """Serve a checkpoint over OpenAI's HTTP API, with continuous batching, expert-budget tiers and Prometheus metrics.
 
@@ -26,6 +28,8 @@ Prompt prefixes' KV is kept across requests (--prefix-cache-memory); usage.promp
   moekit serve path/to/checkpoint --port 8001 --max-batch 16 --dtype bfloat16
   moekit serve path/to/checkpoint --expert-memory 25%   # routed experts paged from disk
   moekit serve model.gguf --expert-memory 1GiB --pin profile.json --prefetch
+  moekit serve path/to/checkpoint --expert-parallel 2 --placement plan.json   # experts over 2 ranks
+  torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29400 -m moekit serve CKPT --expert-parallel auto
 """
 
 
@@ -121,12 +125,14 @@ def serve(
     sla_action: str = typer.Option("reject", "--sla-action", help="A request over its tier's TTFT target: reject (429) or demote (to the next tier)."),
     admin_token: Optional[str] = typer.Option(
         None, "--admin-token", help="Enable POST /admin/experts/{layer}/{expert} (hot swap) for this bearer token."),
+    expert_parallel: Optional[str] = EP_OPTIONS[0],
+    placement: Optional[Path] = EP_OPTIONS[1],
+    ep_timeout: float = EP_OPTIONS[2],
 ) -> None:
-    import uvicorn
 
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import WEIGHTS as WEIGHT_CHOICES
-    from moekit.serve.app import ServeConfig, create_app
+    from moekit.serve.app import ServeConfig
     from moekit.spec import load_spec
 
     from moekit.offload.budget import parse_size
@@ -162,6 +168,14 @@ def serve(
         raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
     from moekit.ops import operators_used
 
+    ranks = None
+    if expert_parallel is not None or placement is not None:
+        ranks = _sharding(expert_parallel, placement, ep_timeout, folder, dtype, device, offload, weights, compile_step,
+                          no_verify, admin_token, threads)
+        if not ranks.leads:
+            ranks.follow()  # a torchrun rank other than 0: no HTTP here
+            return
+        threads = ranks.threads
     announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
     config = ServeConfig(
         checkpoint=folder,
@@ -184,6 +198,30 @@ def serve(
         sla_action=sla_action,
     )
     sock = _listen(host, port)
+    backend = None
+    if ranks is not None:  # started once the port is ours: a port in use costs no launch
+        backend = config.backend = ranks.start()
+        for rank, proc in enumerate(backend.workers, start=1):
+            typer.echo(f"started expert-parallel rank {rank} (pid {proc.pid})", err=True)
+    try:
+        state = _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, folder)
+    finally:
+        if backend is not None:
+            from moekit.serve.sharded import stop_ranks
+
+            stop_ranks(backend, grace_s=10.0)
+    if state.error is not None:
+        raise MoekitError(f"{folder}: {state.error}")
+    if state.fault is not None:
+        raise MoekitError(state.fault)
+
+
+def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, folder):
+    """uvicorn on the bound socket until it stops. → the app's ServerState."""
+    import uvicorn
+
+    from moekit.serve.app import create_app
+
     bound = sock.getsockname()
 
     def ready(state) -> None:
@@ -203,5 +241,30 @@ def serve(
     state.on_fatal = lambda message: setattr(server, "should_exit", True)
     typer.echo(f"loading {folder} ...", err=True)
     server.run(sockets=[sock])
-    if state.error is not None:
-        raise MoekitError(f"{folder}: {state.error}")
+    return state
+
+
+def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offload, weights, compile_step, no_verify,
+              admin_token, threads):
+    """--expert-parallel's checks, made before any rank starts. → moekit.serve.sharded.Sharding"""
+    from moekit.dist.cli import offload_fields, parse_ranks
+    from moekit.dist.session import Job, placement_for
+    from moekit.serve.sharded import sharding
+    from moekit.spec import load_spec
+
+    if expert_parallel is None:
+        raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
+    for flag, used in (("--compile", compile_step), (f"--weights {weights}", weights != "dtype"),
+                       ("--no-verify", no_verify), ("--admin-token with --expert-memory",
+                                                    admin_token is not None and offload is not None)):
+        if used:
+            raise MoekitError(f"{flag} with --expert-parallel is not supported yet")
+    if timeout_s <= 0:
+        raise MoekitError(f"--ep-timeout must be positive, got {timeout_s:g}")
+    if placement is not None and not placement.is_file():
+        raise MoekitError(f"--placement {placement}: no such file (make one with `moekit placement`)")
+    job = Job(checkpoint=str(folder), dtype=dtype, device=device, offload=offload_fields(offload),
+              placement=None if placement is None else str(placement), timeout_s=timeout_s)
+    plan = sharding(parse_ranks(expert_parallel), job, threads)
+    placement_for(load_spec(folder), folder, job.placement, plan.world)
+    return plan

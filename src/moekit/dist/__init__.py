@@ -7,6 +7,7 @@ cluster simulator.
   layer.py      the EP MoE layer a RoutedExperts calls: counts → rows → local experts → rows back
   group.py      process groups: torchrun's env, or ranks this process launches itself; timeouts
   session.py    `moekit run --expert-parallel`: load, check the ranks agree, generate, tear down
+  serving.py    `moekit serve --expert-parallel`: rank 0 orders each MoE layer, the others follow
   simulate.py   replay a trace through a placement at 8-256 ranks without the model (no torch)
 
 placement, eplb, exchange and simulate import numpy only, so `moekit placement` and `moekit

@@ -96,13 +96,19 @@ def _rss() -> Optional[int]:
     trim, 581 with it, measured; docs/SCALING.md)."""
     import ctypes
     import gc
-    import os
 
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: the memory is reused by this process, just not returned
+    return resident_bytes()
+
+
+def resident_bytes() -> Optional[int]:
+    """This process's resident bytes now (Linux /proc; None elsewhere): cheap, nothing collected."""
+    import os
+
     try:
         with open("/proc/self/statm") as fh:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -256,29 +262,37 @@ def launch(job: Job, world: int, report: Optional[Report] = None, progress=None)
     placement_for(load_spec(job.checkpoint), Path(job.checkpoint), job.placement, world)
     torch.set_num_threads(threads_per_rank(world))
     store = host_store(world, job.timeout_s)
-    workers = []
+    workers: list = []
     try:
-        for rank in range(1, world):
-            proc = subprocess.Popen([sys.executable, "-m", "moekit.dist.worker"], stdin=subprocess.PIPE,
-                                    stdout=subprocess.DEVNULL)
-            workers.append(proc)
-            proc.stdin.write(json.dumps({"job": asdict(job), "rank": rank, "world": world, "port": store.port}).encode())
-            proc.stdin.close()
+        spawn_workers(job, world, store.port, workers)
         result = run_rank(job, Rank(0, world, 0, store.port), report, progress)
     finally:
-        codes = _reap(workers)
+        codes = reap(workers)
     failed = [(r, c) for r, c in enumerate(codes, start=1) if c != 0]
     if failed:
         raise MoekitError(f"rank {failed[0][0]} exited with code {failed[0][1]}")
     return result
 
 
-def _reap(workers: list) -> list[int]:
+def spawn_workers(job: Job, world: int, port: int, into: list, **order) -> list:
+    """Start ranks 1..world-1 (`python -m moekit.dist.worker`), each told its part on stdin; `into`
+    holds each process as soon as it runs (so a caller's cleanup finds every one). order: more
+    fields for the worker (serve, threads)."""
+    for rank in range(1, world):
+        proc = subprocess.Popen([sys.executable, "-m", "moekit.dist.worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.DEVNULL)
+        into.append(proc)
+        proc.stdin.write(json.dumps({"job": asdict(job), "rank": rank, "world": world, "port": port, **order}).encode())
+        proc.stdin.close()
+    return into
+
+
+def reap(workers: list, grace_s: float = WORKER_GRACE_S) -> list[int]:
     """Wait a little for each worker, then kill the ones still running: none outlives the launcher."""
     codes = []
     for proc in workers:
         try:
-            codes.append(proc.wait(timeout=WORKER_GRACE_S))
+            codes.append(proc.wait(timeout=grace_s))
         except subprocess.TimeoutExpired:
             proc.kill()
             codes.append(proc.wait())

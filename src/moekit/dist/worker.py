@@ -1,6 +1,7 @@
 """`python -m moekit.dist.worker`: one rank of a self-launched expert-parallel run (see session.launch).
 
-Reads {"job", "rank", "world", "port"} as JSON on stdin, joins the launcher's TCPStore, runs its
+Reads {"job", "rank", "world", "port"} as JSON on stdin (with "serve": true, a follower of
+`moekit serve --expert-parallel`, and its "threads"), joins the launcher's TCPStore, runs its
 part quietly. A MoekitError is one line on stderr, naming the rank, and exit 2, as the CLI does.
 """
 
@@ -20,8 +21,16 @@ def main() -> int:
     try:
         import torch
 
-        torch.set_num_threads(threads_per_rank(me.world))
-        run_rank(Job(**order["job"]), me)
+        torch.set_num_threads(order.get("threads") or threads_per_rank(me.world))
+        if order.get("serve"):
+            import signal
+
+            from moekit.dist.serving import follower
+
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: rank 0 drains, then stops us
+            follower(Job(**order["job"]), me)
+        else:
+            run_rank(Job(**order["job"]), me)
     except MoekitError as err:
         text = str(err)
         print(f"error: {text if text.startswith('rank ') else f'rank {me.rank}: {text}'}", file=sys.stderr)

@@ -311,14 +311,20 @@ class Scheduler:
     def run(self, stop: threading.Event, idle_wait_s: float = 0.05) -> None:
         """Step until `stop` is set; sleep while there is nothing to do."""
         while not stop.is_set():
-            try:
-                busy = self.step()
-            except Exception as err:  # noqa: BLE001 - a bug must not leave every client waiting forever
-                self.abort_all(f"internal error in the scheduler: {_message(err)}", reason="error")
-                busy = False
-            if not busy:
-                self._wake.wait(idle_wait_s)
-                self._wake.clear()
+            self.step_or_wait(idle_wait_s)
+
+    def step_or_wait(self, idle_wait_s: float = 0.05) -> bool:
+        """One step, or, with nothing to do, a sleep of at most `idle_wait_s` that new work cuts
+        short (a loop that does more between steps than `run`: moekit.serve.sharded). → busy."""
+        try:
+            busy = self.step()
+        except Exception as err:  # noqa: BLE001 - a bug must not leave every client waiting forever
+            self.abort_all(f"internal error in the scheduler: {_message(err)}", reason="error")
+            busy = False
+        if not busy:
+            self._wake.wait(idle_wait_s)
+            self._wake.clear()
+        return busy
 
     def run_until_idle(self) -> None:
         """Step until nothing runs or waits (tests and offline batches)."""

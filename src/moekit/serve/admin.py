@@ -63,6 +63,19 @@ def expert_module(decoder, layer: int, expert: int):
     return experts
 
 
+def is_paged(experts) -> bool:
+    """Whether the experts live in the expert store (--expert-memory), not in this process's memory
+    or on the ranks of --expert-parallel (a store that takes replace_expert itself)."""
+    return experts.store is not None and not hasattr(experts.store, "replace_expert")
+
+
+def replace_expert(experts, e: int, weights):
+    """Expert e's weights ← `weights`, → the replaced ones: in this process, or, with
+    --expert-parallel, on every rank holding a copy (moekit.dist.serving.LeaderStore)."""
+    target = experts.store if experts.store is not None else experts
+    return target.replace_expert(e, weights)
+
+
 def parse_expert_file(raw: bytes, spec, dtype, checksum: Optional[str]):
     """Safetensors bytes → (gate_up [rows, D], down [D, F]) at the engine dtype, or a 400 that says why."""
     import torch
@@ -155,10 +168,13 @@ def register_admin_routes(app: FastAPI, state) -> None:
             None, parse_expert_file, raw, spec, decoder.dtype, http.headers.get("x-checksum-sha256")
         )
         share = parse_share(http.query_params.get("canary"))
-        if experts.store is not None:
+        if is_paged(experts):
             return await _swap_paged(layer, expert, gate_up, down, share, {"sha256": digest})
         # The staging slot: laid out for the kernels here, off the engine thread; switched in below.
         staged = (experts.kernels[0].prepare(gate_up), experts.kernels[1].prepare(down))
+        if share is not None and experts.store is not None:
+            raise ApiError(409, "a canary is not supported with --expert-parallel yet: swap without ?canary",
+                           code="unsupported")
         if share is not None:
             def begin():
                 canary = state.scheduler.canary or Canary(share)
@@ -171,7 +187,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
             return JSONResponse({"layer": layer, "expert": expert, "sha256": digest, "swapped": False, "canary": share,
                                  "in_flight": in_flight})
 
-        return await _serve(layer, expert, lambda: experts.replace_expert(expert, staged), {"sha256": digest})
+        return await _serve(layer, expert, lambda: replace_expert(experts, expert, staged), {"sha256": digest})
 
     async def _swap_paged(layer: int, expert: int, gate_up, down, share, reply: dict) -> JSONResponse:
         store = state.scheduler.store
@@ -223,7 +239,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
         if not _in_canary(layer, expert):
             raise ApiError(404, f"expert {expert} of layer {layer} has no canary to promote", code="not_found")
         _, staged = state.scheduler.canary.experts[(layer, expert)]
-        return await _serve(layer, expert, lambda: experts.replace_expert(expert, staged), {"promoted": True},
+        return await _serve(layer, expert, lambda: replace_expert(experts, expert, staged), {"promoted": True},
                             before=lambda: _end_canary(layer, expert))
 
     @app.post("/admin/experts/{layer}/{expert}/rollback")
@@ -246,7 +262,7 @@ def register_admin_routes(app: FastAPI, state) -> None:
             if isinstance(old, PagedSource):
                 _point_paged(layer, expert, old.path)
             else:
-                experts.replace_expert(expert, old)
+                replace_expert(experts, expert, old)
             return state.scheduler.in_flight()
 
         in_flight = await _switch(switch)

@@ -62,6 +62,7 @@ class ServeConfig:
     prefix_cache_bytes: int = 1 << 30  # --prefix-cache-memory: KV of prompt prefixes kept; 0: none
     tiers: dict = field(default_factory=dict)  # --tier: name -> moekit.serve.sla.TierTargets
     sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
+    backend: Optional[object] = None  # loads and steps the engine elsewhere (moekit.serve.sharded: over ranks)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class ServerState:
     scheduler: Optional[object] = None
     template: Optional[object] = None
     error: Optional[str] = None
+    fault: Optional[str] = None  # why a loaded server can serve no more (a peer rank failed): 503s
     on_fatal: Optional[Callable[[str], None]] = None  # the CLI stops the server on a load failure
     ready: threading.Event = field(default_factory=threading.Event)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -93,7 +95,10 @@ class ServerState:
                 self.on_fatal(self.error)
             return
         self.ready.set()
-        self.scheduler.run(self.stop)
+        if self.config.backend is not None:
+            self.config.backend.run(self, self.stop)
+        else:
+            self.scheduler.run(self.stop)
 
     def _load(self) -> None:
         import torch
@@ -107,8 +112,11 @@ class ServerState:
         cfg = self.config
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
-                             compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
+        if cfg.backend is not None:
+            engine = cfg.backend.load(cfg)
+        else:
+            engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
+                                 compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         if engine.decoder.compiled is not None:
             engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
         else:
@@ -150,6 +158,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
     state.metrics.registry.register(GoodputCollector(state.tiers.goodput))
     state.metrics.registry.register(EntropyCollector(state))
     state.jitter = JitterMetrics(state.metrics.registry)
+    if config.backend is not None:
+        config.backend.attach(state)  # its own /metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -182,6 +192,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
 
     @app.get("/health")
     async def health():
+        if state.fault is not None:
+            return error_response(503, state.fault)
         if state.error is not None:
             return error_response(503, f"the model failed to load: {state.error}")
         if not state.ready.is_set():
@@ -258,6 +270,8 @@ def _announce(state: ServerState, on_ready) -> None:
 
 
 def _ready_engine(state: ServerState, body: Sampled):
+    if state.fault is not None:
+        raise ApiError(503, state.fault)
     if state.error is not None:
         raise ApiError(503, f"the model failed to load: {state.error}")
     if not state.ready.is_set():
@@ -267,6 +281,13 @@ def _ready_engine(state: ServerState, body: Sampled):
             404, f"the model {body.model!r} does not exist; this server serves {state.config.model_name!r}", "model", "model_not_found"
         )
     return state.engine
+
+
+def _failed(state: ServerState, outcome) -> ApiError:
+    """A request whose generation failed: 503 when the server as a whole can serve no more."""
+    if state.fault is not None:
+        return ApiError(503, state.fault)
+    return ApiError(500, f"generation failed: {outcome.error}", code="engine_error")
 
 
 def _request_for(state: ServerState, body: Sampled, ids: list[int], max_tokens: Optional[int], copy: int = 0):
@@ -436,7 +457,7 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
         first = await exchange.queue.get()  # a request that fails before its first token answers 500
         if first[1] == "finish" and first[2].finish_reason == "error":
             reply.fail(first)
-            raise ApiError(500, f"generation failed: {first[2].error}", code="engine_error")
+            raise _failed(state, first[2])
         return StreamingResponse(reply.events(first), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     return await reply.whole(http)
 
@@ -626,7 +647,7 @@ class _Reply:
                 continue
             if item[1] == "finish" and item[2].finish_reason == "error":
                 self.fail(item)
-                raise ApiError(500, f"generation failed: {item[2].error}", code="engine_error")
+                raise _failed(self.state, item[2])
             piece = self._take(item)
             if piece:
                 pieces[item[0]].append(piece)
@@ -657,8 +678,8 @@ class _Reply:
                 if kind == "finish" and value.finish_reason == "error":
                     finished = True
                     self.fail(item)
-                    error = {"message": f"generation failed: {value.error}", "type": "server_error", "param": None, "code": "engine_error"}
-                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    failure = _failed(self.state, value)
+                    yield f"data: {failure.response().body.decode()}\n\n"
                     yield "data: [DONE]\n\n"
                     return
                 piece = self._take(item)

@@ -62,7 +62,11 @@ def _wait_gone(pids: list[int], seconds: float) -> bool:
     return all(_gone(p) for p in pids)
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "deepseek_v3", "gpt_oss"])
+FAMILIES = ["qwen3_moe", "deepseek_v3", "gpt_oss"]
+every_family = pytest.mark.parametrize("sharded", FAMILIES, indirect=True)
+
+
+@pytest.fixture(scope="module")
 def sharded(request, tiny_checkpoints, tmp_path_factory):
     """(family, its checkpoint, a 2-rank server of it); the server must drain, exit 0 and take its ranks along."""
     family = request.param
@@ -88,6 +92,7 @@ def _solo(folder, jobs) -> list[list[int]]:
         engine.close()
 
 
+@every_family
 def test_eight_concurrent_clients_get_the_single_process_tokens(sharded):
     family, folder, server = sharded
     client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=60.0, max_retries=0)
@@ -118,6 +123,7 @@ def _ep_metrics(server) -> dict:
     return values
 
 
+@every_family
 def test_metrics_show_each_ranks_exchange(sharded):
     family, folder, server = sharded
     body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -150,6 +156,7 @@ def test_metrics_show_each_ranks_exchange(sharded):
         assert {re.search(r'rank="(\d)"', k).group(1) for k in copies} == {"0", "1"}
 
 
+@every_family
 def test_a_dropped_stream_is_cancelled_and_the_next_request_is_exact(sharded):
     family, folder, server = sharded
     body = {"prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -176,10 +183,10 @@ def _new_expert(experts, seed: int) -> dict:
             for name, shape in (("gate_proj.weight", (f, d)), ("up_proj.weight", (f, d)), ("down_proj.weight", (d, f)))}
 
 
+# On the server whose placement replicates experts (the other families' servers have no admin token).
+@pytest.mark.parametrize("sharded", ["qwen3_moe"], indirect=True)
 def test_a_hot_swap_reaches_every_copy_and_rolls_back(sharded):
     family, folder, server = sharded
-    if family != "qwen3_moe":
-        pytest.skip("hot swap is checked on the server whose placement replicates experts")
     jobs = [(PROMPTS[i], 10) for i in range(3)]
     engine = load_engine(folder)
     swaps = [(1, 6), (0, 4)]  # layer 1's expert 6 has a copy on each rank; layer 0's expert 4 lives on rank 1

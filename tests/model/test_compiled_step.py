@@ -16,7 +16,8 @@ import torch
 
 from moekit.engine.loader import load_engine
 from moekit.model.cache import copy_row
-from moekit.model.compiled_step import contract, unsupported
+from moekit.model.compiled_step import unsupported
+from moekit.model.step_ops import contract
 from moekit.model.linear import TILES, Linear
 from moekit.model.experts import RoutedExperts
 from moekit.model.moe import Router
@@ -147,15 +148,15 @@ def test_compiled_rows_match_eager(engines, family):
     assert all(torch.equal(a, b) for a, b in zip(routes[0], routes[1]))
 
 
-@pytest.mark.parametrize("family,operator", [("deepseek_v3", "_has_latent_attend"), ("qwen3_moe", "_has_attend")])
+@pytest.mark.parametrize("family,operator", [("deepseek_v3", "has_latent_attend"), ("qwen3_moe", "has_attend")])
 def test_attention_without_its_operator_matches_eager(engines, monkeypatch, family, operator):
     """Where moekit::latent_attend (MLA) or moekit::attend (grouped-query) is not built, attention
     over the cache is Inductor's contractions (batch 1) and einsum (a batch): the same tokens and
     logits as the eager step too."""
-    from moekit.model import compiled_step
+    from moekit.model import step_ops
 
     eager, _ = engines(family)
-    monkeypatch.setattr(compiled_step, operator, lambda: False)
+    monkeypatch.setattr(step_ops, operator, lambda: False)
     plain = load_engine(eager.folder, compile=True)
     plain.decoder.compile_decode(cpp_wrapper=False)
     prompts = [[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41]]

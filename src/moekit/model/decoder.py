@@ -26,6 +26,7 @@ from moekit.model.mlp import MLP, activation_for
 from moekit.model.moe import MoE, Router
 from moekit.model.norms import make_norm
 from moekit.model.rope import Rope, rotary_dim
+from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
 
 
@@ -83,6 +84,21 @@ class Block(nn.Module):
             h = self.ffn(h)
         x.add_(h * self.residual if self.residual != 1.0 else h)
         return x, decision
+
+    def decode(self, x, stack, at, slot, cos, sin_signed, visible):
+        """The decode step's form of forward (moekit.model.step_ops): x [B, D] → (x [B, D],
+        RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode)."""
+        residual = self.residual
+        h = self.attn.decode(self.input_norm(x), stack, at, slot, cos, sin_signed, visible)
+        x = x + (h * residual if residual != 1.0 else h)
+        h = self.post_norm(x)
+        decision = None
+        if isinstance(self.ffn, MoE):
+            h, decision = self.ffn.decode(h)
+        else:
+            h = self.ffn.decode(h)
+        return x + (h * residual if residual != 1.0 else h), decision
+
 
 
 def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
@@ -272,3 +288,35 @@ class Decoder(nn.Module):
             if isinstance(sub, RoutedExperts):
                 sub.prepare(kernels)
         self.prepared = True
+
+
+def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_table):
+    """The decoder's T = 1 step as plain tensor algebra (each module's `decode`), what
+    moekit.model.compiled_step captures as one graph. ids, slot, positions [B] int64; key_mask
+    [B, S] (False at padding; S = the last slot + 1); stack: the cache's tensors as one
+    (KVCache.stack: k, v per attention layer, one per MLA layer); cos_table / sin_table: the rope's
+    → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
+    spec = decoder.spec
+    end = key_mask.shape[1]
+    visible = key_mask & (torch.arange(end, device=ids.device)[None, :] <= slot[:, None])  # [B, S]
+    x = decoder.embed.weight[ids]  # [B, D]
+    if spec.multipliers.embedding != 1.0:
+        x = x * spec.multipliers.embedding
+    cos = cos_table[positions][:, None, :].to(x.dtype)  # [B, 1, rot]
+    sin_signed = sin_table[positions][:, None, :].to(x.dtype)
+    chosen, weights = [], []
+    at = 0  # the layer's first tensor in the stack
+    for block in decoder.layers:
+        x, decision = block.decode(x, stack, at, slot, cos, sin_signed, visible)
+        at += block.attn.cache_tensors
+        if decision is not None:
+            chosen.append(decision.topk_ids)
+            weights.append(decision.topk_weights)
+    x = decoder.norm(x)
+    if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
+        logits = linear_rows(x, decoder.embed.weight, decoder.head_bias)
+    else:
+        logits = project(decoder.lm_head, x)
+    if spec.multipliers.logits_scaling != 1.0:
+        logits = logits / spec.multipliers.logits_scaling
+    return logits.float(), torch.stack(chosen), torch.stack(weights)

@@ -9,6 +9,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
 from moekit.model.routing import RoutingDecision, route, route_rows
+from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
 
@@ -60,3 +61,18 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
         return out.view(b, t, d), decision
+
+    def decode(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision]:
+        """The decode step's form (moekit.model.step_ops), the family's routing through the shared
+        route(): x [B, D] → (out [B, D], the decision for the B rows)."""
+        router = self.router
+        logits = project(router, x.to(router.weight.dtype)).float()  # [B, E]
+        bias = router.selection_bias.float() if router.selection_bias is not None else None
+        decision = route(logits, router.spec, bias)
+        out = self.experts.decode(x, decision)
+        if self.shared is not None:
+            shared = self.shared.decode(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(linear_rows(x, self.shared_gate.weight)) * shared
+            out = out + shared
+        return out, decision

@@ -2,8 +2,8 @@
 
 The eager Decoder is itself held to transformers (tests/engine); here the compiled step must give
 the same greedy tokens and fp32 logits within 1e-4 for batch 1, a left-padded batch, and
-continuous batching's rows at different lengths — for every family it runs. Families it does not
-run yet must say so and stay eager.
+continuous batching's rows at different lengths — for every family. Options it does not run (the
+expert store) must say so and stay eager.
 """
 
 from __future__ import annotations
@@ -16,15 +16,13 @@ import torch
 
 from moekit.engine.loader import load_engine
 from moekit.model.cache import copy_row
-from moekit.model.compiled_step import unsupported
 from moekit.model.step_ops import contract
 from moekit.model.linear import TILES, Linear
 from moekit.model.experts import RoutedExperts
 from moekit.model.moe import Router
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
 
-COMPILED = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "phimoe", "dbrx", "deepseek_v3")
-EAGER_ONLY = tuple(f for f in MOE_FAMILIES if f not in COMPILED)
+COMPILED = MOE_FAMILIES  # every family, llama4's chunked / NoPE attention and input-weighed experts included
 
 
 @pytest.fixture(scope="module")
@@ -127,25 +125,49 @@ def test_contract_is_einsum(equation, left, right):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def _rows_step(engine, top_k=None):
+    """Continuous batching's step over 3 rows at lengths 6, 11, 2 → (logits [3, 1, V], the
+    decision of each MoE layer)."""
+    dec = engine.decoder
+    cache = dec.new_cache(3, 24)
+    lengths = torch.tensor([6, 11, 2])
+    with torch.inference_mode():
+        for r, n in enumerate(lengths.tolist()):
+            single = dec.new_cache(1, n)
+            dec(torch.arange(3, 3 + n)[None] + r, single, torch.arange(n)[None])
+            copy_row(cache, r, single, 0, n)
+        decisions = []
+        logits = dec.forward_rows(torch.tensor([[7], [8], [9]]), cache, lengths, decisions, top_k=top_k)
+    return logits, [d for _, d in decisions]
+
+
 @pytest.mark.parametrize("family", ("qwen3_moe", "gpt_oss", "deepseek_v3"))
 def test_compiled_rows_match_eager(engines, family):
     """Continuous batching's step: rows at their own lengths, slot = position, in one call."""
+    (want, want_routes), (got, got_routes) = (_rows_step(engine) for engine in engines(family))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(want_routes, got_routes))
+
+
+@pytest.mark.parametrize("family", ("qwen3_moe", "deepseek_v3", "llama4_text"))
+def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
+    """Expert-budget tiers' per-row K (route_rows) in the compiled step: each row routed by the
+    family's rule at its own K, the same experts, weights and logits as the eager step; a K wider
+    than the model's runs eager."""
     eager, compiled = engines(family)
-    outs, routes = [], []
-    for engine in (eager, compiled):
-        dec = engine.decoder
-        cache = dec.new_cache(3, 24)
-        lengths = torch.tensor([6, 11, 2])
-        with torch.inference_mode():
-            for r, n in enumerate(lengths.tolist()):
-                single = dec.new_cache(1, n)
-                dec(torch.arange(3, 3 + n)[None] + r, single, torch.arange(n)[None])
-                copy_row(cache, r, single, 0, n)
-            decisions = []
-            outs.append(dec.forward_rows(torch.tensor([[7], [8], [9]]), cache, lengths, decisions))
-            routes.append([d.topk_ids for _, d in decisions])
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
-    assert all(torch.equal(a, b) for a, b in zip(routes[0], routes[1]))
+    step = compiled.decoder.compiled
+    ks = [1, step.widest, max(1, step.widest - 1)]
+    assert compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), ks, None)
+    assert not compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
+    graphs = len(step._graphs)
+    (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)
+    assert len(step._graphs) == graphs + 1  # a graph of its own (each row's K is one more input)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(want_routes, got_routes):
+        for row, k in enumerate(ks):
+            assert torch.equal(b.topk_ids[row, :k], a.topk_ids[row, :k])
+            torch.testing.assert_close(b.topk_weights[row, :k], a.topk_weights[row, :k], rtol=1e-5, atol=1e-6)
+            assert not b.topk_weights[row, k:].any()  # the padding adds nothing
 
 
 @pytest.mark.parametrize("family,operator", [("deepseek_v3", "has_latent_attend"), ("qwen3_moe", "has_attend")])
@@ -164,17 +186,6 @@ def test_attention_without_its_operator_matches_eager(engines, monkeypatch, fami
         want = eager.generate(batch, max_new_tokens=8, stop_ids=()).token_ids
         assert plain.generate(batch, max_new_tokens=8, stop_ids=()).token_ids == want
     torch.testing.assert_close(_step_logits(plain, prompts[0]), _step_logits(eager, prompts[0]), rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("family", EAGER_ONLY)
-def test_families_not_compiled_say_so_and_run_eager(tmp_path, family):
-    folder = write_checkpoint(family, tmp_path / family)
-    engine = load_engine(folder, compile=True)
-    assert engine.decoder.compiled is None
-    assert any(n.startswith("--compile: running eager (") for n in engine.notes), engine.notes
-    assert unsupported(engine.decoder) is not None
-    want = load_engine(folder).generate([[5, 9, 33]], max_new_tokens=6, stop_ids=()).token_ids
-    assert engine.generate([[5, 9, 33]], max_new_tokens=6, stop_ids=()).token_ids == want
 
 
 def _step_logits(engine, prompt: list[int], steps: int = 3) -> torch.Tensor:

@@ -25,8 +25,7 @@ the same decoder (or, for tiles, of a plain one) stays the reference: tests/mode
 holds the two to identical greedy tokens and fp32 logits within 1e-4 for every family it runs.
 
 Latent attention (MLA) runs its absorbed form, as the eager decode does. What it does not run (the
-decoder then takes its eager step, and `unsupported()` says why): llama4 attention, the expert
-store, MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks. int8 weights (q8_0 blocks,
+decoder then takes its eager step, and `unsupported()` says why): the expert store, MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks. int8 weights (q8_0 blocks,
 `--weights int8` / `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager
 int8 kernel calls, reading the q8_0 stacks in place.
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
@@ -87,9 +86,6 @@ def unsupported(decoder) -> Optional[str]:
                 return "latent attention is not prepared (its fused projection is missing)"
         elif not isinstance(attn, Attention):
             return f"{type(attn).__name__} layers are not in the compiled step yet"
-        elif (attn.spec.chunk_size is not None or attn.spec.qk_norm == "l2" or not attn.spec.use_rope
-                or attn.spec.query_temperature is not None):
-            return "llama4-style attention is not in the compiled step yet"
         for norm in (block.input_norm, block.post_norm):
             if not isinstance(norm, (RMSNorm, LayerNorm)):
                 return f"{type(norm).__name__} is not in the compiled step"
@@ -97,23 +93,19 @@ def unsupported(decoder) -> Optional[str]:
             ex = block.ffn.experts
             if ex.offloaded or ex.store is not None:
                 return "routed experts are paged by the expert store"
-            if ex.weigh_input:
-                return "experts weighed on their input (llama4) are not in the compiled step yet"
             if ex.expert_kernels is not None or (ex.kernels not in ((PLAIN, PLAIN), (TILES, TILES)) and ex.int8_stacks is None):
                 return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
             if ex.int8_stacks is not None and not has_gemv():
                 return "int8 experts need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
-    rope = decoder.rope.spec
-    if rope.interleaved or rope.fp32:
-        return "interleaved or fp32 RoPE is not in the compiled step yet"
     return None
 
 
-def _mark_step(ids, slot, positions, key_mask) -> None:
-    """Mark the batch and the visible length of one step's inputs as dynamic sizes."""
-    mark = mark_dynamic
-    if ids.shape[0] > 1:  # a size of 1 is always specialised; batch 1 gets its own graph
-        for t in (ids, slot, positions, key_mask):
+def _mark_step(small) -> None:
+    """Mark the batch and the visible length of one step's inputs (ids, slot, positions, key_mask
+    and each row's K, if given) as dynamic sizes."""
+    mark, key_mask = mark_dynamic, small[3]
+    if key_mask.shape[0] > 1:  # a size of 1 is always specialised; batch 1 gets its own graph
+        for t in small:
             mark(t, 0)
     if key_mask.shape[1] > 1:
         mark(key_mask, 1)
@@ -176,6 +168,8 @@ class CompiledStep:
         self.decoder = decoder
         lay_out_tiles(decoder)  # an AMX machine's bf16 weights, once, before tracing reads their kernels
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
+        # The widest per-row K a step takes (tiers): the model's (MoE.decode routes every row at each k up to it).
+        self.widest = min((decoder.layers[i].ffn.router.spec.top_k for i in self.moe_layers), default=0)
         for kind in ops.KINDS:  # the operators are the command's to load (moekit.ops.load); where not, the reductions
             ops.variant(kind)  # chosen now (measured once per machine), not while Dynamo traces
             ops.widen_batch(kind)
@@ -186,7 +180,8 @@ class CompiledStep:
         # stays static, which is what lets Inductor vectorise the products.
         # Dynamo keeps its graphs, and its limit of 8 recompiles, per code object: a copy of decode_step's
         # code for each decoder keeps one model's graphs from counting against another's.
-        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__)
+        own = types.FunctionType(decode_step.__code__.replace(), decode_step.__globals__, decode_step.__name__,
+                                 decode_step.__defaults__)
         # Guards on the decoder's modules are skipped (tensor inputs keep theirs): checking ~100
         # parameters' modules on every call cost ~0.7 ms a step here, and nothing replaces a module or
         # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
@@ -209,10 +204,11 @@ class CompiledStep:
             if graph is not None:
                 self._graphs.append(graph)
 
-    def __call__(self, ids, cache, slot, positions, key_mask) -> StepResult:
+    def __call__(self, ids, cache, slot, positions, key_mask, top_k=None) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
         (never past the slot, so below cache.max_len); key_mask [B, S] bool, False at padding (S =
-        the last slot written + 1). The cache must be stacked (KVCache.stack; Decoder.new_cache's are)."""
+        the last slot written + 1); top_k: None, or each row's K [B] int64 (1..self.widest), a graph
+        of its own. The cache must be stacked (KVCache.stack; Decoder.new_cache's are)."""
         if cache.stack is None:
             raise ValueError("the compiled step needs a stacked cache (Decoder.new_cache makes one)")
         rope = self.decoder.rope  # its tables cover the cache: Decoder.new_cache reserved them
@@ -221,8 +217,9 @@ class CompiledStep:
         # (the caches are always normal tensors: Decoder.new_cache makes them outside it).
         with torch.inference_mode():
             tables = self._held(cache.stack, rope)
-            ids, slot, positions, key_mask = (t.clone() for t in (ids[:, 0], slot, positions, key_mask))  # ids [B]
-            inputs = (ids, slot, positions, key_mask, cache.stack, *tables)
+            small = (ids[:, 0], slot, positions, key_mask) + (() if top_k is None else (top_k,))  # ids [B]
+            small = tuple(t.clone() for t in small)
+            inputs = (*small[:4], cache.stack, *tables, *small[4:])
             graph = next((g for g in self._graphs if g.accepts(inputs)), None)
             if graph is not None:
                 if graph is not self._graphs[0]:  # the graph of the last call is tried first
@@ -231,7 +228,7 @@ class CompiledStep:
                 logits, chosen, weights = graph(inputs)
                 self.direct_steps += 1
             else:
-                _mark_step(ids, slot, positions, key_mask)
+                _mark_step(small)
                 self._tracing = inputs
                 try:
                     logits, chosen, weights = self._fn(self.decoder, *inputs)

@@ -228,8 +228,8 @@ class MLAttention(nn.Module):
 
     cache_tensors = 1  # the slots: this layer's tensors in the cache's stack (KVCache.stack)
 
-    def decode(self, x: Tensor, stack: Tensor, at: int, slot: Tensor, cos: Tensor, sin_signed: Tensor,
-               visible: Tensor) -> Tensor:
+    def decode(self, x: Tensor, stack: Tensor, at: int, slot: Tensor, positions: Tensor, cos: Tensor,
+               sin_signed: Tensor, visible: Tensor) -> Tensor:
         """The absorbed decode in the step's form (moekit.model.step_ops) on x [B, D] → [B, D];
         writes each row's latent and rope key into stack[at] (the cache's [N, B_max, S, R+Rr]) at
         its slot. cos, sin_signed [B, 1, Rr]; visible [B, S] bool (Attention.decode)."""

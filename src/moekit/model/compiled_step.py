@@ -24,10 +24,13 @@ the Hub layout, and the eager forward reads them through the TILES kernel. The e
 the same decoder (or, for tiles, of a plain one) stays the reference: tests/model/test_compiled_step.py
 holds the two to identical greedy tokens and fp32 logits within 1e-4 for every family it runs.
 
-Latent attention (MLA) runs its absorbed form, as the eager decode does. What it does not run (the
-decoder then takes its eager step, and `unsupported()` says why): the expert store, MXFP4 / FP8 weights, per-row K (tiers), routing policies, hooks. int8 weights (q8_0 blocks,
-`--weights int8` / `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager
-int8 kernel calls, reading the q8_0 stacks in place.
+Latent attention (MLA) runs its absorbed form, as the eager decode does; llama4's chunked and NoPE
+attention and input-weighed experts, and per-row K (expert-budget tiers: each row's K is one more
+input, MoE.decode), run as every other family's step. int8 weights (q8_0 blocks, `--weights int8` /
+`int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager int8 kernel calls,
+reading the q8_0 stacks in place. What it does not run: the expert store, MXFP4 / FP8 weights kept
+packed, hooks (the decoder then takes its eager step, and `unsupported()` says why), and routing
+policies, whose state lives in Python (those steps run eager: Decoder._step_compiled).
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 
@@ -73,6 +76,9 @@ def unsupported(decoder) -> Optional[str]:
     """Why this decoder's decode step cannot be compiled here, or None when it can."""
     if decoder.device.type != "cpu":
         return "the compiled decode step is built and tested for CPU only"
+    # First: a paged decoder's projections are laid out for the eager kernels too, which is not why.
+    if any(isinstance(m, RoutedExperts) and (m.offloaded or m.store is not None) for m in decoder.modules()):
+        return "routed experts are paged by the expert store"
     if any(isinstance(m, Linear) and m.kernel not in (PLAIN, TILES, INT8, INT8_GEMV) for m in decoder.modules()):
         return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
     if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()) and not has_gemv():
@@ -91,8 +97,6 @@ def unsupported(decoder) -> Optional[str]:
                 return f"{type(norm).__name__} is not in the compiled step"
         if isinstance(block.ffn, MoE):
             ex = block.ffn.experts
-            if ex.offloaded or ex.store is not None:
-                return "routed experts are paged by the expert store"
             if ex.expert_kernels is not None or (ex.kernels not in ((PLAIN, PLAIN), (TILES, TILES)) and ex.int8_stacks is None):
                 return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
             if ex.int8_stacks is not None and not has_gemv():

@@ -251,13 +251,14 @@ class CompiledStep:
             self._marked = weakref.ref(stack)
         return self._tables[1:]
 
-    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
+    def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False) -> None:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
-        that no request waits for a compile and no timing includes one."""
+        that no request waits for a compile and no timing includes one. per_row_k: the graphs of
+        steps with each row's K (expert-budget tiers) too."""
+        device = self.decoder.device
         with torch.inference_mode():
             for b in batches:
-                cache = self.decoder.new_cache(b, 4)
-                slot = torch.ones(b, dtype=torch.int64, device=self.decoder.device)
-                self(torch.zeros(b, 1, dtype=torch.int64, device=self.decoder.device), cache, slot, slot,
-                     cache.key_mask[:, :2])
-
+                for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
+                    cache = self.decoder.new_cache(b, 4)
+                    slot = torch.ones(b, dtype=torch.int64, device=device)
+                    self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k)

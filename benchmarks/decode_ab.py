@@ -1,4 +1,4 @@
-"""Decode tokens/s of two trees' `moekit bench decode --compile` on one checkpoint, alternating
+"""Decode tokens/s of two trees' `moekit bench decode --compile` (or, --eager, without it) on one checkpoint, alternating
 (A B B A per round) in one run, each run a fresh process with that tree's sources first on the path;
 prints each side's median and the ratio after / before.
 
@@ -22,7 +22,8 @@ HERE = Path(__file__).resolve().parents[1]
 
 def tok_s(tree: Path, args) -> dict[int, float]:
     """batch → moekit tokens/s of one `bench decode` process run from tree."""
-    command = [sys.executable, "-m", "moekit", "bench", "decode", str(Path(args.checkpoint).resolve()), "--compile", "--dtype", args.dtype,
+    compile_flag = [] if args.eager else ["--compile"]
+    command = [sys.executable, "-m", "moekit", "bench", "decode", str(Path(args.checkpoint).resolve()), *compile_flag, "--dtype", args.dtype,
                "--weights", args.weights, "--batch", args.batch, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                "--threads", str(args.threads), "--json"]
     env = {**os.environ, "PYTHONPATH": str(tree / "src")}
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--eager", action="store_true", help="the default flags: no --compile")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of --order")
     parser.add_argument("--order", default="ABBA", help="one round's sides in turn, A after and B before (default ABBA)")
     args = parser.parse_args()
@@ -54,7 +56,7 @@ def main() -> None:
     for batch in sorted(runs["after"][0]):
         after = statistics.median(r[batch] for r in runs["after"])
         before = statistics.median(r[batch] for r in runs["before"])
-        print(f"{args.checkpoint} {args.dtype} weights={args.weights} batch {batch}: after {after:.1f} tok/s, "
+        print(f"{args.checkpoint} {args.dtype} weights={args.weights} {'eager' if args.eager else 'compile'} batch {batch}: after {after:.1f} tok/s, "
               f"before {before:.1f} tok/s, after/before {after / before:.3f} ({len(runs['after'])} runs each)")
 
 

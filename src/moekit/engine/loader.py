@@ -227,7 +227,7 @@ def load_engine(
 
         move_to_huge_pages(decoder)  # every decode step streams these: 2 MB pages, not 4 KB ones
     if compile:
-        notes.append(_compile_decode(decoder, plan is not None))
+        notes.append(_compile_decode(decoder))
     store = None
     if plan is not None:
         from moekit.offload.attach import attach_store
@@ -262,11 +262,11 @@ def load_kernels(kernels: str, used: bool) -> list[str]:
     return ops.load().failures()
 
 
-def _compile_decode(decoder, paged: bool) -> str:
+def _compile_decode(decoder) -> str:
     """Install the compiled decode step, or say why the engine stays eager."""
     from moekit.model.compiled_step import unsupported
 
-    reason = "routed experts are paged by the expert store" if paged else unsupported(decoder)
+    reason = unsupported(decoder)
     if reason is not None:
         return f"--compile: running eager ({reason})"
     decoder.compile_decode()

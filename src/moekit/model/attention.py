@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moekit import ops
+from moekit.model import step_ops
 from moekit.model.linear import Linear
 from moekit.model.norms import RMSNorm, rms_normalize
 from moekit.model.rope import Rope, apply_rope_rolled
@@ -262,3 +264,61 @@ class Attention(nn.Module):
         else:
             out = _attend(q, keys, values, mask, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, 1, self.heads * self.head_dim))
+
+    cache_tensors = 2  # k and v: this layer's tensors in the cache's stack (KVCache.stack)
+
+    def decode(self, x, stack, at, slot, positions, cos, sin_signed, visible) -> torch.Tensor:
+        """The decode step's form (moekit.model.step_ops): x [B, D] at each row's slot [B] and RoPE
+        position [B] → [B, D]; writes k, v into stack[at], stack[at + 1] (the cache's
+        [N, B_max, Hkv, S, hd]). cos, sin_signed [B, 1, rot] at each row's position, in the dtype
+        the rotation runs in; visible [B, S] bool: the real slots up to each row's own."""
+        b = x.shape[0]
+        h, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = step_ops.project(self.qkv, x)  # [B, (H + 2·Hkv)·hd]
+        if self.spec.qk_norm == "full":
+            q, k, v = qkv.split(self.split, dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(b, h + 2 * hkv, hd)
+        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
+        if self.spec.qk_norm == "head":
+            qk = self.qk_norm_weight * rms_normalize(qk, self.q_norm.eps)
+        if self.spec.use_rope:
+            rot, turn = cos.shape[-1], qk.to(cos.dtype)  # llama4 rotates in fp32 whatever the model dtype
+            turned = (turn[..., :rot] * cos + turn[..., :rot].roll(rot // 2, dims=-1) * sin_signed).to(qk.dtype)
+            qk = turned if rot == hd else torch.cat((turned, qk[..., rot:]), dim=-1)
+        if self.l2_eps is not None:
+            qk = rms_normalize(qk, self.l2_eps)  # after RoPE, as llama4 does (see _project)
+        q, k = qk[:, :h], qk[:, h:]
+        if self.spec.query_temperature is not None:
+            scale = query_temperature(positions, *self.spec.query_temperature)  # [B] fp32
+            q = (q * scale[:, None, None]).to(q.dtype)
+        rows = torch.arange(b, device=x.device)[:, None]
+        heads = torch.arange(hkv, device=x.device)[None, :]
+        # In place on the whole stack (a write through a view of it makes the graph copy the cache).
+        stack.index_put_((torch.full_like(rows, at), rows, heads, slot[:, None]), k)
+        stack.index_put_((torch.full_like(rows, at + 1), rows, heads, slot[:, None]), v)
+        end = visible.shape[1]
+        allowed = visible
+        back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
+        if self.window is not None:
+            allowed = allowed & (back < self.window)
+        if self.chunk is not None:  # llama4: only the query's own chunk of positions (chunk_mask)
+            allowed = allowed & (back <= (positions % self.chunk)[:, None])
+        keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
+        grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
+        if self.sinks is None and step_ops.has_attend():
+            # The cache read in place; the graph's own attention widened it to fp32 copies every layer.
+            out = ops.op("moekit", "attend")(grouped, keys, values, allowed, self.scale).to(x.dtype)  # [B, Hkv, G, hd]
+            return step_ops.project(self.o_proj, out.reshape(b, h * hd))
+        product = step_ops.contract if b == 1 else torch.einsum
+        logits = product("bkgd,bksd->bkgs", grouped, keys.float()) * self.scale  # [B, Hkv, G, S]
+        logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
+        if self.sinks is not None:
+            sink = self.sinks.float().view(1, hkv, h // hkv, 1).expand(b, hkv, h // hkv, 1)
+            probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        out = product("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
+        return step_ops.project(self.o_proj, out.reshape(b, h * hd))

@@ -26,6 +26,7 @@ from moekit.model.mlp import MLP, activation_for
 from moekit.model.moe import MoE, Router
 from moekit.model.norms import make_norm
 from moekit.model.rope import Rope, rotary_dim
+from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
 
 
@@ -83,6 +84,22 @@ class Block(nn.Module):
             h = self.ffn(h)
         x.add_(h * self.residual if self.residual != 1.0 else h)
         return x, decision
+
+    def decode(self, x, stack, at, slot, positions, cos, sin_signed, visible, top_k=None):
+        """The decode step's form of forward (moekit.model.step_ops): x [B, D] → (x [B, D],
+        RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
+        None, or each row's K [B] (MoE.decode)."""
+        residual = self.residual
+        h = self.attn.decode(self.input_norm(x), stack, at, slot, positions, cos, sin_signed, visible)
+        x = x + (h * residual if residual != 1.0 else h)
+        h = self.post_norm(x)
+        decision = None
+        if isinstance(self.ffn, MoE):
+            h, decision = self.ffn.decode(h, top_k)
+        else:
+            h = self.ffn.decode(h)
+        return x + (h * residual if residual != 1.0 else h), decision
+
 
 
 def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
@@ -167,10 +184,10 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
-        compiled = self.compiled is not None and cache.stack is not None
-        if t == 1 and compiled and top_k is None and policy is None:
+        if t == 1 and self._step_compiled(cache, top_k, policy):
             slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
-            logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions)
+            logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1],
+                                         decisions, top_k)
             cache.length = start + 1
             return logits
         key_mask = cache.key_mask[:, : start + t]
@@ -206,9 +223,9 @@ class Decoder(nn.Module):
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
-        if self.compiled is not None and cache.stack is not None and top_k is None and policy is None:
+        if self._step_compiled(cache, top_k, policy):
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
-            return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions)
+            return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k)
         if b == 1 or bool((lengths == lengths[0]).all()):
             key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
         else:
@@ -225,15 +242,23 @@ class Decoder(nn.Module):
                     decisions.append((i, decision))
         return self.head(self.norm(x))
 
-    def _compiled_step(self, input_ids, cache, slot, positions, key_mask, decisions) -> torch.Tensor:
-        result = self.compiled(input_ids, cache, slot, positions, key_mask)
+    def _step_compiled(self, cache: KVCache, top_k, policy) -> bool:
+        """Whether a T = 1 step over `cache` runs the compiled graph: a stacked cache, the family's
+        routing (no policy), and per-row Ks, if any, within the model's K (MoE.decode)."""
+        return (self.compiled is not None and cache.stack is not None and policy is None
+                and (top_k is None or max(top_k) <= self.compiled.widest))
+
+    def _compiled_step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None) -> torch.Tensor:
+        if top_k is not None:
+            top_k = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
+        result = self.compiled(input_ids, cache, slot, positions, key_mask, top_k)
         if decisions is not None:
             decisions.extend(result.decisions)
         return result.logits
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
         """Run every later T = 1 step (generate's decode, continuous batching) as one compiled graph
-        (moekit.model.compiled_step), where it applies; prefill, tiers and policies stay eager.
+        (moekit.model.compiled_step), where it applies; prefill and routing policies stay eager.
         Needs a decoder prepared with kernels=False (the Hub layout the compiled step reads).
         cpp_wrapper: see CompiledStep (False compiles faster and runs the same kernels slower)."""
         from moekit.model.compiled_step import CompiledStep
@@ -272,3 +297,37 @@ class Decoder(nn.Module):
             if isinstance(sub, RoutedExperts):
                 sub.prepare(kernels)
         self.prepared = True
+
+
+def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_table, top_k=None):
+    """The decoder's T = 1 step as plain tensor algebra (each module's `decode`), what
+    moekit.model.compiled_step captures as one graph. ids, slot, positions [B] int64; key_mask
+    [B, S] (False at padding; S = the last slot + 1); stack: the cache's tensors as one
+    (KVCache.stack: k, v per attention layer, one per MLA layer); cos_table / sin_table: the rope's;
+    top_k: None for the model's K, else each row's K [B] int64 (expert-budget tiers)
+    → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
+    spec = decoder.spec
+    end = key_mask.shape[1]
+    visible = key_mask & (torch.arange(end, device=ids.device)[None, :] <= slot[:, None])  # [B, S]
+    x = decoder.embed.weight[ids]  # [B, D]
+    if spec.multipliers.embedding != 1.0:
+        x = x * spec.multipliers.embedding
+    turn = torch.float32 if decoder.rope.fp32 else x.dtype  # the dtype RoPE rotates in
+    cos = cos_table[positions][:, None, :].to(turn)  # [B, 1, rot]
+    sin_signed = sin_table[positions][:, None, :].to(turn)
+    chosen, weights = [], []
+    at = 0  # the layer's first tensor in the stack
+    for block in decoder.layers:
+        x, decision = block.decode(x, stack, at, slot, positions, cos, sin_signed, visible, top_k)
+        at += block.attn.cache_tensors
+        if decision is not None:
+            chosen.append(decision.topk_ids)
+            weights.append(decision.topk_weights)
+    x = decoder.norm(x)
+    if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
+        logits = linear_rows(x, decoder.embed.weight, decoder.head_bias)
+    else:
+        logits = project(decoder.lm_head, x)
+    if spec.multipliers.logits_scaling != 1.0:
+        logits = logits / spec.multipliers.logits_scaling
+    return logits.float(), torch.stack(chosen), torch.stack(weights)

@@ -19,6 +19,7 @@ from torch import nn
 from moekit import ops
 from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
+from moekit.model import step_ops
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
 
@@ -254,6 +255,54 @@ class RoutedExperts(nn.Module):
             begin += n
         return out
 
+    def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+        """The decode step's form (moekit.model.step_ops): Σ_k w[b, k] · expert_{ids[b, k]}(x[b])
+        for x [B, D], every (row, choice) read in place from the stacks (Hub layout, tiles or q8_0)."""
+        ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
+        if self.weigh_input:  # llama4: each choice's input weighed, [B, K, D], its output added as is
+            x = x[:, None, :] * w[..., None].to(x.dtype)
+            w = torch.ones_like(w)
+        else:
+            x = x[:, None, :]  # [B, 1, D]: every choice reads the row's one input
+        if self.int8_stacks is not None:
+            return self._decode_int8(x, ids, w)
+        tiles = self.kernels == (TILES, TILES)
+        if tiles:
+            experts_tiles = ops.op("moekit", "experts_tiles")
+            h = experts_tiles(x, self.gate_up, ids)  # [B, K, 2F]
+        elif step_ops.has_gemv():
+            kind = ops.kind_of(self.gate_up)
+            gemv = step_ops.op_for(self.gate_up, "experts_gemv")
+            h = gemv(step_ops.widened(x, kind), self.gate_up, ids, step_ops.grouped(kind)).to(x.dtype)  # [B, K, 2F]
+        else:
+            h = (x[:, :, None, :] * self.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[ids]
+        a = self.act(h)  # [B, K, F]
+        if tiles:
+            y = experts_tiles(a, self.down, ids)  # [B, K, D]
+        elif step_ops.has_gemv():
+            kind = ops.kind_of(self.down)
+            gemv = step_ops.op_for(self.down, "experts_gemv")
+            y = gemv(step_ops.widened(a, kind), self.down, ids, step_ops.grouped(kind)).to(a.dtype)  # [B, K, D]
+        else:
+            y = (a[:, :, None, :] * self.down[ids]).sum(-1)
+        if self.down_bias is not None:
+            y = y + self.down_bias[ids]
+        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def _decode_int8(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """decode with q8_0 expert stacks (moekit::experts_q8), x [B, 1 or K, D]; biases are at the
+        engine dtype."""
+        gate_up, down = self.int8_stacks
+        experts_q8, grouped = step_ops.op_for(gate_up, "experts_q8"), step_ops.grouped("q8_0")
+        h = experts_q8(x, gate_up, ids, grouped)  # [B, K, 2F]
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[ids]
+        y = experts_q8(self.act(h), down, ids, grouped)  # [B, K, D]
+        if self.down_bias is not None:
+            y = y + self.down_bias[ids]
+        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
 
 def experts_reference(experts: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
     """The slow obvious sum: for every token, for each of its K experts, add weight × expert(token)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit.model.linear import Linear
+from moekit.model.step_ops import project
 from moekit.spec.model_spec import MLPSpec
 
 _PLAIN = {
@@ -64,3 +65,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.act(self.gate_up(x)))
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The decode step's form (moekit.model.step_ops): x [B, D] → [B, D]."""
+        return project(self.down, self.act(project(self.gate_up, x)))

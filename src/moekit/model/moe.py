@@ -8,7 +8,8 @@ from torch import nn
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
-from moekit.model.routing import RoutingDecision, route, route_rows
+from moekit.model.routing import RoutingDecision, route, route_rows, with_k
+from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
 
@@ -36,6 +37,26 @@ class Router(Linear):
         return route_rows(self.logits(x), self.spec, bias, top_k)
 
 
+def route_each_k(logits: torch.Tensor, specs_by_k: tuple, selection_bias, top_k: torch.Tensor) -> RoutingDecision:
+    """route_rows with each row's K a tensor, top_k [T] (1 <= k <= len(specs_by_k), the model's K),
+    and no data-dependent Python, so that the compiled step runs it: every row is routed at each k
+    (specs_by_k[k - 1], the family's rule with k experts) and keeps its own k's choice. Rows narrower
+    than the model's K repeat their first expert at weight 0, as route_rows pads: the combine adds
+    exactly nothing for them. Routing is row-wise, so each row's choice is route_rows'."""
+    tokens, widest = logits.shape[0], len(specs_by_k)
+    ids = torch.zeros((tokens, widest), dtype=torch.int64, device=logits.device)  # [T, K]
+    weights = torch.zeros((tokens, widest), dtype=torch.float32, device=logits.device)  # [T, K]
+    for k, spec in enumerate(specs_by_k, start=1):
+        part = route(logits, spec, selection_bias)  # [T, k]
+        pad = widest - k
+        part_ids = torch.cat((part.topk_ids, part.topk_ids[:, :1].expand(tokens, pad)), dim=1)
+        part_weights = torch.nn.functional.pad(part.topk_weights.float(), (0, pad))
+        mine = (top_k == k)[:, None]  # [T, 1]
+        ids = torch.where(mine, part_ids, ids)
+        weights = torch.where(mine, part_weights, weights)
+    return RoutingDecision(topk_ids=ids, topk_weights=weights)
+
+
 class MoE(nn.Module):
     def __init__(self, spec: MoESpec, extras: dict):
         super().__init__()
@@ -45,6 +66,8 @@ class MoE(nn.Module):
         self.shared = MLP(spec.shared, activation_for(spec.shared, extras)) if spec.shared is not None else None
         self.shared_gate = Linear(d, 1, bias=False) if spec.shared_gate else None
         self.experts.weigh_input = spec.weigh_input
+        # The family's rule at each K from 1 to the model's (decode's per-row K, route_each_k).
+        self.specs_by_k = tuple(with_k(spec.router, k) for k in range(1, spec.router.top_k + 1))
 
     def forward(self, x: torch.Tensor, top_k=None, policy=None) -> tuple[torch.Tensor, RoutingDecision]:
         """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major).
@@ -60,3 +83,22 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared
             out = out + shared
         return out.view(b, t, d), decision
+
+    def decode(self, x: torch.Tensor, top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, RoutingDecision]:
+        """The decode step's form (moekit.model.step_ops), the family's routing through the shared
+        route(): x [B, D] → (out [B, D], the decision for the B rows). top_k: None for the model's
+        K, else each row's K [B] int64, 1 <= k <= the model's K (expert-budget tiers)."""
+        router = self.router
+        logits = project(router, x.to(router.weight.dtype)).float()  # [B, E]
+        bias = router.selection_bias.float() if router.selection_bias is not None else None
+        if top_k is None:
+            decision = route(logits, router.spec, bias)
+        else:
+            decision = route_each_k(logits, self.specs_by_k, bias, top_k)
+        out = self.experts.decode(x, decision)
+        if self.shared is not None:
+            shared = self.shared.decode(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(linear_rows(x, self.shared_gate.weight)) * shared
+            out = out + shared
+        return out, decision

@@ -118,7 +118,8 @@ class ServerState:
             engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
                                  compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         if engine.decoder.compiled is not None:
-            engine.decoder.compiled.warm_up()  # compiled before /health says ready, not on a request
+            # Compiled before /health says ready, not on a request; tiers' per-row K graphs too.
+            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers))
         else:
             watch_routers(engine.decoder)  # routing entropy for /metrics (router health)
         self.template = load_chat_template(Path(cfg.checkpoint))

@@ -1,0 +1,116 @@
+"""The products of the decode step (T = 1) through moekit.ops: one implementation for eager and compiled.
+
+Each module's `decode` method (Attention, MLAttention, MLP, RoutedExperts, MoE, Block) is written
+with these, as plain tensor algebra with no data-dependent Python, so that torch.compile captures
+the whole step as one graph (moekit.model.compiled_step) and the same code runs eagerly:
+  - every projection is moekit::rows_gemv and the chosen experts moekit::experts_gemv (two small
+    C++ operators, moekit.ops, that stream fp32/bf16 weight rows at memory speed and read the
+    experts in place from the stacks); where they cannot be built, a projection of one row is the
+    reduction `(x[:, None, :] * W).sum(-1)`, which Inductor vectorises, and the experts are read by
+    indirect indexing `W[topk_ids]`, which compiled code reads in place (eager, the same expression
+    copies the chosen experts: correct, not fast);
+  - a uint8 weight is q8_0 blocks (`--weights int8`): moekit::rows_q8 / experts_q8, the eager int8
+    kernel's own operators; a bf16 weight in the tiles layout (model.linear.TILES) rows_tiles.
+Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from moekit import ops
+from moekit.model.linear import TILES, Linear
+from moekit.ops.torch_private import assume_constant_result
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                tiles: bool = False) -> torch.Tensor:
+    """x [B, in], weight [out, in] (Hub layout) → [B, out]: moekit::rows_gemv where it is built
+    (moekit.ops); else one row as a reduction, which Inductor vectorises over `in` and
+    parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
+    int8`): moekit::rows_q8, the eager int8 kernel's own operator. tiles: a bf16 weight in the tiles
+    layout (lay_out_tiles), moekit::rows_tiles, the eager TILES kernel's own operator."""
+    if tiles:
+        y = ops.op("moekit", "rows_tiles")(x, weight)
+    elif weight.dtype == torch.uint8:
+        y = op_for(weight, "rows_q8")(x, weight, grouped(ops.kind_of(weight)))
+    elif has_gemv():
+        kind = ops.kind_of(weight)
+        y = op_for(weight, "rows_gemv")(widened(x, kind), weight, grouped(kind)).to(x.dtype)
+    else:
+        y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
+    return y if bias is None else y + bias
+
+
+def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
+    """The Linear m on x [B, in], in whichever layout lay_out_tiles left its weight."""
+    return linear_rows(x, m.weight, m.bias, m.kernel is TILES)
+
+
+def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum(equation, a, b) for two operands, written as a broadcast product summed over
+    the contracted letters, which Inductor fuses with the ops around it into one loop nest.
+    The batch-1 graph's attention uses it: at batch 1 the bmm calls einsum becomes cost ~10 µs each
+    for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache."""
+    inputs, out = equation.replace(" ", "").split("->")
+    left, right = inputs.split(",")
+    letters = out + "".join(sorted(set(left + right) - set(out)))  # kept letters first, then summed
+    a, b = _lift(a, left, letters), _lift(b, right, letters)
+    return (a * b).sum(dim=tuple(range(len(out), len(letters))))
+
+
+def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:
+    """t, whose dims are named by `have`, as a view with one dim per letter, in letters' order
+    (size 1 where t has no such letter)."""
+    t = t.permute([have.index(c) for c in letters if c in have])
+    for i, c in enumerate(letters):
+        if c not in have:
+            t = t.unsqueeze(i)
+    return t
+
+
+# Which build of the operators runs each kind of weight here, and whether in groups: ops.variant,
+# measured once per machine (persisted) before tracing (CompiledStep.__init__). Dynamo calls these
+# while it traces and bakes their answers into the graph as constants.
+@assume_constant_result
+def _namespace(kind: str) -> str:
+    return ops.variant(kind).namespace
+
+
+@assume_constant_result
+def grouped(kind: str) -> bool:
+    return ops.variant(kind).grouped
+
+
+@assume_constant_result
+def _widen_batch(kind: str) -> bool:
+    return ops.widen_batch(kind)
+
+
+def widened(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """x as a product on this kind of weight takes it: a batch's rows widened to fp32 where that
+    measured faster here than bf16 pairs (ops.widen_batch; the product is cast back to x's dtype,
+    so the rounding points stay where they are), else x itself. A lone row keeps the pairs."""
+    return x.float() if x.shape[0] != 1 and _widen_batch(kind) else x
+
+
+def op_for(weight: torch.Tensor, name: str):
+    """The operator `name` of the build chosen for this kind of weight."""
+    return ops.op(_namespace(ops.kind_of(weight)), name)
+
+
+def has_gemv() -> bool:
+    # Read while Dynamo traces (a constant in the graph): whether the command loaded the operators.
+    return ops.available("rows_gemv")
+
+
+def has_latent_attend() -> bool:
+    # Read while Dynamo traces, as has_gemv: MLA's attention over the cache as moekit::latent_attend.
+    return ops.available("latent_attend")
+
+
+def has_attend() -> bool:
+    # Read while Dynamo traces, as has_gemv: grouped-query attention over the cache as moekit::attend.
+    return ops.available("attend")

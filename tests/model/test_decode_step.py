@@ -1,0 +1,59 @@
+"""The decode step's form (each module's `decode`, moekit.model.decoder.decode_step) run eagerly,
+without torch.compile, against the eager Decoder's forward: the code the compiled step captures is
+the same code, so it must decode right on its own. Cheap (no compile), so every family runs, each
+with per-row K (expert-budget tiers) too; tests/model/test_compiled_step.py holds the compiled graph
+to the eager forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moekit.engine.loader import load_engine
+from moekit.model.decoder import decode_step
+from tests.engine.hf_tiny import MOE_FAMILIES
+
+PROMPTS = ([5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41])  # row 1 left-padded by 5
+
+
+def _prefilled(decoder):
+    """A 2-row cache after an eager prefill of PROMPTS, left-padded, and the rows' next positions."""
+    cache = decoder.new_cache(2, 16)
+    cache.key_mask[1, :5] = False
+    ids = torch.tensor([PROMPTS[0], [0] * 5 + PROMPTS[1]])
+    decoder(ids, cache, torch.tensor([list(range(8)), [0] * 5 + [0, 1, 2]]))
+    return cache, torch.tensor([8, 3])
+
+
+def _forward_steps(decoder, top_k=None) -> torch.Tensor:
+    """3 decode steps of Decoder.forward after the prefill → logits [2, 3, V]."""
+    cache, positions = _prefilled(decoder)
+    steps = [decoder(torch.tensor([[17 + s], [23 + s]]), cache, (positions + s)[:, None], top_k=top_k) for s in range(3)]
+    return torch.cat(steps, 1)
+
+
+def _decode_steps(decoder, top_k=None) -> torch.Tensor:
+    """The same 3 steps through decode_step, uncompiled → logits [2, 3, V]."""
+    cache, positions = _prefilled(decoder)
+    rope, out = decoder.rope, []
+    ks = None if top_k is None else torch.tensor(top_k)
+    for s in range(3):
+        slot = torch.full((2,), cache.length, dtype=torch.int64)
+        ids = torch.tensor([17 + s, 23 + s])
+        logits, _, _ = decode_step(decoder, ids, slot, positions + s, cache.key_mask[:, : cache.length + 1],
+                                   cache.stack, rope.cos_table, rope.sin_signed_table, ks)
+        cache.length += 1
+        out.append(logits[:, None])
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_decode_step_run_eagerly_matches_the_forward(tiny_checkpoints, family):
+    folder = tiny_checkpoints(family)
+    reference = load_engine(folder).decoder
+    hub = load_engine(folder, kernels="auto", compile=True).decoder  # the Hub layout decode_step reads
+    with torch.inference_mode():
+        torch.testing.assert_close(_decode_steps(hub), _forward_steps(reference), rtol=1e-4, atol=1e-4)
+        k = next(b.ffn.router.spec.top_k for b in hub.layers if hasattr(b.ffn, "router"))
+        ks = [1, k]
+        torch.testing.assert_close(_decode_steps(hub, ks), _forward_steps(reference, ks), rtol=1e-4, atol=1e-4)

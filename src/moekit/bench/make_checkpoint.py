@@ -22,7 +22,7 @@ from itertools import groupby
 from pathlib import Path
 from typing import Callable
 
-from moekit.bench.checkpoint_layout import TensorPlan, float_values, full_config, generator, tensor_plan
+from moekit.bench.checkpoint_layout import TensorPlan, float_values, full_config, random_bytes, tensor_plan
 from moekit.bench.gguf_layout import (ARCH, EOT, GGUFTensorPlan, expert_names, ggml_mxfp4, gguf_name,
                                       hub_tokenizer, metadata, minimal_vocab)
 from moekit.errors import MoekitError
@@ -34,7 +34,7 @@ MXFP4_CONFIG = {  # as gpt-oss-20b's config.json has it
 }
 # E8M0 scales of the drawn MXFP4 blocks: 2^-9 .. 2^-6, so |w| ≤ 6·2^-6 ≈ 0.09, std ≈ 0.02 like the rest.
 SCALE_RANGE = (118, 122)
-Q8_SCALE = 0.02 / 73  # int8 codes uniform in ±127 have std ≈ 73: values of std ≈ 0.02
+Q8_SCALE = 0.02 / 74  # int8 codes uniform in [-128, 127] have std ≈ 74: values of std ≈ 0.02
 
 
 @dataclass(frozen=True)
@@ -59,24 +59,21 @@ def mxfp4_experts(t: TensorPlan, seed: int):
     import torch
 
     e, k, rows = t.shape
-    g = generator(seed, t.name)
-    blocks = torch.randint(0, 256, (e, rows, k // 32, 16), generator=g, dtype=torch.uint8)
-    scales = torch.randint(*SCALE_RANGE, (e, rows, k // 32), generator=g, dtype=torch.uint8)
+    blocks = torch.from_numpy(random_bytes(seed, t.name, (e, rows, k // 32, 16)))
+    scales = torch.from_numpy(random_bytes(seed, t.name + ":scales", (e, rows, k // 32), *SCALE_RANGE))
     return blocks, scales
 
 
 def q8_0_bytes(name: str, shape: tuple[int, ...], seed: int):
     """Random Q8_0 data of `shape` (numpy order, last dim a multiple of 32) as uint8 [..., cols/32 * 34]."""
     import numpy as np
-    import torch
 
     *lead, cols = shape
     n = int(np.prod(lead, dtype=np.int64)) * (cols // 32)
-    g = generator(seed, name)
-    block = np.empty(n, dtype=[("d", "<f2"), ("q", "i1", (32,))])
-    block["q"] = torch.randint(-127, 128, (n, 32), generator=g, dtype=torch.int8).numpy()
-    block["d"] = ((torch.rand(n, generator=g) + 0.5) * Q8_SCALE).numpy().astype(np.float16)
-    return block.view(np.uint8).reshape(*lead, cols // 32 * 34)
+    block = random_bytes(seed, name, (n, 34))  # per block: f16 scale, 32 int8 codes (uniform: std ≈ 73.9)
+    scale = random_bytes(seed, name + ":scales", (n,)).astype(np.float32) / 255 + 0.5  # [0.5, 1.5)
+    block[:, :2] = (scale * Q8_SCALE).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return block.reshape(*lead, cols // 32 * 34)
 
 
 def _hub_tensors(t: TensorPlan, config: dict, fmt: str, seed: int) -> dict:

@@ -42,7 +42,7 @@ def _hwm() -> int:
     return 0
 
 
-def child_moekit(path: str, tokens: int, threads: int, options: list[str]) -> dict:
+def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int]) -> dict:
     import torch
 
     from moekit.engine.loader import load_engine
@@ -55,11 +55,12 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str]) -> di
     t0 = time.perf_counter()
     engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload)
     load_s = time.perf_counter() - t0
+    print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
     before = _io_read()
-    gen = engine.generate([PROMPT], max_new_tokens=tokens, stop_ids=())
+    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=())
     read = _io_read() - before
     t = gen.timing
-    out = {"engine": "moekit", "load_s": load_s, "prefill_tok_s": len(PROMPT) / t.prefill_s,
+    out = {"engine": "moekit", "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
            "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes)}
     if engine.store is not None:
@@ -69,7 +70,7 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str]) -> di
     return out
 
 
-def child_llama(path: str, tokens: int, threads: int) -> dict:
+def child_llama(path: str, tokens: int, threads: int, prompt: list[int]) -> dict:
     from llama_cpp import Llama
 
     t0 = time.perf_counter()
@@ -78,14 +79,14 @@ def child_llama(path: str, tokens: int, threads: int) -> dict:
     load_s = time.perf_counter() - t0
     before = _io_read()
     out_ids, stamps = [], [time.perf_counter()]
-    for tok in llm.generate(PROMPT, temp=0.0, top_k=1, reset=True):  # greedy; the first yield ends the prefill
+    for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # greedy; the first yield ends the prefill
         out_ids.append(int(tok))
         stamps.append(time.perf_counter())
         if len(out_ids) == tokens:
             break
     prefill_s, decode_s = stamps[1] - stamps[0], stamps[-1] - stamps[1]
     read = _io_read() - before
-    return {"engine": "llama.cpp", "load_s": load_s, "prefill_tok_s": len(PROMPT) / prefill_s,
+    return {"engine": "llama.cpp", "load_s": load_s, "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": (tokens - 1) / decode_s, "tokens": out_ids,
             "read_bytes_per_token": read / tokens, "peak_rss": _hwm()}
 
@@ -98,14 +99,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=len(PROMPT), help="the first N of the 16 prompt ids")
     ap.add_argument("--only", choices=("moekit", "llama.cpp"))
     ap.add_argument("--child", choices=("moekit", "llama.cpp"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    prompt = PROMPT[: args.prompt_len]
     if args.child == "moekit":
-        print(json.dumps(child_moekit(args.moekit_path or args.gguf, args.tokens, args.threads, shlex.split(args.moekit))))
+        print(json.dumps(child_moekit(args.moekit_path or args.gguf, args.tokens, args.threads, shlex.split(args.moekit),
+                                      prompt)))
         return
     if args.child == "llama.cpp":
-        print(json.dumps(child_llama(args.gguf, args.tokens, args.threads)))
+        print(json.dumps(child_llama(args.gguf, args.tokens, args.threads, prompt)))
         return
     runs = []
     engines = [e for e in ("llama.cpp", "moekit") if args.only in (None, e)]
@@ -113,14 +117,14 @@ def main() -> None:
         for engine in engines:
             python = str(LLAMA_PY) if engine == "llama.cpp" else sys.executable
             cmd = [python, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--moekit", args.moekit]
+                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len)]
             if args.moekit_path:
                 cmd += ["--moekit-path", args.moekit_path]
             up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
             env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: progress, shown
             if done.returncode != 0:
-                print(f"round {r} {engine}: failed ({done.returncode})\n{done.stderr[-2000:]}", flush=True)
+                print(f"round {r} {engine}: failed ({done.returncode})\n(its stderr is above)", flush=True)
                 continue
             result = json.loads(done.stdout.strip().splitlines()[-1]) | {"round": r, "uptime": up}
             runs.append(result)

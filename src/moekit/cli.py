@@ -75,6 +75,9 @@ def _register() -> None:
     app.command("report", help=report.HELP)(report.report)
     app.command("eval-routing", help=eval_routing.HELP)(eval_routing.eval_routing)
     bench.app.command("serve", help=bench_serve.HELP)(bench_serve.serve)
+    from moekit.commands import bench_checkpoint
+
+    bench.app.command("make-checkpoint", help=bench_checkpoint.HELP)(bench_checkpoint.make_checkpoint)
     from moekit.commands import ops
 
     app.add_typer(ops.app, name="ops")

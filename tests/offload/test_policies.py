@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moekit.errors import MoekitError
-from moekit.offload.policies import HALF_LIFE, LFU, LIVE_POLICIES, LRU, POLICIES, Belady, LFUAging, make_policy
+from moekit.offload.policies import HALF_LIFE, LFRU, LFU, LIVE_POLICIES, LRU, POLICIES, Belady, LFUAging, make_policy
 from moekit.offload.slot_cache import SlotCache
 
 
@@ -21,6 +21,14 @@ def test_lru_and_lfu_differ_on_a_frequent_but_older_expert():
     seq = [0, 0, 0, 1, 2]
     assert _replay(SlotCache(2, LRU()), seq)[-1].evicted == 0
     assert _replay(SlotCache(2, LFU()), seq)[-1].evicted == 1
+
+
+def test_lfru_keeps_a_frequent_expert_through_one_off_misses_until_it_idles():
+    # 0 used three times, then 1 once: 2 evicts 1 (fewer uses per tick since last use), as LFU.
+    assert _replay(SlotCache(2, LFRU()), [0, 0, 0, 1, 2])[-1].evicted == 1
+    # After enough one-off misses 0's rate (3 uses over its idle ticks) falls below a newcomer's.
+    evicted = [r.evicted for r in _replay(SlotCache(2, LFRU()), [0, 0, 0, 1, 2, 3, 4, 5])]
+    assert evicted[4:6] == [1, 2] and 0 in evicted[6:]
 
 
 def test_lfu_counts_survive_eviction():
@@ -104,9 +112,9 @@ def test_belady_has_at_least_the_hits_of_every_live_policy(calls, slots, pins):
 
 
 def test_make_policy_names_the_choices():
-    assert set(LIVE_POLICIES) == set(POLICIES) == {"lru", "lfu", "lfu-aging"}
+    assert set(LIVE_POLICIES) == set(POLICIES) == {"lru", "lfu", "lfu-aging", "lfru"}
     assert make_policy("LFU-Aging").name == "lfu-aging"
-    with pytest.raises(MoekitError, match="lru, lfu, lfu-aging"):
+    with pytest.raises(MoekitError, match="lru, lfu, lfu-aging, lfru"):
         make_policy("fifo")
     with pytest.raises(MoekitError, match="cache-sim"):
         make_policy("belady")  # needs the future: not a live policy

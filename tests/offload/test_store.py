@@ -28,7 +28,7 @@ def _ids(folder, offload=None, dtype="float32", prompts=PROMPTS, new=NEW):
 
 @pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("budget", ["25%", "50%", "75%"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging", "none"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfu-aging", "lfru", "none"])
 def test_every_budget_and_policy_generates_what_the_resident_engine_does(qwen, budget, policy, prefetch):
     want = _ids(qwen)[:2]
     single, batch, stats = _ids(qwen, OffloadOptions(budget, policy=policy, prefetch=prefetch))

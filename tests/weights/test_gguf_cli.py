@@ -12,7 +12,7 @@ import pytest
 from cli_runner import moekit, refused
 from gguf_convert import rewrite_gguf
 
-SUPPORTED_ARCHS = "supported: qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral)"
+SUPPORTED_ARCHS = "supported: qwen3moe, qwen2moe, olmoe, gpt-oss, llama with experts (Mixtral)"
 
 
 def test_calc_counts_a_gguf_as_its_checkpoint(capsys, converted):

@@ -24,7 +24,7 @@ Examples:
 def cache_sim(
     trace: str = typer.Argument(..., metavar="TRACE.parquet", help="Routing trace written by `moekit run --trace`."),
     policy: str = typer.Option(
-        "lru,lfu,lfu-aging,belady", "--policy", metavar="NAMES", help="Comma-separated: lru, lfu, lfu-aging, belady."
+        "lru,lfu,lfu-aging,lfru,belady", "--policy", metavar="NAMES", help="Comma-separated: lru, lfu, lfu-aging, lfru, belady."
     ),
     slots: str = typer.Option(
         "25%,50%",

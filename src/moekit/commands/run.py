@@ -191,7 +191,7 @@ def run(
     expert_memory: Optional[str] = typer.Option(
         None, "--expert-memory", help="Memory for routed experts: a share of all expert bytes (25%) or bytes (2GiB); "
         "the rest stays on disk. Default: all resident."),
-    cache: str = typer.Option("lru", "--cache", help="Expert cache policy: lru, lfu, lfu-aging (or none: read on every use)."),
+    cache: str = typer.Option("lru", "--cache", help="Expert cache policy: lru, lfu, lfu-aging, lfru (or none: read on every use)."),
     pin: Optional[Path] = typer.Option(None, "--pin", help="Profile from `moekit profile`: its experts stay resident."),
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Guess each layer's experts ahead of it and read them "
                                   "on worker threads (off by default: see docs/BENCHMARKS.md)."),

@@ -107,7 +107,7 @@ def serve(
     queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send. Default: the folder's name."),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Memory for routed experts (25% or 2GiB); the rest is paged from disk."),
-    cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging."),
+    cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging, lfru."),
     pin: Optional[Path] = typer.Option(None, "--pin", help="With --expert-memory: a profile from `moekit profile`; "
                                        "its experts stay resident."),
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="With --expert-memory: guess each layer's "

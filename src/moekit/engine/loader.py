@@ -184,8 +184,10 @@ def load_engine(
     ckpt = open_checkpoint(folder)
     spec = load_spec(folder)
     plan, notes = None, []
-    notes.extend(load_kernels(kernels, ops.operators_used(compile, weights, dtype, offload is not None,
-                                                      packed=quant_method(ckpt.config, folder) is not None)))
+    # A GGUF's paged experts stay in their blocks (Q8_0 / Q4_0): the store runs them on the operators,
+    # at any dtype (without them each use dequantized a whole expert: 30B's decode was that slow).
+    packed = quant_method(ckpt.config, folder) is not None or (folder.suffix == ".gguf" and offload is not None)
+    notes.extend(load_kernels(kernels, ops.operators_used(compile, weights, dtype, offload is not None, packed=packed)))
     gguf_tokenizer = gguf_manifest = None
     if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized,
         from moekit.weights.gguf_checkpoint import engine_parts  # where the store finds its experts

@@ -142,6 +142,36 @@ class LFUAging:
         return min(candidates, key=lambda c: (score.get(c, 0.0), last[c]))
 
 
+class LFRU:
+    """Least frequently-recently used: evict the expert with the fewest uses per tick since its last
+    use, uses / (now − last + 1); ties to the least recently used. An expert used often but not
+    lately loses to one used once just now only after `uses` ticks of idleness, so a hot expert
+    survives a burst of one-off misses (LRU's failure) and a formerly hot one does not squat
+    forever (LFU's). vLLM PR #37190 measured LFRU with 8 slots beating LRU with 16.
+    """
+
+    name = "lfru"
+
+    def __init__(self) -> None:
+        self._uses: dict[int, int] = {}  # while resident; eviction forgets, as in LFU
+        self._last: dict[int, int] = {}
+
+    def on_insert(self, e: int, now: int) -> None:
+        self._uses.setdefault(e, 0)
+        self._last[e] = now
+
+    def on_hit(self, e: int, now: int) -> None:
+        self._uses[e] = self._uses.get(e, 0) + 1
+        self._last[e] = now
+
+    def on_evict(self, e: int) -> None:
+        self._uses.pop(e, None)
+
+    def victim(self, candidates: Sequence[int], now: int) -> int:
+        uses, last = self._uses, self._last
+        return min(candidates, key=lambda c: (uses.get(c, 0) / (now - last[c] + 1), last[c]))
+
+
 class Belady:
     """Evict the expert whose next use is furthest in the future (never: furthest of all); ties to
     the lowest id. Optimal for a cache that must admit every miss (Belady's MIN), so it is the upper
@@ -178,7 +208,7 @@ class Belady:
         return max(candidates, key=self._next.__getitem__)  # max keeps the first: the lowest id
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRU, "lfu": LFU, "lfu-aging": LFUAging}
+POLICIES: dict[str, Callable[[], Policy]] = {"lru": LRU, "lfu": LFU, "lfu-aging": LFUAging, "lfru": LFRU}
 LIVE_POLICIES: tuple[str, ...] = tuple(POLICIES)
 
 

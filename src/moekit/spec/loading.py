@@ -81,12 +81,19 @@ def spec_from_gguf(path: Path) -> ModelSpec:
 
 def load_spec(source: str) -> ModelSpec:
     """A preset name, a config.json path, a checkpoint folder holding config.json, or a .gguf file."""
+    path = Path(source)
+    if source not in _preset_files() and path.suffix == ".gguf" and path.is_file():
+        return spec_from_gguf(path)
+    config, name = load_config(source)
+    return spec_from_config(config, name)
+
+
+def load_config(source: str) -> tuple[dict, str]:
+    """(config, its name) of a preset name, a config.json path or a folder holding config.json."""
     presets = _preset_files()
     if source in presets:
-        return spec_from_config(preset_config(source), source)
+        return preset_config(source), source
     path = Path(source)
-    if path.suffix == ".gguf" and path.is_file():
-        return spec_from_gguf(path)
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():
@@ -100,4 +107,4 @@ def load_spec(source: str) -> ModelSpec:
         data = path.read_bytes()
     except OSError as err:
         raise SpecError(f"{path}: cannot read ({err.strerror})") from None
-    return spec_from_config(_parse(data, str(path)), _name_for(path))
+    return _parse(data, str(path)), _name_for(path)

@@ -32,6 +32,18 @@ def _unpermute(w, heads: int):
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def hub_mxfp4(data):
+    """ggml MXFP4 bytes uint8 [..., G * 17] (per block: the E8M0 byte, then 16 bytes whose low
+    nibbles are values 0-15 and high nibbles 16-31) → the Hub's (blocks [..., G, 16], value 2i in
+    the low nibble of byte i; scales [..., G]), undoing convert_hf_to_gguf's repack (torch)."""
+    import torch
+
+    raw = data.reshape(*data.shape[:-1], -1, 17)  # [..., G, 17]
+    codes = raw[..., 1:]
+    values = torch.cat((codes & 0x0F, codes >> 4), dim=-1)  # [..., G, 32] in order
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).contiguous(), raw[..., 0].contiguous()
+
+
 def dequantize(t: GGUFTensor, data):
     """`data` (t's bytes or elements, any leading slice of them) as a torch tensor: exact for F32,
     F16 and BF16 (kept in their own dtype), float32 for the block-quantized types."""
@@ -80,12 +92,33 @@ class GGUFCheckpoint:
         source = self._source(name)
         t = self.gguf.tensors[source.tensor]
         self._check(t)
+        if source.interleave is not None or source.mxfp4 is not None:
+            return self._gpt_oss_experts(source)
         data = t.data if source.expert is None else t.data[source.expert]
         try:
             w = dequantize(t, data)
         except Exception as err:  # gguf.quants raises on a malformed block
             raise CheckpointError(f"{self.folder}: cannot dequantize {source.tensor} ({t.qtype}): {err}") from None
         return _unpermute(w, source.unpermute_heads) if source.unpermute_heads else w
+
+    def _gpt_oss_experts(self, source: Source):
+        """A Hub gpt-oss expert tensor: MXFP4 blocks or scales in the Hub's layout, or a bias, with
+        gate's and up's rows interleaved again where the converter split them."""
+        import numpy as np
+        import torch
+
+        def one(name: str):
+            t = self.gguf.tensors[name]
+            if source.mxfp4 is None:
+                return dequantize(t, t.data)
+            blocks, scales = hub_mxfp4(torch.from_numpy(np.array(t.data)))  # a copy: the mmap is read-only
+            return blocks if source.mxfp4 == "blocks" else scales
+
+        first = one(source.tensor)
+        if source.interleave is None:
+            return first
+        self._check(self.gguf.tensors[source.interleave])
+        return torch.stack((first, one(source.interleave)), dim=2).flatten(1, 2)  # [E, 2R, ...] gate, up, ...
 
     def spec(self):
         from moekit.spec.loading import spec_from_config
@@ -135,6 +168,10 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         source = self._source(name)
         shape = self.gguf.tensors[source.tensor].shape
+        if source.mxfp4 is not None:  # [E, R, K] elements → blocks [E, R, K/32, 16], scales [E, R, K/32]
+            shape = (*shape[:-1], shape[-1] // 32) + ((16,) if source.mxfp4 == "blocks" else ())
+        if source.interleave is not None:
+            shape = (shape[0], 2 * shape[1], *shape[2:])
         return shape[1:] if source.expert is not None else shape
 
     def __iter__(self) -> Iterator[str]:
@@ -155,8 +192,10 @@ class GGUFCheckpoint:
         counts = self.types()
         kinds = ", ".join(f"{n} {q}" for q, n in sorted(counts.items(), key=lambda kv: -kv[1]))
         loaded = Counter(t.qtype for t in self.gguf.tensors.values() if not (paged and "_exps." in t.name))
-        quantized = sorted(q for q in loaded if q not in ("F32", "F16", "BF16"))
+        quantized = sorted(q for q in loaded if q not in ("F32", "F16", "BF16", "MXFP4"))
         how = f"{'/'.join(quantized)} dequantized to float32 at load" if quantized else "no dequantization needed"
+        if "MXFP4" in loaded:
+            how += "; MXFP4 experts kept packed"
         return f"GGUF {self.config['model_type']} ({kinds} tensors): {how}"
 
 
@@ -173,8 +212,29 @@ def open_gguf(path: str | Path) -> GGUFCheckpoint:
                               f"which moekit does not dequantize (supported: {', '.join(SUPPORTED_TYPES)})")
     shapes = {name: t.shape for name, t in gguf.tensors.items()}
     config = hf_config(gguf.metadata, shapes, where)
-    files = hub_sources(family, shapes.items(), config["num_attention_heads"], config["num_key_value_heads"], where)
-    return GGUFCheckpoint(folder=path, config=config, files=files, gguf=gguf)
+    qtypes = {name: t.qtype for name, t in gguf.tensors.items()}
+    files = hub_sources(family, shapes.items(), config["num_attention_heads"], config["num_key_value_heads"], where,
+                        qtypes)
+    ckpt = GGUFCheckpoint(folder=path, config=config, files=files, gguf=gguf)
+    return packed_view(ckpt) if "quantization_config" in config else ckpt
+
+
+def packed_view(ckpt: GGUFCheckpoint):
+    """gpt-oss's MXFP4 experts as the published safetensors hold them (moekit.weights.quantized):
+    the loader keeps them packed, exactly as it does for the Hub's files."""
+    from moekit.weights import mxfp4
+    from moekit.weights.quantized import Packed, QuantizedCheckpoint
+
+    packed = {}
+    for name in ckpt.files:
+        if name.endswith("_blocks"):
+            base = name[: -len("_blocks")]
+            e, rows, groups, _ = shape = ckpt.shape(name)
+            packed[base] = Packed("mxfp4", name, f"{base}_scales", (e, groups * mxfp4.BLOCK, rows), shape)
+    hidden = {p.data for p in packed.values()} | {p.scales for p in packed.values()}
+    files = {name: s for name, s in ckpt.files.items() if name not in hidden}
+    files.update({name: ckpt.files[p.data] for name, p in packed.items()})
+    return QuantizedCheckpoint(inner=ckpt, method="mxfp4", packed_tensors=packed, files=files)
 
 
 def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Optional[object], Optional[object], list[str]]:
@@ -183,6 +243,10 @@ def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Op
     to show. verify: the resident reads and the store check against the GGUF's manifest."""
     from moekit.weights.gguf_tokenizer import gguf_tokenizer
 
+    ckpt = getattr(ckpt, "inner", ckpt)  # gpt-oss: the GGUF under its packed view (packed_view)
+    if offload is not None and ckpt.config["model_type"] == "gpt_oss":
+        raise CheckpointError(f"{ckpt.folder}: paging a gpt-oss GGUF's MXFP4 experts is not supported yet; run it "
+                              "resident (no --expert-memory), or page its mxfp4 safetensors form")
     ckpt.verify = verify
     notes = [ckpt.note(paged=offload is not None)]
     store_manifest = None

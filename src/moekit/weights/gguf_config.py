@@ -55,7 +55,7 @@ def hf_config(meta: Mapping[str, Any], shapes: Shapes, where: str) -> dict:
     arch = family.arch
     key = lambda name: _required(meta, f"{arch}.{name}", where)  # noqa: E731
     scaling = meta.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
+    if scaling not in (None, "none") and not (arch == "gpt-oss" and scaling == "yarn"):
         raise CheckpointError(f"{where}: GGUF rope scaling {scaling!r} is not supported (only unscaled RoPE)")
     if "token_embd.weight" not in shapes:
         raise CheckpointError(f"{where}: GGUF has no token_embd.weight")
@@ -85,7 +85,9 @@ def hf_config(meta: Mapping[str, Any], shapes: Shapes, where: str) -> dict:
         "eos_token_id": _opt_int(meta.get("tokenizer.ggml.eos_token_id")),
         "pad_token_id": _opt_int(meta.get("tokenizer.ggml.padding_token_id")),
     }
-    if family.model_type == "mixtral":
+    if family.model_type == "gpt_oss":
+        config.update(_gpt_oss(meta, shapes, num_experts, expert_width, where))
+    elif family.model_type == "mixtral":
         # llama.cpp's llama graph attends to the whole context: no sliding window.
         config.update(num_local_experts=num_experts, intermediate_size=expert_width, sliding_window=None)
     elif family.model_type == "olmoe":
@@ -105,6 +107,31 @@ def hf_config(meta: Mapping[str, Any], shapes: Shapes, where: str) -> dict:
         else:
             shared = shapes.get("blk.0.ffn_gate_shexp.weight") or shapes.get(f"blk.{num_layers - 1}.ffn_gate_shexp.weight")
             config.update(qkv_bias="blk.0.attn_q.bias" in shapes, shared_expert_intermediate_size=shared[0] if shared else 0)
+    return config
+
+
+def _gpt_oss(meta: Mapping[str, Any], shapes: Shapes, num_experts: int, expert_width: int, where: str) -> dict:
+    """What llama.cpp's openai-moe graph hard-codes: even layers slide (set_swa_pattern(2)), SwiGLU
+    clamped at 7, biases everywhere; YaRN with gpt-oss's published betas when the GGUF says yarn."""
+    key = lambda name: _required(meta, f"gpt-oss.{name}", where)  # noqa: E731
+    layers = int(key("block_count"))
+    config: dict[str, Any] = {
+        "num_local_experts": num_experts,
+        "intermediate_size": expert_width,
+        "sliding_window": int(key("attention.sliding_window")),
+        "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        "swiglu_limit": 7.0,
+        "attention_bias": True,
+    }
+    theta = _float32_decimal(meta.get("gpt-oss.rope.freq_base", 10000.0))
+    if meta.get("gpt-oss.rope.scaling.type") == "yarn":
+        config["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": theta, "factor": _float32_decimal(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+        }
+    if shapes and any(name.endswith("_exps.weight") for name in shapes):
+        config["quantization_config"] = {"quant_method": "mxfp4"}  # the reader refuses other expert types
     return config
 
 

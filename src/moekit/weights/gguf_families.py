@@ -10,6 +10,13 @@ llama-cpp-python 0.3.36:
   qwen2moe   qwen2_moe        mlp (+ shared)    gate/up/down_proj  as Hub     no
   llama      mixtral          block_sparse_moe  w1 / w3 / w2       PERMUTED   yes
   olmoe      olmoe            mlp               gate/up/down_proj  as Hub     no
+  gpt-oss    gpt_oss          mlp (router)      MXFP4 gate/up/down as Hub     (softmax over the top-K)
+
+gpt-oss (conversion/gpt_oss.py): the Hub's interleaved gate_up_proj is split into ffn_gate_exps
+(even rows) and ffn_up_exps (odd rows), each re-packed as ggml MXFP4 blocks (the E8M0 byte first,
+then the codes in ggml's nibble order); biases split alike; sinks become attn_sinks.weight and
+post_attention_layernorm post_attention_norm. The reader gives the Hub's MXFP4 tensors back
+(gguf_names, gguf_checkpoint), so the experts stay packed as the published safetensors' do.
 
 "PERMUTED": LlamaModel.permute reorders each head's q and k rows from the Hub's half-split RoPE
 layout to llama.cpp's interleaved one; the reader undoes it. The converter stacks each layer's
@@ -39,13 +46,14 @@ FAMILIES: dict[str, GGUFFamily] = {
                            shared_expert=True),
     "llama": GGUFFamily("llama", "mixtral", "block_sparse_moe", ("w1", "w3", "w2"), True, True),
     "olmoe": GGUFFamily("olmoe", "olmoe", "mlp", ("gate_proj", "up_proj", "down_proj"), False, False),
+    "gpt-oss": GGUFFamily("gpt-oss", "gpt_oss", "mlp", ("gate_up_proj", "gate_up_proj", "down_proj"), False, False),
 }
 
 # How a refusal lists what is supported (llama only with experts: Mixtral).
-SUPPORTED = "qwen3moe, qwen2moe, olmoe, llama with experts (Mixtral)"
+SUPPORTED = "qwen3moe, qwen2moe, olmoe, gpt-oss, llama with experts (Mixtral)"
 
 # Tensor types the reader dequantizes (gguf.quants does the arithmetic).
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")  # MXFP4: gpt-oss's experts, kept packed
 
 
 def family_for(arch: Optional[str], expert_count: Optional[int]) -> Optional[GGUFFamily]:

@@ -48,6 +48,27 @@ class Source:
     tensor: str  # GGUF tensor name
     expert: Optional[int] = None  # index into a stacked [E, ...] expert tensor
     unpermute_heads: Optional[int] = None  # undo LlamaModel.permute with this many heads
+    interleave: Optional[str] = None  # gpt-oss: rows of `tensor` (gate) alternate with this one's (up)
+    mxfp4: Optional[str] = None  # gpt-oss: "blocks" or "scales" of the Hub's MXFP4 form of `tensor`
+
+
+# gpt-oss: the names its converter gives the Hub's (conversion/gpt_oss.py), per layer.
+GPT_OSS = {"attn_sinks": "self_attn.sinks", "post_attention_norm": "post_attention_layernorm",
+           "ffn_gate_inp": "mlp.router"}
+
+
+def _gpt_oss_experts(layer: str, part: str, kind: str, qtype: str, where: str) -> dict[str, Source]:
+    """The Hub's expert tensors that blk.N.<part>.<kind> holds (up's are its gate's pair)."""
+    if part == "ffn_up_exps":
+        return {}
+    pre, name = f"model.layers.{layer}.mlp.experts.", f"blk.{layer}.{part}.{kind}"
+    pair = f"blk.{layer}.ffn_up_exps.{kind}" if part == "ffn_gate_exps" else None
+    hub = "gate_up_proj" if pair else "down_proj"
+    if kind == "bias":
+        return {f"{pre}{hub}_bias": Source(name, interleave=pair)}
+    if qtype != "MXFP4":
+        raise CheckpointError(f"{where}: GGUF tensor {name} is {qtype}: moekit reads gpt-oss GGUFs whose experts are MXFP4")
+    return {f"{pre}{hub}_{piece}": Source(name, interleave=pair, mxfp4=piece) for piece in ("blocks", "scales")}
 
 
 def _layer_name(family: GGUFFamily, part: str) -> Optional[str]:
@@ -61,9 +82,11 @@ def _layer_name(family: GGUFFamily, part: str) -> Optional[str]:
 
 
 def hub_sources(family: GGUFFamily, tensors: Iterable[tuple[str, tuple[int, ...]]], heads: int, kv_heads: int,
-                where: str) -> dict[str, Source]:
-    """Hub name → Source for every tensor of the GGUF; an unknown tensor is refused by name."""
+                where: str, qtypes: Optional[dict[str, str]] = None) -> dict[str, Source]:
+    """Hub name → Source for every tensor of the GGUF; an unknown tensor is refused by name.
+    qtypes: GGUF tensor → its type (gpt-oss's experts are read only as MXFP4)."""
     out: dict[str, Source] = {}
+    qtypes = qtypes or {}
     for name, shape in tensors:
         if name in TOP:
             out[TOP[name]] = Source(name)
@@ -72,6 +95,13 @@ def hub_sources(family: GGUFFamily, tensors: Iterable[tuple[str, tuple[int, ...]
             continue
         match = _BLOCK.match(name)
         part = match and match.group(2)
+        if match and family.arch == "gpt-oss" and part in STACKED:
+            out.update(_gpt_oss_experts(match.group(1), part, match.group(3), qtypes.get(name, ""), where))
+            continue
+        if match and family.arch == "gpt-oss" and part in GPT_OSS:
+            suffix = "" if part == "attn_sinks" else f".{match.group(3)}"
+            out[f"model.layers.{match.group(1)}.{GPT_OSS[part]}{suffix}"] = Source(name)
+            continue
         if match and part in STACKED:
             layer, kind = match.group(1), family.expert_names[STACKED.index(part)]
             for j in range(shape[0]):

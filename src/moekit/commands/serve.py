@@ -127,7 +127,7 @@ def serve(
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import WEIGHTS as WEIGHT_CHOICES
     from moekit.serve.app import ServeConfig, create_app
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     from moekit.offload.budget import parse_size
 
@@ -135,7 +135,7 @@ def serve(
     gguf = folder.suffix.lower() == ".gguf" and folder.is_file()
     if not gguf and not (folder / "config.json").is_file():
         raise MoekitError(f"{folder}: not a checkpoint folder (no config.json) nor a .gguf file")
-    spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
+    spec = load_any_spec(folder)  # a config the engine cannot describe fails here, before the port opens
     dtype = engine_dtype(dtype)
     if weights not in WEIGHT_CHOICES:
         raise MoekitError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")

@@ -8,7 +8,6 @@ is tested where the suite runs, not only on the AMX machines the compiled-step t
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from moekit.engine.loader import load_engine
@@ -21,22 +20,20 @@ FITS = dict(hidden_size=64, head_dim=16)
 
 
 def _logits(engine) -> torch.Tensor:
-    """A 2-row prefill, then 3 single-token steps' logits [2, 3, V] (eager)."""
-    dec, cache = engine.decoder, engine.decoder.new_cache(2, 16)
+    """A 2-row prefill's logits [2, T, V]: the eager forward, which reads tiled stacks through the
+    TILES kernel (a single-token step of a compile=True engine would compile the decode step)."""
     prompts = torch.tensor([[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41, 2, 7, 8, 9, 10]])
     with torch.inference_mode():
-        dec(prompts, cache, torch.arange(8)[None].expand(2, 8))
-        return torch.cat([dec(torch.tensor([[17 + s], [23 + s]]), cache, torch.full((2, 1), 8 + s)) for s in range(3)], 1)
+        return engine.decoder(prompts, engine.decoder.new_cache(2, 16), torch.arange(8)[None].expand(2, 8))
 
 
 def _experts(engine) -> list[RoutedExperts]:
     return [m for m in engine.decoder.modules() if isinstance(m, RoutedExperts)]
 
 
-@pytest.mark.slow  # 246 s on the loaded 2-core machine (two bf16 engines, tiles without AMX): see docs/TESTING.md
 def test_a_hot_swap_into_tiled_stacks_is_the_hub_layouts(tmp_path):
     folder = write_checkpoint("qwen3_moe", tmp_path / "q", **FITS)
-    # compile=True: the stacks the compiled step reads (plain, Hub layout), here run eagerly, never compiled
+    # compile=True: the stacks the compiled step reads (plain, Hub layout); only prefills run, nothing compiles
     hub, tiled = (load_engine(folder, dtype="bfloat16", compile=True) for _ in range(2))
     for ex in _experts(tiled):
         assert ex.kernels == (PLAIN, PLAIN) and ex.tiles_fit()

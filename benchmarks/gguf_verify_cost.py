@@ -10,7 +10,7 @@ from pathlib import Path
 from moekit.engine.loader import load_engine
 from moekit.weights.gguf_extents import checksum_gguf, manifest_path
 from moekit.offload.options import OffloadOptions
-from moekit.spec.loading import spec_from_gguf
+from moekit.weights.gguf_spec import spec_from_gguf
 
 PROMPT = [1, 17, 42, 99, 5, 7, 150, 3]
 NEW = 32

@@ -93,4 +93,6 @@ def test_bench_offload_runs_every_configuration_and_agrees_with_resident(capsys,
     assert [r["budget"] for r in rows] == ["25%", "100%"]
     assert all(r["same_tokens"] for r in rows)
     assert rows[0]["hit_rate"] is not None and rows[1]["hit_rate"] is None  # 100% runs resident
+    assert rows[0]["disk_bytes_per_token"] > 0  # a quarter of the experts: misses read from disk
+    assert rows[1]["disk_bytes_per_token"] is None and rows[1]["stall_s_per_token"] is None
     assert json.loads(raw.read_text())["results"]["no-cache"]["offload"]["decode"]["hit_rate"] == 0.0

@@ -1,4 +1,4 @@
-"""Three fresh processes running the same command give the same tokens: the kernel each uses is the
+"""Two fresh processes running the same command give the same tokens: the kernel each uses is the
 one measured once and kept beside the build (moekit.ops.select), not a new timing per process."""
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ def _tokens(dtype: str) -> list[int]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_three_processes_give_the_same_tokens(machine_builds, dtype):
-    runs = [_tokens(dtype) for _ in range(3)]
-    assert len(runs[0]) == 12 and runs[0] == runs[1] == runs[2]
+def test_two_processes_give_the_same_tokens(machine_builds, dtype):
+    # Two suffice: a kernel timed anew per process would differ between any two (a third cost 17 s a dtype)
+    runs = [_tokens(dtype) for _ in range(2)]
+    assert len(runs[0]) == 12 and runs[0] == runs[1]
 
 
 def test_kernels_reference_runs_without_the_operators():

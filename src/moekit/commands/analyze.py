@@ -31,7 +31,7 @@ def model_params(trace, model: Optional[Path]):
     fingerprint is the bundled model's; None when neither (the share is then of routed experts)."""
     from moekit.engine.default_model import bundled_model_path
     from moekit.engine.meter import params_per_token
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     if model is None:
         bundled = bundled_model_path() / "config.json"
@@ -39,7 +39,7 @@ def model_params(trace, model: Optional[Path]):
         if sha is None or not bundled.is_file() or hashlib.sha256(bundled.read_bytes()).hexdigest() != sha:
             return None
         model = bundled.parent
-    spec = load_spec(str(model))
+    spec = load_any_spec(str(model))
     params = params_per_token(spec)
     for layer, experts in trace.experts.items():
         if layer not in params.expert_each or spec.layers[layer].ffn.num_experts != experts:

@@ -233,12 +233,12 @@ def _offload_prompt(folder: Path, text: str, length: int) -> list[int]:
     import random
 
     from moekit.engine.loader import load_tokenizer
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     tokenizer = load_tokenizer(folder)
     if tokenizer is not None:
         return list(tokenizer.encode(text).ids)
-    vocab = load_spec(folder).vocab_size
+    vocab = load_any_spec(folder).vocab_size
     rng = random.Random(0)
     return [rng.randrange(3, vocab) for _ in range(length)]
 

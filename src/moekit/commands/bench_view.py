@@ -41,9 +41,9 @@ def check_offload_request(folder: Path, dtype: str, budgets: tuple[str, ...], po
     from moekit.engine.loader import torch_dtype
     from moekit.offload.attach import expert_nbytes, moe_layers, plan_offload
     from moekit.offload.options import OffloadOptions
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
-    spec = load_spec(folder)
+    spec = load_any_spec(folder)
     layers = moe_layers(spec)
     if not layers:
         raise MoekitError(f"{folder}: a dense model has no routed experts to offload")

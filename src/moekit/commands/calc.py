@@ -87,10 +87,10 @@ def calc(
     from moekit.calc.hardware import get_hardware
     from moekit.calc.report import build_report
     from moekit.calc.request import parse_request
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     priced = _cost_options(cost, hardware, price_per_hour, api_price)
-    specs = [(source, load_spec(source)) for source in models]
+    specs = [(source, load_any_spec(source)) for source in models]
     reports, device = [], None
     for source, spec in specs:
         stored, where = stored_dtype(source) if dtype is None else (dtype, None)

@@ -44,7 +44,7 @@ def checksum(
 
     if checkpoint.suffix == ".gguf" and checkpoint.is_file():  # its manifest beside it (moekit.weights.gguf_extents)
         from moekit.weights.gguf_extents import checksum_gguf
-        from moekit.spec.loading import spec_from_gguf
+        from moekit.weights.gguf_spec import spec_from_gguf
 
         spec = spec_from_gguf(checkpoint)
         run = lambda progress: checksum_gguf(checkpoint, spec, progress)  # noqa: E731

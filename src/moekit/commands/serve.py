@@ -133,7 +133,7 @@ def serve(
     from moekit.engine.default_model import default_checkpoint
     from moekit.engine.loader import WEIGHTS as WEIGHT_CHOICES
     from moekit.serve.app import ServeConfig
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     from moekit.offload.budget import parse_size
 
@@ -141,7 +141,7 @@ def serve(
     gguf = folder.suffix.lower() == ".gguf" and folder.is_file()
     if not gguf and not (folder / "config.json").is_file():
         raise MoekitError(f"{folder}: not a checkpoint folder (no config.json) nor a .gguf file")
-    spec = load_spec(folder)  # a config the engine cannot describe fails here, before the port opens
+    spec = load_any_spec(folder)  # a config the engine cannot describe fails here, before the port opens
     dtype = engine_dtype(dtype)
     if weights not in WEIGHT_CHOICES:
         raise MoekitError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
@@ -250,7 +250,7 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
     from moekit.dist.cli import offload_fields, parse_ranks
     from moekit.dist.session import Job, placement_for
     from moekit.serve.sharded import sharding
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     if expert_parallel is None:
         raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
@@ -266,5 +266,5 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
     job = Job(checkpoint=str(folder), dtype=dtype, device=device, offload=offload_fields(offload),
               placement=None if placement is None else str(placement), timeout_s=timeout_s)
     plan = sharding(parse_ranks(expert_parallel), job, threads)
-    placement_for(load_spec(folder), folder, job.placement, plan.world)
+    placement_for(load_any_spec(folder), folder, job.placement, plan.world)
     return plan

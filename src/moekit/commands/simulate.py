@@ -70,14 +70,14 @@ def _load(trace, uniform, model, tokens, forwards):
     trace records (moekit writes them), else the bundled model's when the trace is its."""
     from moekit.dist.costs import bundled_model_for, spec_facts, trace_facts
     from moekit.dist.simulate import read_forwards, uniform_forwards
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     if (trace is None) == (uniform is None):
         raise MoekitError("give a TRACE.parquet or --uniform MODEL (one of the two)")
     if uniform is not None:
         if tokens < 1 or forwards < 1:
             raise MoekitError("--tokens and --forwards must be at least 1")
-        spec = load_spec(uniform)
+        spec = load_any_spec(uniform)
         facts = spec_facts(spec)
         return uniform_forwards(facts[2], facts[3], tokens, forwards), facts, spec.name
     fwd = read_forwards(trace)
@@ -87,7 +87,7 @@ def _load(trace, uniform, model, tokens, forwards):
     source = model or bundled_model_for(fwd.model.get("config_sha256"))
     if source is None:
         raise MoekitError(f"{trace}: the trace records no hidden size; name the model with --model CKPT (or a preset)")
-    spec = load_spec(source)
+    spec = load_any_spec(source)
     facts = spec_facts(spec)
     if facts[2] != fwd.experts and fwd.model:
         raise MoekitError(f"--model {source}: its MoE layers and experts do not match the trace's")

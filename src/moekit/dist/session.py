@@ -192,10 +192,10 @@ def _manifest_first(job: Job, me: Rank, progress) -> None:
 
     from moekit.dist.layer import ExchangeError
     from moekit.weights.manifest import load_or_build_manifest
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     if me.rank == 0:
-        load_or_build_manifest(job.checkpoint, load_spec(job.checkpoint), progress)
+        load_or_build_manifest(job.checkpoint, load_any_spec(job.checkpoint), progress)
     try:
         dist.barrier()
     except (RuntimeError, dist.DistError) as err:
@@ -256,10 +256,10 @@ def launch(job: Job, world: int, report: Optional[Report] = None, progress=None)
         raise MoekitError(f"--expert-parallel needs at least 1 rank, got {world}")
     from pathlib import Path
 
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
 
     # The checks every rank would make, made once before any rank starts: bad input costs no launch.
-    placement_for(load_spec(job.checkpoint), Path(job.checkpoint), job.placement, world)
+    placement_for(load_any_spec(job.checkpoint), Path(job.checkpoint), job.placement, world)
     torch.set_num_threads(threads_per_rank(world))
     store = host_store(world, job.timeout_s)
     workers: list = []

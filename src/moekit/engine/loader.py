@@ -171,7 +171,7 @@ def load_engine(
     once per machine, a failed build one line in notes naming its log, the reference then running),
     "reference" never loads them: every product, attention and argmax the plain PyTorch way."""
     from moekit.model.decoder import Decoder
-    from moekit.spec import load_spec
+    from moekit.weights.gguf_spec import load_any_spec
     from moekit.weights.checkpoint import base_checkpoint, open_checkpoint
     from moekit.weights.quantized import quant_method
 
@@ -182,7 +182,7 @@ def load_engine(
         raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     dev = resolve_device(device)
     ckpt = open_checkpoint(folder)
-    spec = load_spec(folder)
+    spec = load_any_spec(folder)
     plan, notes = None, []
     # A GGUF's paged experts stay in their blocks (Q8_0 / Q4_0): the store runs them on the operators,
     # at any dtype (without them each use dequantized a whole expert: 30B's decode was that slow).

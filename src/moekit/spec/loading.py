@@ -69,21 +69,9 @@ def _name_for(path: Path) -> str:
     return path.parent.name if path.name == "config.json" else path.stem
 
 
-def spec_from_gguf(path: Path) -> ModelSpec:
-    """A GGUF file, counted from its metadata and tensor shapes (no tensor data is read)."""
-    from moekit.weights.gguf_config import hf_config
-    from moekit.weights.gguf_file import read_gguf
-
-    gguf = read_gguf(path)
-    shapes = {name: t.shape for name, t in gguf.tensors.items()}
-    return spec_from_config(hf_config(gguf.metadata, shapes, str(path)), path.stem)
-
-
 def load_spec(source: str) -> ModelSpec:
-    """A preset name, a config.json path, a checkpoint folder holding config.json, or a .gguf file."""
-    path = Path(source)
-    if source not in _preset_files() and path.suffix == ".gguf" and path.is_file():
-        return spec_from_gguf(path)
+    """A preset name, a config.json path or a checkpoint folder holding config.json (a .gguf file:
+    moekit.weights.gguf_spec.load_any_spec, which reads its header)."""
     config, name = load_config(source)
     return spec_from_config(config, name)
 
@@ -94,6 +82,8 @@ def load_config(source: str) -> tuple[dict, str]:
     if source in presets:
         return preset_config(source), source
     path = Path(source)
+    if path.suffix == ".gguf" and path.is_file():
+        raise SpecError(f"{path}: a GGUF file, whose config moekit.weights.gguf_spec.load_any_spec reads")
     if path.is_dir():
         config_path = path / "config.json"
         if not config_path.is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 from moekit.errors import SpecError
 from moekit.spec.adapters import common
 from moekit.spec.config_fields import ConfigFields
+from moekit.spec.layer_counts import layer_params
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 from moekit.spec.rope import rope_spec, yarn_softmax_scale
 
@@ -135,8 +136,6 @@ def _layers(f: ConfigFields, attention: AttentionSpec, router: RouterSpec, mlp_b
 def _mtp_params(f: ConfigFields, moe_layer: LayerSpec) -> int:
     """One MTP module as DeepSeek ships it: enorm, hnorm, eh_proj (2D → D), one MoE decoder layer,
     shared_head norm + head, and its own copy of the embedding table (the Hub's 685B counts it)."""
-    from moekit.calc.params import layer_params  # calc depends on spec; count with the one shared rule
-
     depth = f.int("num_nextn_predict_layers") or 0
     if depth <= 0:
         return 0

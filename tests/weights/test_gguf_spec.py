@@ -1,5 +1,6 @@
-"""`load_spec(x.gguf)`: a GGUF counted from its metadata and tensor shapes, as the checkpoint it was
-converted from (llama.cpp's own converter), and without importing torch."""
+"""`load_any_spec(x.gguf)`: a GGUF counted from its metadata and tensor shapes, as the checkpoint it
+was converted from (llama.cpp's own converter), and without importing torch; moekit.spec's own
+load_spec names the function that reads it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from gguf_convert import convert, tiny_checkpoint
 from moekit.errors import MoekitError
 from moekit.spec import load_spec
+from moekit.weights.gguf_spec import load_any_spec
 
 
 @pytest.fixture(scope="module")
@@ -23,16 +25,18 @@ def qwen2_moe(tmp_path_factory) -> tuple[Path, Path]:
 
 def test_gguf_spec_is_the_checkpoints(qwen2_moe):
     folder, gguf = qwen2_moe
-    spec = load_spec(str(gguf))
+    spec = load_any_spec(str(gguf))
     assert spec.name == gguf.stem
-    assert replace(spec, name=folder.name) == load_spec(str(folder))
+    assert replace(spec, name=folder.name) == load_any_spec(str(folder)) == load_spec(str(folder))
+    with pytest.raises(MoekitError, match="a GGUF file, whose config moekit.weights.gguf_spec.load_any_spec reads"):
+        load_spec(str(gguf))  # spec reads no GGUF header: it sits below weights
 
 
 _PROBE = """
 import sys
 from moekit.calc.params import count_params
-from moekit.spec import load_spec
-print(count_params(load_spec(sys.argv[1])).total_params)
+from moekit.weights.gguf_spec import load_any_spec
+print(count_params(load_any_spec(sys.argv[1])).total_params)
 print(sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules))
 """
 
@@ -51,4 +55,4 @@ def test_a_text_file_named_gguf_is_refused(tmp_path):
     fake = tmp_path / "model.gguf"
     fake.write_text('{"model_type": "qwen3_moe"}')
     with pytest.raises(MoekitError, match="not a GGUF file"):
-        load_spec(str(fake))
+        load_any_spec(str(fake))

@@ -13,7 +13,7 @@ from cli_runner import moekit, refused
 from moekit.bench.make_checkpoint import make_checkpoint
 from moekit.calc.params import count_params
 from moekit.engine.loader import load_engine
-from moekit.spec.loading import load_spec
+from moekit.weights.gguf_spec import load_any_spec
 
 QWEN = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -48,7 +48,7 @@ def _calc_total(config: dict) -> int:
 def test_moekit_loads_each_form_with_the_parameters_calc_counts(written, family, fmt):
     config = QWEN if family == "qwen" else GPT_OSS
     path = written[family, fmt]
-    assert count_params(load_spec(str(path))).total_params == _calc_total(config)
+    assert count_params(load_any_spec(str(path))).total_params == _calc_total(config)
     engine = load_engine(path)
     gen = engine.generate([engine.tokenizer.encode(PROMPT).ids], max_new_tokens=3, stop_ids=())
     assert len(gen.token_ids[0]) == 3

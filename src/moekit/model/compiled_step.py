@@ -53,8 +53,11 @@ from moekit.model.mla import MLAttention
 from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm, RMSNorm
 from moekit.model.routing import RoutingDecision
-from moekit.model.step_ops import has_gemv
-from moekit.ops.torch_private import compile_fx, mark_dynamic
+from moekit.model.step_ops import CONSTANT_WHILE_TRACING, has_gemv
+from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic
+
+for _fn in CONSTANT_WHILE_TRACING:  # the kernel choices: constants in the graph (step_ops says why here)
+    assume_constant_result(_fn)
 
 
 def lay_out_tiles(decoder) -> None:

@@ -22,7 +22,6 @@ import torch
 
 from moekit import ops
 from moekit.model.linear import TILES, Linear
-from moekit.ops.torch_private import assume_constant_result
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -73,20 +72,22 @@ def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:
 
 # Which build of the operators runs each kind of weight here, and whether in groups: ops.variant,
 # measured once per machine (persisted) before tracing (CompiledStep.__init__). Dynamo calls these
-# while it traces and bakes their answers into the graph as constants.
-@assume_constant_result
+# while it traces and bakes their answers into the graph as constants: moekit.model.compiled_step
+# marks them (CONSTANT_WHILE_TRACING) when it is imported, so that an eager process never imports
+# Dynamo (~38 MB of RSS).
 def _namespace(kind: str) -> str:
     return ops.variant(kind).namespace
 
 
-@assume_constant_result
 def grouped(kind: str) -> bool:
     return ops.variant(kind).grouped
 
 
-@assume_constant_result
 def _widen_batch(kind: str) -> bool:
     return ops.widen_batch(kind)
+
+
+CONSTANT_WHILE_TRACING = (_namespace, grouped, _widen_batch)
 
 
 def widened(x: torch.Tensor, kind: str) -> torch.Tensor:

@@ -70,11 +70,17 @@ def pass_bytes(counts: ParamsPerToken, chosen: Mapping[int, Iterable[int]], byte
     dense_saving is what the other projections hold less than their params at the dtype (`--weights
     int8`: every pass reads them all, so it is one figure per engine, dense_saving_bytes)."""
     distinct = {layer: set(ids) for layer, ids in chosen.items()}
+    held = (sum(counts.expert_each[layer] * len(ids) for layer, ids in distinct.items()) * bytes_per_param
+            if expert_bytes is None else sum(expert_bytes(layer, e) for layer, ids in distinct.items() for e in ids))
+    return pass_bytes_around(counts, distinct, bytes_per_param, held, rows, dense_saving)
+
+
+def pass_bytes_around(counts: ParamsPerToken, distinct: Mapping[int, set], bytes_per_param: int, held: int,
+                      rows: int = 1, dense_saving: int = 0) -> int:
+    """pass_bytes with the routed experts' own bytes `held` already known (work_done's expert_bytes
+    for the same experts: a decode step meters both and reads each expert's bytes once)."""
     params = counts.touched({layer: len(ids) for layer, ids in distinct.items()}, rows=rows)
-    if expert_bytes is None:
-        return params * bytes_per_param - dense_saving
     routed = sum(counts.expert_each[layer] * len(ids) for layer, ids in distinct.items())
-    held = sum(expert_bytes(layer, e) for layer, ids in distinct.items() for e in ids)
     return (params - routed) * bytes_per_param + held - dense_saving
 
 

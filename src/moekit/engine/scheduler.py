@@ -31,7 +31,8 @@ import torch
 from moekit.engine.constraints import ConstraintError, TokenConstraint, mask_logits
 from moekit.engine.generate import check_request, left_pad
 from moekit.engine.logprobs import MAX_TOP, TokenLogprob, chosen_logprobs, prompt_logprobs
-from moekit.engine.meter import ExpertBytes, ParamsPerToken, WorkDone, params_per_token, pass_bytes, work_done
+from moekit.engine.meter import (ExpertBytes, ParamsPerToken, WorkDone, params_per_token, pass_bytes, pass_bytes_around,
+                                 work_done)
 from moekit.engine.prefix_cache import Block, PrefixCache, read_slots, routing_rows, write_slots
 from moekit.engine.router_health import EntropyTally
 from moekit.engine.row_routing import RowRouting
@@ -212,7 +213,6 @@ class Scheduler:
         # Routing policies' counters (overflow, drops, cache hits, ...) per policy, per layer, over
         # every request's run: /metrics reads them. A batch-level policy's rows share one run.
         self.policy_stats: dict[str, dict[int, PolicyStats]] = {}
-        self._batch_runs: dict = {}  # batch-level policy → the run its running rows share
         # Tokens routed to each (layer, expert) since start: Prometheus reads it at scrape time.
         self.expert_tokens = {l: [0] * experts for l in self.moe_layers}
         # Routing entropy of decode steps by layer and position, when the routers are watched.
@@ -459,10 +459,8 @@ class Scheduler:
         ledger = self.policy_stats.setdefault(str(policy), {})
         if not is_batch_level(policy):
             return PolicyRun(policy, 1, ledger)
-        shared = self._batch_runs.get(policy)
-        if shared is None or not any(row.run is shared for row in [*self.rows, *admitting]):
-            shared = self._batch_runs[policy] = PolicyRun(policy, 1, ledger)
-        return shared
+        shared = next((row.run for row in [*self.rows, *admitting] if row.run is not None and row.run.policy == policy), None)
+        return shared if shared is not None else PolicyRun(policy, 1, ledger)
 
     def _prefill(self, rows: list[_Row], keys: Sequence[bytes] = (), blocks: Sequence[Block] = ()) -> None:
         """Prefill one prompt alone into a cache of its size, after its first C tokens' KV taken from
@@ -719,9 +717,9 @@ class Scheduler:
                 used[i][layer] = set(chosen)
                 self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
-            row.work = row.work + work_done(self.counts, per_layer, self.bytes_per_param, self.expert_bytes,
-                                            dense_tokens=1, head_tokens=1)
-            self._meter_token(row, per_layer)
+            work = work_done(self.counts, per_layer, self.bytes_per_param, self.expert_bytes, dense_tokens=1, head_tokens=1)
+            row.work = row.work + work
+            self._meter_token(row, per_layer, work.expert_bytes)
 
     def _work(self, chosen: dict) -> WorkDone:
         return work_done(self.counts, chosen, self.bytes_per_param, self.expert_bytes)
@@ -734,11 +732,16 @@ class Scheduler:
         row.misses += missed
         row.hits += len(chosen) - missed
 
-    def _meter_token(self, row: _Row, chosen: dict[int, set]) -> None:
-        """One generated token's pass: chosen[l] is the experts its row used in MoE layer l."""
+    def _meter_token(self, row: _Row, chosen: dict[int, set], held: Optional[int] = None) -> None:
+        """One generated token's pass: chosen[l] is the experts its row used in MoE layer l; held:
+        those experts' bytes where the caller has them already (work_done's expert_bytes)."""
         row.active.append(self.counts.active({layer: len(ids) for layer, ids in chosen.items()}))
-        row.bytes_sum += pass_bytes(self.counts, chosen, self.bytes_per_param, self.expert_bytes,
-                                    dense_saving=self.dense_saving)
+        if held is None:
+            row.bytes_sum += pass_bytes(self.counts, chosen, self.bytes_per_param, self.expert_bytes,
+                                        dense_saving=self.dense_saving)
+        else:
+            row.bytes_sum += pass_bytes_around(self.counts, chosen, self.bytes_per_param, held,
+                                               dense_saving=self.dense_saving)
 
     def _usage(self, row: _Row) -> MoeUsage:
         n = len(row.tokens)

@@ -19,6 +19,13 @@ def test_status_shows_the_builds_their_cpu_and_the_choices(capsys):
     assert code == 0 and "moekit (" in out and "built in" in out
 
 
+def test_build_portable_also_builds_the_scalar_variant_the_operator_tests_use(capsys):
+    code, out, _ = moekit(capsys, "ops", "build", "--portable")
+    lines = out.splitlines()
+    assert code == 0 and lines[0].startswith("moekit: built")
+    assert any(line.startswith("moekit_scalar: built") for line in lines)
+
+
 def test_a_build_the_compiler_refuses_is_one_line_naming_the_log(capsys, tmp_path):
     code, out, err = moekit(capsys, "ops", "build", "--cache", str(tmp_path), "--extra-cflag=-mno-such-isa-flag")
     line = err.splitlines()[-1]  # after the note that a build starts

@@ -35,9 +35,13 @@ def _cache(cache: Optional[Path]) -> Path:
 def build(
     cache: Optional[Path] = typer.Option(None, "--cache", help=CACHE),
     cflags: list[str] = typer.Option([], "--extra-cflag", help="One more compiler flag (repeatable), after the variant's own."),
+    portable: bool = typer.Option(
+        False, "--portable", help="Also build the portable variant (x86-64 without vector extensions), which no run uses: the test suite checks the portable code paths with it."
+    ),
 ) -> None:
     from moekit import ops
     from moekit.commands.operators_notice import BUILDING
+    from moekit.ops.build import SCALAR, build as build_variant
 
     typer.echo(f"note: {BUILDING}...", err=True)
     loaded = ops.load(_cache(cache), tuple(cflags))
@@ -45,6 +49,11 @@ def build(
         raise MoekitError(loaded.failures()[0])
     for result in loaded.results:
         typer.echo(result.line())
+    if portable:
+        scalar = build_variant(SCALAR, _cache(cache))
+        if not scalar.ok:
+            raise MoekitError(scalar.line())
+        typer.echo(scalar.line())
     for line in loaded.failures():
         typer.echo(f"warning: {line}", err=True)
     if cache is None and not cflags:  # choices are kept beside the default cache's builds

@@ -39,18 +39,22 @@ def python_digest(root: Path = _PACKAGE, packages: tuple[str, ...] = _SOURCES) -
 
 
 def weights_digest(decoder: torch.nn.Module) -> str:
-    """A hash of the decoder's shape, dtype and weight form: every parameter's and buffer's name,
-    dtype and size, and each module's class (a projection laid out for int8 is another module)."""
+    """A hash of the decoder's shape, dtype and weight form: every parameter's name, dtype and size,
+    each module's class, and the name, dtype and rank of every buffer and every tensor held as a
+    plain attribute (int8 stacks, tiles; not their sizes: the rope tables grow with the longest
+    cache made). Inductor's own key holds every size of the graph; this one keeps models apart."""
     digest = hashlib.sha256()
     for name, module in decoder.named_modules():
         digest.update(f"{name}:{type(module).__qualname__}\0".encode())
-    for name, t in [*decoder.named_parameters(), *decoder.named_buffers()]:
+    for name, t in decoder.named_parameters():
         digest.update(f"{name}:{t.dtype}:{tuple(t.shape)}\0".encode())
-    for name, module in decoder.named_modules():  # tensors held as plain attributes (int8 stacks, tiles)
+    for name, t in decoder.named_buffers():
+        digest.update(f"{name}:{t.dtype}:{t.dim()}\0".encode())
+    for name, module in decoder.named_modules():
         for attr, value in sorted(vars(module).items()):
             for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
                 if isinstance(t, torch.Tensor):
-                    digest.update(f"{name}.{attr}[{i}]:{t.dtype}:{tuple(t.shape)}\0".encode())
+                    digest.update(f"{name}.{attr}[{i}]:{t.dtype}:{t.dim()}\0".encode())
     return digest.hexdigest()
 
 

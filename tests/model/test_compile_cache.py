@@ -7,14 +7,11 @@ compiled code: dtypes, weight forms, model shapes.
 
 from __future__ import annotations
 
-import pickle
-
 import torch
 
 from moekit.engine.loader import load_engine
 from moekit.model.compile_cache import is_cached, step_key
 from moekit.model.compiled_step import CompiledStep
-from moekit.ops import c_shims, load
 
 
 def _generated(folder):
@@ -62,12 +59,3 @@ def test_the_key_tells_dtypes_weight_forms_and_shapes_apart(tiny_checkpoints):
     assert len({k for ks in keys.values() for k in ks}) == len(keys)
     assert step_key(decoder, options) != step_key(decoder, {"cpp_wrapper": True})
 
-
-def test_the_shim_table_hashes_by_operator_name():
-    """Inductor hashes its config by pickling it: the shim table must pickle (by the operators' names),
-    or every compile bypasses the caches."""
-    load()
-    table = c_shims()
-    assert table, "the operators' C shims are registered"
-    again = pickle.loads(pickle.dumps(table))
-    assert again == table and type(again) is type(table)

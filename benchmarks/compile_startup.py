@@ -1,10 +1,10 @@
 """Where the compiled decode step's start-up goes, in one process: load, then the first (compiling)
 step, with torch's own compile-phase timers (Dynamo tracing, AOTAutograd, Inductor codegen and
-C++ compile) and its cache hit/miss counters. Run it twice: the first run on an empty cache is
-"cold" (give it a fresh TORCHINDUCTOR_CACHE_DIR and HOME; those are torch's and the shell's, set
-by the caller for the measurement, never read by moekit), the second "warm".
+C++ compile, loading cached code) and its cache hit/miss counters. Run it twice: the first run
+with the model's folder under ~/.cache/moekit/compile removed is "cold" (a fresh HOME would also
+rebuild moekit's operators, minutes more), the second "warm".
 
-    d=$(mktemp -d); HOME=$d TORCHINDUCTOR_CACHE_DIR=$d/inductor .venv/bin/python benchmarks/compile_startup.py CKPT
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_startup.py bench-out/ckpt/qwen3_moe-150m
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> None:
         "moekit": moekit.__file__,
         "import_s": round(t_import, 2), "load_s": round(t_load, 2), "first_steps_s": round(t_first, 2),
         "notes": engine.notes,
+        "cache_folder": str(getattr(engine.decoder.compiled, "cache_folder", None)),
         "phases_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
         "counters": {group: dict(counters[group]) for group in ("inductor", "aot_autograd", "stats")},
     }, indent=1, default=str))

@@ -33,3 +33,8 @@ def announce_operator_build(needed: bool, kernels: str = "auto", cache: Optional
         raise MoekitError(f"--kernels must be one of auto, reference, got {kernels!r}")
     if operators_to_build(needed, kernels, cache):
         typer.echo(f"note: {BUILDING}...", err=True)
+
+
+def say_progress(text: str) -> None:
+    """A warm-up's progress on stderr: its "..." line, then its time on the same line."""
+    typer.echo(text, err=True, nl=not text.endswith("..."))

@@ -17,9 +17,10 @@ KERNELS = ("auto: moekit's C++ operators where the run uses them (built once per
            "path only (every product, attention and argmax as torch computes it).")
 
 # --compile, on run, serve and bench decode (moekit.model.compiled_step).
-COMPILE = ("Run the decode steps as one compiled graph (torch.compile; the first step of a process compiles it, "
-           "seconds to a minute, cached on disk for later runs). Models or options it does not cover run eager, "
-           "and the notes say why.")
+COMPILE = ("Run the decode steps as one compiled graph (torch.compile). The first run of a model on this machine "
+           "compiles it (minutes) into ~/.cache/moekit/compile/; later runs load it from there (a line says which, "
+           "and its time; rm -r that folder to clear it). Models or options it does not cover run eager, and the "
+           "notes say why.")
 
 # --expert-parallel, --placement and --ep-timeout, on run and serve (moekit.dist).
 EXPERT_PARALLEL = ("Shard the routed experts over N ranks launched here, or over torchrun's ranks with auto "

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.operators_notice import announce_operator_build, say_progress
 from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
 from moekit.errors import MoekitError
 
@@ -267,8 +267,7 @@ def run(
     for note in engine.notes:
         typer.echo(f"note: {note}", err=True)
     if engine.decoder.compiled is not None:
-        typer.echo("compiling the decode step (cached on disk for later runs) ...", err=True)
-        engine.decoder.compiled.warm_up((1,))  # before the clock starts: the timing line is decode only
+        engine.decoder.compiled.warm_up((1,), say=say_progress)  # before the clock starts: the timing line is decode only
     try:
         _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
                              _routing_policy(engine, routing, seed))

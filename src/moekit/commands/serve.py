@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.operators_notice import announce_operator_build
+from moekit.commands.operators_notice import announce_operator_build, say_progress
 from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
 from moekit.errors import MoekitError
 
@@ -196,6 +196,7 @@ def serve(
         kernels=kernels,
         tiers=tiers,
         sla_action=sla_action,
+        progress=say_progress,
     )
     sock = _listen(host, port)
     backend = None

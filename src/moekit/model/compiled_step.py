@@ -36,15 +36,18 @@ Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo sp
 
 from __future__ import annotations
 
+import time
 import types
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
 from moekit import ops
 from moekit.model.attention import Attention
+from moekit.model.compile_cache import DEFAULT_CACHE, compiling_into, start_line, step_key
 from moekit.model.decoder import decode_step
 from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
@@ -139,8 +142,13 @@ class _Recorder:
         self._inductor = step._inductor
 
     def __call__(self, gm, example_inputs):
-        run = compile_fx(gm, example_inputs, config_patches=self._inductor)
         step = self._step()
+        folder = step.cache_folder if step is not None else None
+        if folder is None:
+            run = compile_fx(gm, example_inputs, config_patches=self._inductor)
+        else:
+            with compiling_into(folder):
+                run = compile_fx(gm, example_inputs, config_patches=self._inductor)
         if step is not None:
             step._record(gm, example_inputs, run)
         return run
@@ -165,10 +173,12 @@ class CompiledStep:
     """The decoder's T = 1 step, compiled once per process (Inductor's cache makes later processes
     quicker: it keeps the generated code on disk). Call it where Decoder.forward would run T = 1."""
 
-    def __init__(self, decoder, cpp_wrapper: bool = True):
+    def __init__(self, decoder, cpp_wrapper: bool = True, cache: Optional[Path] = DEFAULT_CACHE):
         """cpp_wrapper: Inductor writes the code that calls the step's ~80 kernels in C++ instead of
         Python: +25% tokens/s on the ~140M qwen3_moe at 2 threads (measured), for a longer first
-        compile (~35 s instead of ~8 s there). The kernels, and so the results, are the same."""
+        compile (~35 s instead of ~8 s there). The kernels, and so the results, are the same.
+        cache: the folder under which each model's compiled graphs are kept between processes
+        (moekit.model.compile_cache; its key names the subfolder); None: torch's default."""
         reason = unsupported(decoder)
         if reason is not None:
             raise ValueError(f"cannot compile the decode step: {reason}")
@@ -198,6 +208,7 @@ class CompiledStep:
         # Inductor compiles each graph through _Recorder, which hands it to _record to keep how to call it
         # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
         # graph's guards call it directly, the rest go through Dynamo.
+        self.cache_folder = None if cache is None else cache / step_key(decoder, self._inductor)
         self._graphs: list[DirectGraph] = []
         self._tracing: Optional[tuple] = None  # the per-call inputs of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
@@ -254,14 +265,23 @@ class CompiledStep:
             self._marked = weakref.ref(stack)
         return self._tables[1:]
 
-    def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False) -> None:
+    def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False,
+                say: Optional[Callable[[str], None]] = None) -> float:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
         that no request waits for a compile and no timing includes one. per_row_k: the graphs of
-        steps with each row's K (expert-budget tiers) too."""
+        steps with each row's K (expert-budget tiers) too. say: told what it is doing, before (a
+        line ending in "...") and after (its time). Returns the seconds it took."""
         device = self.decoder.device
+        if say is not None:
+            say(start_line(self.cache_folder, batches))
+        start = time.perf_counter()
         with torch.inference_mode():
             for b in batches:
                 for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
                     cache = self.decoder.new_cache(b, 4)
                     slot = torch.ones(b, dtype=torch.int64, device=device)
                     self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k)
+        seconds = time.perf_counter() - start
+        if say is not None:
+            say(f" {seconds:.1f} s")
+        return seconds

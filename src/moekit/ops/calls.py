@@ -13,7 +13,7 @@ from torch import Tensor
 from moekit.ops import packed_layout, reference
 from moekit.ops.runtime import available, namespaces, op
 from moekit.ops.select import mean_time, operator_wins
-from moekit.ops.shims import C_ARGS, declaration
+from moekit.ops.shims import C_ARGS, ShimTable, declaration
 
 GEMV_ROWS = 16  # x rows up to which the packed operators run; more rows amortise a dequantized weight
 FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # code → value (exact)
@@ -101,4 +101,4 @@ def c_shims() -> dict:
     declaration of its C entry point (csrc/shims.cpp), which the generated C++ then calls directly."""
     from moekit.ops.runtime import suffix
 
-    return {op(space, name).default: [declaration(name, suffix(space))] for space in namespaces() for name in C_ARGS}
+    return ShimTable({op(space, name).default: [declaration(name, suffix(space))] for space in namespaces() for name in C_ARGS})

@@ -67,3 +67,14 @@ def storage_use_count(t) -> int:
     """How many tensors share t's storage (huge_pages refuses to move a weight still shared). Replace
     with: a public storage reference count, or tracking the views moekit makes itself."""
     return torch._C._storage_Use_Count(t._cdata)  # t: a tensor or an untyped storage
+
+
+def inductor_cache_dir(directory: str):
+    """A context in which Inductor's on-disk caches (FX-graph, AOTAutograd, the C++ it compiles) are
+    in `directory`: moekit.model.compile_cache's own folder per model, not torch's default under
+    /tmp. Why private: torch has no public setting for it besides its environment variable, which
+    this sets for the block and restores. Replace with: a public cache-directory option of
+    torch.compile."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    return temporary_cache_dir(directory)

@@ -63,6 +63,7 @@ class ServeConfig:
     tiers: dict = field(default_factory=dict)  # --tier: name -> moekit.serve.sla.TierTargets
     sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
     backend: Optional[object] = None  # loads and steps the engine elsewhere (moekit.serve.sharded: over ranks)
+    progress: Optional[Callable[[str], None]] = None  # told what the compiled step's warm-up does, and its time
 
 
 @dataclass
@@ -119,7 +120,7 @@ class ServerState:
                                  compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         if engine.decoder.compiled is not None:
             # Compiled before /health says ready, not on a request; tiers' per-row K graphs too.
-            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers))
+            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress)
         else:
             watch_routers(engine.decoder)  # routing entropy for /metrics (router health)
         self.template = load_chat_template(Path(cfg.checkpoint))

@@ -1,0 +1,55 @@
+"""Where the compiled decode step's start-up goes, in one process: load, then the first (compiling)
+step, with torch's own compile-phase timers (Dynamo tracing, AOTAutograd, Inductor codegen and
+C++ compile, loading cached code) and its cache hit/miss counters. Run it twice: the first run
+with the model's folder under ~/.cache/moekit/compile removed is "cold" (a fresh HOME would also
+rebuild moekit's operators, minutes more), the second "warm".
+
+    PYTHONPATH=src .venv/bin/python benchmarks/compile_startup.py bench-out/ckpt/qwen3_moe-150m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default="dtype")
+    parser.add_argument("--batches", default="1", help="comma-separated batch sizes to warm up")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    import moekit
+    from moekit.engine.loader import load_engine
+
+    t_import = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    engine = load_engine(args.checkpoint, dtype=args.dtype, weights=args.weights, compile=True)
+    t_load = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    batches = tuple(int(b) for b in args.batches.split(","))
+    if engine.decoder.compiled is not None:
+        engine.decoder.compiled.warm_up(batches)
+    t_first = time.perf_counter() - t2
+    from torch._dynamo.utils import calculate_time_spent, compile_times, counters
+
+    print(json.dumps({
+        "moekit": moekit.__file__,
+        "import_s": round(t_import, 2), "load_s": round(t_load, 2), "first_steps_s": round(t_first, 2),
+        "notes": engine.notes,
+        "cache_folder": str(getattr(engine.decoder.compiled, "cache_folder", None)),
+        "phases_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
+        "counters": {group: dict(counters[group]) for group in ("inductor", "aot_autograd", "stats")},
+    }, indent=1, default=str))
+    print(compile_times(repr="str", aggregate=True))
+
+
+if __name__ == "__main__":
+    main()

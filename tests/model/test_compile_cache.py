@@ -1,0 +1,61 @@
+"""The compiled decode step's artefacts kept between compiles (moekit.model.compile_cache).
+
+A second compile of the same decoder into the same folder must load what the first wrote (no new
+generated code) and give the same logits; the folder's key must tell apart what must not share
+compiled code: dtypes, weight forms, model shapes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.engine.loader import load_engine
+from moekit.model.compile_cache import is_cached, step_key
+from moekit.model.compiled_step import CompiledStep
+
+
+def _generated(folder):
+    """The FX-graph cache's entries under folder (one per graph Inductor compiled)."""
+    return sorted(p.relative_to(folder) for p in (folder / "fxgraph").rglob("*") if p.is_file())
+
+
+def _step_logits(decoder, step) -> torch.Tensor:
+    decoder.compiled = step
+    cache = decoder.new_cache(1, 8)
+    with torch.inference_mode():
+        decoder(torch.tensor([[5, 9, 33]]), cache, torch.tensor([[0, 1, 2]]))
+        return torch.cat([decoder(torch.tensor([[t]]), cache, torch.tensor([[3 + s]])) for s, t in enumerate((7, 81))], 1)
+
+
+def test_a_second_compile_loads_what_the_first_wrote(tiny_checkpoints, tmp_path):
+    decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
+    said = []
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    first.warm_up((1,), say=said.append)
+    assert said[0].startswith("compiling the decode step (batch 1)") and str(first.cache_folder) in said[0], said
+    assert said[1].endswith(" s")
+    assert first.cache_folder.parent == tmp_path and is_cached(first.cache_folder)
+    written = _generated(first.cache_folder)
+    want = _step_logits(decoder, first)
+
+    said.clear()
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    assert second.cache_folder == first.cache_folder
+    second.warm_up((1,), say=said.append)
+    assert said[0].startswith("loading the compiled decode step (batch 1) from"), said
+    assert _generated(second.cache_folder) == written  # loaded, not generated again
+    torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
+
+
+def test_the_key_tells_dtypes_weight_forms_and_shapes_apart(tiny_checkpoints):
+    options = {"cpp_wrapper": False}
+    keys = {}
+    for family, dtype, weights in (("qwen3_moe", "float32", "dtype"), ("qwen3_moe", "float32", "dtype"),
+                                   ("qwen3_moe", "bfloat16", "dtype"), ("qwen3_moe", "float32", "int8-experts"),
+                                   ("olmoe", "float32", "dtype")):
+        decoder = load_engine(tiny_checkpoints(family), dtype=dtype, weights=weights, compile=True).decoder
+        keys.setdefault((family, dtype, weights), set()).add(step_key(decoder, options))
+    assert all(len(k) == 1 for k in keys.values())  # the same decoder, the same key
+    assert len({k for ks in keys.values() for k in ks}) == len(keys)
+    assert step_key(decoder, options) != step_key(decoder, {"cpp_wrapper": True})
+

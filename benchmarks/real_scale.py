@@ -6,9 +6,11 @@
 Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids), peak RSS
 (VmHWM: for llama.cpp's mmap it counts the file pages it touched), bytes read from the block device
 per decoded token (/proc/self/io read_bytes: page-cache hits are not counted, for either engine) and,
-for moekit's store, the hit rate. llama.cpp runs through llama-cpp-python (the binding
-benchmarks/build_llama_cpp.sh builds; default mmap, its page cache its only expert cache) with
-n_threads = moekit's threads. `uptime` is printed before each run: the machine is shared.
+for moekit's store, the hit rate. llama.cpp runs as its own `llama-bench` binary (built by
+benchmarks/build_llama_cpp.sh) with -p PROMPT -n TOKENS -t THREADS -r 1 (its warm-up included,
+as it does by default), under /usr/bin/time for its peak RSS and file-system reads; --llama-args
+adds its options (a larger-than-memory run wants `--repack 0 -lm mmap`: repacking copies every
+weight into anonymous memory). `uptime` is printed before each run: the machine is shared.
 Nothing here is imported by moekit.
 """
 
@@ -24,8 +26,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_PY = Path("/work/main/bench-out/llama.cpp/venv/bin/python")
+LLAMA_BENCH = Path("/work/main/bench-out/llama.cpp/server-build/bin/llama-bench")
 PROMPT = [17, 42, 99, 5, 7, 150, 3, 88, 23, 61, 200, 11, 64, 31, 250, 9]
+
+
+def prompt_ids(n: int) -> list[int]:
+    """The first n ids of PROMPT, continued by a fixed stride past 16 (byte tokens of the
+    writer's vocabulary, as PROMPT's are)."""
+    return [PROMPT[i] if i < len(PROMPT) else (37 * i + 11) % 256 for i in range(n)]
 
 
 def _io_read() -> int:
@@ -50,7 +58,8 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
 
     torch.set_num_threads(threads)
     opts = dict(zip(options[::2], options[1::2]))
-    offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"))
+    offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
+                              read_ahead=int(opts.get("--read-ahead", 2)))
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
     engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload)
@@ -60,7 +69,9 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=())
     read = _io_read() - before
     t = gen.timing
-    out = {"engine": "moekit", "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
+    acts = engine.meter(gen)[1:]  # the decoded tokens (the first comes from the prompt pass)
+    out = {"engine": "moekit", "bytes_touched_per_token": sum(a.bytes_touched for a in acts) / max(1, len(acts)),
+           "active_share": sum(a.share for a in acts) / max(1, len(acts)), "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
            "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes)}
     if engine.store is not None:
@@ -70,25 +81,21 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     return out
 
 
-def child_llama(path: str, tokens: int, threads: int, prompt: list[int]) -> dict:
-    from llama_cpp import Llama
-
-    t0 = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=256, n_batch=64, n_threads=threads, n_threads_batch=threads,
-                use_mmap=True, verbose=False)
-    load_s = time.perf_counter() - t0
-    before = _io_read()
-    out_ids, stamps = [], [time.perf_counter()]
-    for tok in llm.generate(prompt, temp=0.0, top_k=1, reset=True):  # greedy; the first yield ends the prefill
-        out_ids.append(int(tok))
-        stamps.append(time.perf_counter())
-        if len(out_ids) == tokens:
-            break
-    prefill_s, decode_s = stamps[1] - stamps[0], stamps[-1] - stamps[1]
-    read = _io_read() - before
-    return {"engine": "llama.cpp", "load_s": load_s, "prefill_tok_s": len(prompt) / prefill_s,
-            "decode_tok_s": (tokens - 1) / decode_s, "tokens": out_ids,
-            "read_bytes_per_token": read / tokens, "peak_rss": _hwm()}
+def run_llama_bench(path: str, prompt_len: int, tokens: int, threads: int, extra: list[str]) -> dict:
+    """One llama-bench run: prefill (-p) and decode (-n) tokens/s, peak RSS, bytes read."""
+    cmd = ["/usr/bin/time", "-f", "TIME %M %I %e", str(LLAMA_BENCH), "-m", path, "-p", str(prompt_len), "-n", str(tokens),
+           "-t", str(threads), "-r", "1", "-o", "json", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    timeline = [line for line in done.stderr.splitlines() if line.startswith("TIME ")]
+    if done.returncode != 0 or not timeline:
+        raise SystemExit(f"llama-bench failed ({done.returncode}): {done.stderr[-2000:]}")
+    rss_kb, inputs, wall = timeline[-1].split()[1:]
+    tests = json.loads(done.stdout)
+    rate = {("prefill" if t["n_prompt"] else "decode"): t["avg_ts"] for t in tests}
+    return {"engine": "llama.cpp (llama-bench)", "args": extra, "prefill_tok_s": rate.get("prefill"),
+            "decode_tok_s": rate.get("decode"), "peak_rss": int(rss_kb) * 1024, "wall_s": float(wall),
+            # %I: file-system inputs in 512-byte units, over the whole run (load, warm-up, both tests)
+            "read_bytes_per_token": int(inputs) * 512 / (prompt_len + tokens)}
 
 
 def main() -> None:
@@ -99,28 +106,30 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=len(PROMPT), help="the first N of the 16 prompt ids")
+    ap.add_argument("--prompt-len", type=int, default=len(PROMPT), help="prompt ids (prompt_ids)")
+    ap.add_argument("--llama-args", default="", help="llama-bench's extra options, e.g. '--repack 0 -lm mmap'")
     ap.add_argument("--only", choices=("moekit", "llama.cpp"))
-    ap.add_argument("--child", choices=("moekit", "llama.cpp"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=("moekit",), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    prompt = PROMPT[: args.prompt_len]
+    prompt = prompt_ids(args.prompt_len)
     if args.child == "moekit":
         print(json.dumps(child_moekit(args.moekit_path or args.gguf, args.tokens, args.threads, shlex.split(args.moekit),
                                       prompt)))
-        return
-    if args.child == "llama.cpp":
-        print(json.dumps(child_llama(args.gguf, args.tokens, args.threads, prompt)))
         return
     runs = []
     engines = [e for e in ("llama.cpp", "moekit") if args.only in (None, e)]
     for r in range(args.rounds):
         for engine in engines:
-            python = str(LLAMA_PY) if engine == "llama.cpp" else sys.executable
-            cmd = [python, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
+            up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            if engine == "llama.cpp":
+                result = run_llama_bench(args.gguf, args.prompt_len, args.tokens, args.threads, shlex.split(args.llama_args))
+                runs.append(result | {"round": r, "uptime": up})
+                print(json.dumps(runs[-1]), flush=True)
+                continue
+            cmd = [sys.executable, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
                    "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len)]
             if args.moekit_path:
                 cmd += ["--moekit-path", args.moekit_path]
-            up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
             env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
             done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env=env)  # stderr: progress, shown
             if done.returncode != 0:

@@ -43,3 +43,11 @@ def test_mtp_module_is_reported_apart():
     w = memory_plan(s, counts, DTYPES["fp8"], DTYPES["bf16"], 1, 1).weights
     assert w.mtp == counts.breakdown.mtp > 0
     assert w.total == counts.total_params  # fp8: one byte each, MTP not included
+
+
+def test_mxfp4_prices_only_the_routed_experts_at_4_25_bits():
+    # gpt-oss ships MXFP4 experts and bf16 everything else: the resident weights stay at 2 bytes.
+    resident = 3 * (2 * 64 * 64 + 2 * 64 * 32) + 3 * 64 * 4 + (3 * 2 * 64 + 64) + 2 * 100 * 64
+    w = plan(TINY_MIXTRAL, "mxfp4").weights
+    assert w.resident == 2 * resident == plan(TINY_MIXTRAL, "bf16").weights.resident
+    assert w.total == w.resident + w.routed_experts

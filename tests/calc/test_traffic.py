@@ -76,3 +76,11 @@ def test_tied_head_is_read_in_full():
     t = step_traffic(s, counts, DTYPES["bf16"], kv_cache(s, DTYPES["bf16"], 1, 1), 1)
     assert t.dense_params + t.expert_params == counts.active_params_excl_input_embedding
     assert t.dense_params > s.vocab_size * s.hidden_size  # the table, as the head
+
+
+def test_mxfp4_reads_dense_weights_at_bf16_and_experts_at_4_25_bits():
+    s = spec(TINY_MIXTRAL)
+    counts = count_params(s)
+    t = step_traffic(s, counts, DTYPES["mxfp4"], kv_cache(s, DTYPES["bf16"], 100, 1), 1)
+    experts = 3 * 2 * 3 * 64 * 32  # whole 32-value blocks: 17 bytes each
+    assert t.weight_bytes == (t.dense_params + 64) * 2 + experts // 32 * 17

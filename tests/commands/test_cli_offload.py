@@ -66,6 +66,7 @@ def test_profile_writes_pins_that_run_accepts(capsys, ckpt, tmp_path):
         (["--expert-memory", "25%", "--cache", "fifo"], "unknown cache policy"),
         (["--cache", "lfu"], "need --expert-memory"),
         (["--expert-memory", "25%", "--pin", "/nonexistent/profile.json"], "no such pin file"),
+        (["--expert-memory", "25%", "--read-ahead", "-1"], "--read-ahead must be 0 or more"),
     ],
 )
 def test_bad_offload_options_are_one_line_errors(capsys, ckpt, args, message):

@@ -195,3 +195,14 @@ def test_experts_fetched_for_a_token_are_never_overwritten_before_they_run(tmp_p
         engine.close()
     assert stats["slots_per_layer"] == 4 and stats["pinned"] > 0
     assert single == _ids(folder)[0]
+
+
+@pytest.mark.parametrize("budget", ["25%", "60%"])
+@pytest.mark.parametrize("read_ahead", [1, 3])
+def test_parallel_reads_give_the_serial_reads_tokens_and_hits(qwen, budget, read_ahead):
+    # read_ahead 0 is the plain reference: each miss read inline, one after another.
+    serial = _ids(qwen, OffloadOptions(budget, read_ahead=0))
+    parallel = _ids(qwen, OffloadOptions(budget, read_ahead=read_ahead))
+    assert parallel[:2] == serial[:2] == _ids(qwen)[:2]
+    for name in ("accesses", "hit_rate", "decode_hit_rate", "loads", "disk_bytes"):
+        assert parallel[2][name] == serial[2][name], name

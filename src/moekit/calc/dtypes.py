@@ -7,8 +7,10 @@ Conventions (also printed by `--explain`):
 - mxfp4 is the OCP microscaling format gpt-oss ships: 4-bit e2m1 values plus one 8-bit e8m0
   scale per block of 32 = 4.25 bits.
 - 4-bit weights are dequantised to bf16 for the matmul, so bf16 peak FLOPs bound their compute.
-- `--dtype` applies to every parameter. Real quantised checkpoints often keep embeddings, norms
-  and routers in bf16; the difference is a few percent at most for large models.
+- `--dtype` applies to every parameter, except mxfp4: it is an expert format (gpt-oss publishes
+  MXFP4 routed experts and bf16 everything else), so its always-resident weights are priced at
+  bf16. Other quantised checkpoints often keep embeddings, norms and routers in bf16 too; the
+  difference is a few percent at most for large models.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class DType:
     bits: Fraction  # storage bits per weight, block scales included
     compute: str  # peak-FLOPs key in the hardware catalog
     convention: str
+    dense: str = ""  # the dtype of the always-resident weights when it differs (an expert-only format)
 
     def bytes_for(self, params: int) -> int:
         """Bytes to store `params` weights, rounded up to whole bytes."""
@@ -50,10 +53,18 @@ DTYPES: dict[str, DType] = {
             "mxfp4",
             Fraction(4) + Fraction(8, 32),
             "bf16",
-            "4 bits + one 8-bit scale per block of 32 = 4.25 bits; matmul in bf16",
+            "4 bits + one 8-bit scale per block of 32 = 4.25 bits, routed experts only (the rest bf16,"
+            " as gpt-oss ships); matmul in bf16",
+            dense="bf16",
         ),
     )
 }
+
+def dense_dtype(dtype: DType) -> DType:
+    """The dtype the always-resident weights (attention, embeddings, routers, shared experts) are
+    stored at under `dtype`: itself, unless it is an expert-only format."""
+    return DTYPES[dtype.dense] if dtype.dense else dtype
+
 
 # A KV cache holds activations, not weights: block-quantised 4-bit formats do not apply.
 KV_DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")

@@ -13,7 +13,7 @@ from typing import Optional
 
 from moekit.calc import units as u
 from moekit.calc.claims import Claims, ShareAnalysis, share_analysis, uniform_moe
-from moekit.calc.dtypes import DTYPES
+from moekit.calc.dtypes import DTYPES, dense_dtype
 from moekit.calc.formulas import LayerFormula, ModelFormula, Term, model_formula, total
 from moekit.calc.kv_cache import cached_tokens, kv_elems_per_token, mamba_state_elems
 from moekit.calc.memory import activation_dtype_bytes, ffn_width_per_token, scores_per_token
@@ -197,11 +197,11 @@ def _kv_per_token_formula(r: ModelReport) -> str:
 
 def _weights_lines(r: ModelReport) -> list[str]:
     m, b, dt = r.memory, r.counts.breakdown, r.request.dtype
-    bits = u.bits(dt.bits)
+    bits, dense_bits = u.bits(dt.bits), u.bits(dense_dtype(dt).bits)
     resident = r.counts.total_params - b.routed_experts_total
     lines = [
         f"Memory at {dt.name} ({dt.convention}); bytes = params × bits / 8, rounded up",
-        _bytes_line("always-resident weights  total − routed experts", f"{u.n(resident)} × {bits} / 8", m.weights.resident),
+        _bytes_line("always-resident weights  total − routed experts", f"{u.n(resident)} × {dense_bits} / 8", m.weights.resident),
         _bytes_line("routed-expert weights", f"{u.n(b.routed_experts_total)} × {bits} / 8", m.weights.routed_experts),
         _bytes_line("weights", "", m.weights.total),
     ]
@@ -263,7 +263,7 @@ def _moe_groups(r: ModelReport) -> dict[MoESpec, int]:
 
 
 def traffic_section(r: ModelReport) -> list[str]:
-    s, bits = r.single, u.bits(r.request.dtype.bits)
+    s = r.single
     b, tied = r.counts.breakdown, r.spec.tie_word_embeddings
     lines = [
         "Bytes read per decoded token (one embedding row, not the table)",
@@ -277,7 +277,7 @@ def traffic_section(r: ModelReport) -> list[str]:
     lines.append(_line("K routed experts per MoE layer", "", s.expert_params))
     lines.append(_line("one embedding row  D", "", s.embedding_row_params))
     lines.append(_line("parameters read at batch 1", "", s.params_read) + " (= active_params_excl_input_embedding + one row)")
-    lines.append(_line("weight bytes", f"{u.n(s.params_read)} × {bits} / 8", s.weight_bytes))
+    lines.append(_line("weight bytes", _weight_bytes_formula(r, s), s.weight_bytes))
     lines.append(_line("+ KV cache read at this context", "", s.kv_bytes))
     lines.append(_bytes_line("bytes per token, batch 1", "", s.total_bytes))
     if r.batched.batch > 1:
@@ -285,8 +285,18 @@ def traffic_section(r: ModelReport) -> list[str]:
     return lines
 
 
+def _weight_bytes_formula(r: ModelReport, t) -> str:
+    """params × bits / 8, or (dense + rows) × dense bits / 8 + experts × bits / 8 under an
+    expert-only format (mxfp4: the rest bf16)."""
+    dt = r.request.dtype
+    if not dt.dense:
+        return f"{u.n(t.params_read)} × {u.bits(dt.bits)} / 8"
+    dense = u.n(t.dense_params + t.embedding_row_params)
+    return f"{dense} × {u.bits(dense_dtype(dt).bits)} / 8 + {u.n(t.expert_params)} × {u.bits(dt.bits)} / 8"
+
+
 def _batched_traffic_lines(r: ModelReport) -> list[str]:
-    t, bits = r.batched, u.bits(r.request.dtype.bits)
+    t = r.batched
     lines = [f"  batch {t.batch}: dense weights once per step, one row per token, the union of chosen experts"]
     for moe, layers in _moe_groups(r).items():
         e, k = moe.num_experts, moe.top_k
@@ -297,7 +307,7 @@ def _batched_traffic_lines(r: ModelReport) -> list[str]:
         )
     formula = f"{u.n(t.dense_params)} + {u.n(t.embedding_row_params)} + {u.n(t.expert_params)}"
     lines.append(_line("parameters read per step", formula, t.params_read))
-    lines.append(_line("weight bytes per step", f"{u.n(t.params_read)} × {bits} / 8", t.weight_bytes))
+    lines.append(_line("weight bytes per step", _weight_bytes_formula(r, t), t.weight_bytes))
     lines.append(_line("+ KV caches  batch × per sequence", f"{t.batch} × {u.n(r.memory.kv.bytes_per_sequence)}", t.kv_bytes))
     lines.append(
         _bytes_line(f"bytes per step of {t.batch} tokens", "", t.total_bytes)[:-1]

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moekit.calc.dtypes import DType
+from moekit.calc.dtypes import DType, dense_dtype
 from moekit.calc.kv_cache import KVCache, cached_tokens, kv_cache
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
 
@@ -43,13 +43,14 @@ class MemoryPlan:
 def weight_bytes(counts: ParamCounts, dtype: DType) -> WeightBytes:
     routed = counts.breakdown.routed_experts_total
     resident = counts.total_params - routed
+    dense = dense_dtype(dtype)
     return WeightBytes(
         dtype=dtype.name,
-        resident=dtype.bytes_for(resident),
+        resident=dense.bytes_for(resident),
         routed_experts=dtype.bytes_for(routed),
-        total=dtype.bytes_for(resident) + dtype.bytes_for(routed),
-        mtp=dtype.bytes_for(counts.breakdown.mtp),
-        vision=dtype.bytes_for(counts.breakdown.vision),
+        total=dense.bytes_for(resident) + dtype.bytes_for(routed),
+        mtp=dense.bytes_for(counts.breakdown.mtp),
+        vision=dense.bytes_for(counts.breakdown.vision),
     )
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from moekit.calc.dtypes import DType
+from moekit.calc.dtypes import DType, dense_dtype
 from moekit.calc.kv_cache import KVCache
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
@@ -63,7 +63,7 @@ def step_traffic(
     expert_params = sum(d * m.expert.params() for d, m in zip(distinct, moe))
     dense = dense_params_read(spec, counts)
     rows = min(batch, spec.vocab_size) * spec.hidden_size
-    weights = dtype.bytes_for(round(dense + rows + expert_params))
+    weights = dense_dtype(dtype).bytes_for(dense + rows) + dtype.bytes_for(round(expert_params))
     kv_bytes = kv.bytes_per_sequence * batch
     return StepTraffic(
         batch=batch,

@@ -196,6 +196,8 @@ def run(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="Guess each layer's experts ahead of it and read them "
                                   "on worker threads (off by default: see docs/BENCHMARKS.md)."),
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    read_ahead: int = typer.Option(2, "--read-ahead", help="With --expert-memory: misses read in parallel on worker "
+                                   "threads behind the compute (a prompt keeps N reads ahead); 0 reads them one by one."),
     substitute: Optional[str] = typer.Option(None, "--substitute", metavar="int4", help="With --expert-memory: keep an "
                                              "int4 copy of every expert resident and run it on a miss instead of "
                                              "waiting, the full copy read behind (HOBBIT; docs/ROUTING.md)."),
@@ -240,7 +242,7 @@ def run(
         from moekit.offload.substitute import parse_substitute
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
-                                 prefetch_extra=prefetch_extra,
+                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead,
                                  substitute=parse_substitute(substitute) if substitute is not None else None)
     elif pin is not None or prefetch or cache != "lru" or substitute is not None:
         raise MoekitError("--cache, --pin, --prefetch and --substitute need --expert-memory")

@@ -113,6 +113,8 @@ def serve(
     prefetch: bool = typer.Option(False, "--prefetch/--no-prefetch", help="With --expert-memory: guess each layer's "
                                   "experts ahead of it and read them on worker threads (as `moekit run --prefetch`)."),
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
+    read_ahead: int = typer.Option(2, "--read-ahead", help="With --expert-memory: misses read in parallel on worker "
+                                   "threads behind the compute (a prompt keeps N reads ahead); 0 reads them one by one."),
     prefix_cache_memory: str = typer.Option(
         DEFAULT_PREFIX_MEMORY, "--prefix-cache-memory", help="Memory for the KV of prompt prefixes reused across "
         "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
@@ -161,7 +163,7 @@ def serve(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
-                                 prefetch_extra=prefetch_extra)
+                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead)
         if pin is not None and not pin.is_file():
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
     elif pin is not None or prefetch or cache != "lru":

@@ -112,6 +112,8 @@ def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions, f
     layers = moe_layers(spec)
     if not layers:
         raise MoekitError(f"{spec.name}: a dense model has no routed experts to offload; drop --expert-memory")
+    if options.read_ahead < 0:
+        raise MoekitError(f"--read-ahead must be 0 or more, got {options.read_ahead}")
     if options.policy not in (*LIVE_POLICIES, NO_CACHE):
         raise MoekitError(f"unknown cache policy {options.policy!r}; choose one of {', '.join((*LIVE_POLICIES, NO_CACHE))}")
     first = spec.layers[layers[0]].ffn
@@ -311,7 +313,8 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         ins = stand_ins(reader, kinds, i, width, verify) if options.substitute else []
         substitute_bytes += stand_in_bytes(ins)
         stores[i] = LayerStore(i, cache, load, disk, held, pool, clock, retain=retain,
-                               slots=slots[slotted.index(i)] if slots and i in slotted else (), stand_ins=ins)
+                               slots=slots[slotted.index(i)] if slots and i in slotted else (), stand_ins=ins,
+                               read_ahead=options.read_ahead)
         experts.store = stores[i]
         pinned[i] = list(layer_pins)
     try:

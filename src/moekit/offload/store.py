@@ -8,7 +8,11 @@ evict experts it has finished with. The arithmetic is RoutedExperts.combine itse
 engine's own code with the weights supplied from here, which keeps generation bit-identical.
 
 Loads run on worker threads (pread + crc32 + cast + kernel layout release the GIL); the forward
-waits only for the experts it needs now, and the wait is the stall time. A failed load (checksum,
+waits only for the experts it needs now, and the wait is the stall time. With `read_ahead` R > 0 a
+forward's misses are read in parallel and behind its compute: one token starts every miss on the
+workers at once and runs each expert as its read lands; several tokens keep the reads of the next
+R experts of the ascending walk under way while one runs. R = 0 reads each miss on the forward's
+own thread, one after another (the plain reference: both give the same tokens, tests/offload). A failed load (checksum,
 short read) leaves the expert out of the cache and fails the forward: wrong weights are never used.
 
 Legend: T tokens, D hidden, E experts, K per token.
@@ -16,6 +20,7 @@ Legend: T tokens, D hidden, E experts, K per token.
 
 from __future__ import annotations
 
+import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -98,6 +103,7 @@ class LayerStore:
         retain: bool = True,  # False: the "no cache" baseline, every use reads the expert again
         slots: Sequence[Weights] = (),  # memory for the resident experts, loads write into it
         stand_ins: Sequence = (),  # per expert: a StandIn run while its full copy is not resident
+        read_ahead: int = 0,  # misses read on workers ahead of the expert running (0: serial, inline)
     ):
         self.layer = layer
         self.retain = retain
@@ -123,6 +129,7 @@ class LayerStore:
         self._slot_count = len(slots)
         self._slot_ptrs = frozenset(w[0].data_ptr() for w in slots)
         self.stand_ins = stand_ins
+        self.read_ahead = read_ahead
 
     # --- residency -----------------------------------------------------------------------------
 
@@ -206,8 +213,8 @@ class LayerStore:
             self._clock.stall_s += time.perf_counter() - began
         return future
 
-    def _acquire(self, e: int, access) -> Weights:
-        """Expert e's weights after the SlotCache's access (hit or miss, and any victim) for it."""
+    def _account(self, e: int, access) -> None:
+        """The SlotCache's access for e (hit or miss, and any victim) in the stats and the weights."""
         self.stats.accesses += 1
         if access.hit:
             self.stats.hits += 1
@@ -217,6 +224,10 @@ class LayerStore:
             self.last_misses.add(e)  # this forward's misses: a batch charges each row its own
         self._prefetched.discard(e)
         self._drop(access.evicted)
+
+    def _acquire(self, e: int, access) -> Weights:
+        """Expert e's weights after the SlotCache's access for it, read here if missing."""
+        self._account(e, access)
         if self.stand_ins and not (e in self._weights and self._weights[e].done()):
             # Substitution: never wait. The full copy loads behind; until it is in, the stand-in runs.
             if e not in self._weights:
@@ -225,6 +236,10 @@ class LayerStore:
             return self.stand_ins[e]
         if e not in self._weights:
             self._start_load(e, background=False)
+        return self._take(e)
+
+    def _take(self, e: int) -> Weights:
+        """Expert e's weights, waiting for (or, if still queued, doing) its load."""
         try:
             return self._result(e)
         except BaseException:
@@ -296,6 +311,11 @@ class LayerStore:
 
     def _combine(self, experts, x: Tensor, decision: RoutingDecision, needed: list[int]) -> Tensor:
         walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
+        fits = len(needed) <= self.cache.slots - len(self.cache.pinned)
+        if self.read_ahead and fits and not self.stand_ins:
+            if x.shape[0] == 1:
+                return experts.combine(x, decision, self._all_started(walk))
+            return experts.combine(x, decision, self._reading_ahead(walk))
         if x.shape[0] == 1:
             # RoutedExperts runs one token's experts in router order: take them all first (K fit
             # in the slots, and the walk protects the ones still to come).
@@ -310,6 +330,34 @@ class LayerStore:
             return self._acquire(e, access)
 
         return experts.combine(x, decision, weights)
+
+    def _all_started(self, walk) -> Callable[[int], Weights]:
+        """One token: every access made (the same as the serial walk's; the forward fits, so none
+        evicts another of its experts), every miss's read started on the workers, and the weights taken as the router's order asks for them, so expert k
+        runs while k+1.. are still being read. A read still queued when asked for is done here."""
+        for e, access in walk:
+            self._account(e, access)
+            if e not in self._weights:
+                self._start_load(e, background=True)
+        return self._take
+
+    def _reading_ahead(self, walk) -> Callable[[int], Weights]:
+        """Several tokens: the walk advanced up to read_ahead experts beyond the one asked for, their
+        reads started. Only for a forward whose experts all fit beside the pins (_combine checks):
+        then every victim is an expert outside the forward, never one walked and not yet run."""
+        pending: list[int] = []
+
+        def weights(e: int) -> Weights:
+            for taken, access in itertools.islice(walk, self.read_ahead + 1 - len(pending)):
+                self._account(taken, access)
+                if taken not in self._weights:
+                    self._start_load(taken, background=True)
+                pending.append(taken)
+            taken = pending.pop(0)
+            assert taken == e, f"expert {e} asked, the walk is at {taken}"  # both ascend over `needed`
+            return self._take(e)
+
+        return weights
 
 
 @dataclass

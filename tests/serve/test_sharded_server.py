@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -254,6 +255,53 @@ def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpo
         server.stop()
 
 
+@pytest.mark.parametrize("when", ["mid_stream", "idle"])
+def test_a_stopped_rank_gives_503s_naming_it_within_the_timeout(tiny_checkpoints, when):
+    """SIGSTOP: a rank that neither answers nor closes its sockets. Mid-stream, rank 0's exchange
+    times out; idle, its broadcasts still succeed and the rank's silent heartbeat gives it away."""
+    timeout_s = 10
+    server = start_server(tiny_checkpoints("qwen3_moe"), "--expert-parallel", "2", "--ep-timeout", str(timeout_s))
+    workers = _worker_pids(server)
+    body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    bound = timeout_s + 6  # the timeout, the culprit's naming (≤ 1 s) and a loaded machine's slack
+    try:
+        assert len(workers) == 1
+        if when == "mid_stream":
+            frames = []
+            with httpx.stream("POST", server.v1 + "/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
+                        if len(frames) == 2:
+                            os.kill(workers[0], signal.SIGSTOP)
+                            stopped = time.monotonic()
+            assert time.monotonic() - stopped < bound
+            assert frames[-1] == "[DONE]"
+            error = json.loads(frames[-2])["error"]
+            assert error["type"] == "service_unavailable" and "rank 1 stopped answering" in error["message"], error
+        else:
+            os.kill(workers[0], signal.SIGSTOP)
+            stopped = time.monotonic()
+            late = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)  # blocks on the stopped rank
+            assert time.monotonic() - stopped < bound
+            assert late.status_code == 503, late.text
+            error = late.json()["error"]
+            assert "rank 1 stopped answering" in error["message"] and set(error) == {"message", "type", "param", "code"}
+        health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        new = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)
+        assert new.status_code == 503 and "rank 1" in new.json()["error"]["message"]
+        assert server.proc.wait(bound) != 0
+        assert any("rank 1 stopped answering" in line for line in server.log[-3:]), server.log
+        assert _wait_gone(workers, 15), f"rank {workers} outlived the server"
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
 def _free_port() -> int:
     import socket
 
@@ -264,7 +312,6 @@ def _free_port() -> int:
 
 def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
     """Two "machines": two torchrun agents meeting at a c10d rendezvous on loopback, one rank each."""
-    import signal
     import subprocess
     import sys
     from pathlib import Path

@@ -337,12 +337,15 @@ def start(job, me):
 def follower(job, me) -> None:
     """A follower rank's whole life in a server: start, follow until stopped, leave."""
     from moekit.dist.group import leave
+    from moekit.dist.heartbeat import Beat
 
     try:
         sharded = start(job, me)
+        beat = Beat(me, job.timeout_s).start()  # rank 0 names the rank whose beat stopped first
         try:
             follow(sharded)
         finally:
+            beat.stop()
             sharded.engine.close()
     finally:
         leave()

@@ -310,24 +310,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
-    """Two "machines": two torchrun agents meeting at a c10d rendezvous on loopback, one rank each."""
+def _torchrun_agents(folders: list, logs: list) -> list:
+    """Two "machines": a torchrun agent per folder, meeting at a c10d rendezvous on loopback, one
+    rank each (agent i serves folders[i]; its stderr goes to logs[i])."""
     import subprocess
     import sys
     from pathlib import Path
 
-    folder = tiny_checkpoints("deepseek_v3")
     torchrun = Path(sys.executable).parent / "torchrun"
     endpoint = f"127.0.0.1:{_free_port()}"
+    agents = []
+    for folder, log in zip(folders, logs):
+        with open(log, "w") as err:
+            agents.append(subprocess.Popen(
+                [torchrun, "--nnodes", str(len(folders)), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder,
+                 "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
+                stdout=subprocess.DEVNULL, stderr=err))
+    return agents
+
+
+def _stop_agents(agents: list) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
+    folder = tiny_checkpoints("deepseek_v3")
     logs = [tmp_path / f"agent{i}.err" for i in range(2)]
     agents = []
     try:
-        for log in logs:
-            with open(log, "w") as err:
-                agents.append(subprocess.Popen(
-                    [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                     endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder, "--expert-parallel", "auto",
-                     "--port", "0", "--threads", "1", "--ep-timeout", "60"], stdout=subprocess.DEVNULL, stderr=err))
+        agents = _torchrun_agents([folder, folder], logs)
         url, deadline = None, time.monotonic() + 180
         while url is None and time.monotonic() < deadline:
             for log in logs:
@@ -350,7 +365,34 @@ def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_ch
         for agent in agents:  # torchrun stops its rank; rank 0 drains and tells rank 1 to leave
             agent.wait(60)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+        _stop_agents(agents)
+
+
+def test_a_rank_started_on_other_weights_is_refused_naming_it(tiny_checkpoints, tmp_path):
+    """Agent 1 is given a copy of the checkpoint with one expert tensor changed: no server starts,
+    rank 0 says in one line that rank 1 loaded a different checkpoint, and both agents fail."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_checkpoints("qwen3_moe")
+    other = tmp_path / "other" / folder.name
+    shutil.copytree(folder, other)
+    (weights,) = other.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in sorted(tensors) if ".experts.3.down_proj" in n)
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    logs = [tmp_path / f"agent{i}.err" for i in range(2)]
+    agents = []
+    try:
+        agents = _torchrun_agents([folder, other], logs)
+        codes = [a.wait(180) for a in agents]
+        text = [l.read_text() for l in logs]
+        assert all(c != 0 for c in codes), (codes, text)
+        assert "serving " not in text[0]
+        refusal = [l for l in text[0].splitlines() if l.startswith("error: ")]
+        assert len(refusal) == 1 and "rank 1 loaded a different checkpoint than rank 0" in refusal[0], text[0][-3000:]
+        assert "Traceback" not in text[0].split(refusal[0])[0], text[0][-3000:]  # the rank's; torchrun's own follows
+    finally:
+        _stop_agents(agents)

@@ -4,10 +4,11 @@ driven by the official OpenAI client.
 One sharded server per family answers every assertion about it: greedy fp32 tokens of 8
 concurrent clients (two of them streaming) equal to what the engine gives each prompt alone in
 this process (the single-process server's answer: tests/serve/test_server.py), the exchange per
-rank in /metrics, and SIGTERM that drains and stops every rank. qwen3_moe runs a placement that
-replicates two experts on both ranks, and takes a hot swap (and its rollback) of a replicated
-expert and of one only rank 1 holds. A rank killed mid-stream gives 503s naming it, /health 503,
-and every process exits. Two torchrun agents on a loopback rendezvous serve the same tokens.
+rank in /metrics (rank 1 holding no dense weights), and SIGTERM that drains and stops every rank.
+qwen3_moe runs a placement that replicates two experts on both ranks, and takes a hot swap (and its
+rollback) of a replicated expert and of one only rank 1 holds. A rank killed or stopped mid-stream
+gives 503s naming it, /health 503, and every process exits. Two torchrun agents on a loopback
+rendezvous serve the same tokens; a third agent pair, one given other weights, is refused.
 """
 
 from __future__ import annotations
@@ -150,6 +151,10 @@ def test_metrics_show_each_ranks_exchange(sharded):
     for rank in ("0", "1"):
         served = [v for k, v in values.items() if k.startswith("moekit:ep_expert_tokens_total") and f'rank="{rank}"' in k]
         assert sum(served) > 0
+    # a follower holds its experts and none of the weights only rank 0 runs (dist/follower_memory.py)
+    assert values['moekit:ep_weight_bytes{kind="dense",rank="1"}'] == 0
+    assert values['moekit:ep_weight_bytes{kind="dense",rank="0"}'] > 0
+    assert values['moekit:ep_weight_bytes{kind="experts",rank="1"}'] > 0
     balance = [v for k, v in values.items() if k.startswith("moekit:ep_balancedness")]
     assert balance and all(0 < v <= 1 for v in balance)
     if family == "qwen3_moe":  # a replicated expert's tokens are split between its two copies

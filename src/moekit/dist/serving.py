@@ -55,6 +55,7 @@ class RankCounters:
     served: dict = field(default_factory=dict)  # str(layer) → tokens each logical expert served here [E]
     loads: dict = field(default_factory=dict)  # str(layer) → (token, expert) pairs each rank computed [R]
     rss_bytes: Optional[int] = None
+    weight_bytes: dict = field(default_factory=dict)  # "dense", "experts" → bytes this rank holds (follower_memory)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -261,9 +262,15 @@ class LeaderStore:
         return self.leader.swap(self.index, e, self.experts, weights)
 
 
+def _counters(sharded) -> RankCounters:
+    from moekit.dist.follower_memory import weight_bytes
+
+    return RankCounters(rank=sharded.me.rank, weight_bytes=weight_bytes(sharded.engine.decoder, sharded.layers))
+
+
 def lead(sharded, timeout_s: float, culprit=None) -> Leader:
     """Rank 0: wrap a Sharded engine's EP layers so that every MoE forward is ordered to the others."""
-    counters = RankCounters(rank=sharded.me.rank)
+    counters = _counters(sharded)
     layers = {i: CountedLayer(layer, counters) for i, layer in sharded.layers.items()}
     leader = Leader(layers, counters, sharded.me.world, timeout_s, culprit)
     for i in layers:
@@ -278,7 +285,7 @@ def follow(sharded) -> None:
     from moekit.dist.session import resident_bytes
 
     me = sharded.me
-    counters = RankCounters(rank=me.rank)
+    counters = _counters(sharded)
     layers = {i: CountedLayer(layer, counters) for i, layer in sharded.layers.items()}
     experts = {i: sharded.engine.decoder.layers[i].ffn.experts for i in layers}
     dim = sharded.engine.spec.hidden_size
@@ -339,8 +346,13 @@ def follower(job, me) -> None:
     from moekit.dist.group import leave
     from moekit.dist.heartbeat import Beat
 
+    from moekit.dist.follower_memory import keep_only_experts
+    from moekit.dist.session import _rss
+
     try:
         sharded = start(job, me)
+        keep_only_experts(sharded.engine.decoder, sharded.layers)
+        sharded.rss_after_shard = _rss()  # the dropped weights handed back to the system
         beat = Beat(me, job.timeout_s).start()  # rank 0 names the rank whose beat stopped first
         try:
             follow(sharded)

@@ -156,6 +156,9 @@ class ShardedCollector:
                                       "and this rank's experts).", labels=["rank"])
         steps = CounterMetricFamily("moekit:ep_steps", "Model forwards (prefills and decode steps) run.", labels=["rank"])
         rss = GaugeMetricFamily("moekit:ep_resident_memory_bytes", "Resident memory of each rank's process.", labels=["rank"])
+        weights = GaugeMetricFamily("moekit:ep_weight_bytes", "Weights each rank holds, by kind: dense (embeddings, "
+                                    "head, norms, attention, routers, shared experts and dense layers: rank 0 only) and "
+                                    "experts (the routed experts it holds).", labels=["rank", "kind"])
         balance = GaugeMetricFamily("moekit:ep_balancedness", "Mean over max of the (token, expert) pairs each rank "
                                     "computed since start, per MoE layer (1: even).", labels=["layer"])
         for r in ranks:
@@ -172,11 +175,13 @@ class ShardedCollector:
             steps.add_metric([rank], r["steps"])
             if r.get("rss_bytes") is not None:
                 rss.add_metric([rank], r["rss_bytes"])
+            for kind, n in r["weight_bytes"].items():
+                weights.add_metric([rank, kind], n)
         for layer, loads in (ranks[0]["loads"].items() if ranks else ()):
             value = balancedness(loads)
             if value is not None:
                 balance.add_metric([layer], value)
-        yield from (served, sent, received, seconds, steps, rss, balance)
+        yield from (served, sent, received, seconds, steps, rss, weights, balance)
 
 
 @dataclass(frozen=True)

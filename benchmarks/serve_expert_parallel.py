@@ -113,6 +113,28 @@ def simulated(checkpoint: str, ranks: int, tokens: int, forwards: int) -> float:
                       Cost(row_bytes=spec.hidden_size * 4))["bytes_per_token"]
 
 
+def memory_row(row: dict, proc, url: str, ranks: int) -> dict:
+    """Resident memory per rank, and the weights each holds by kind (`moekit:ep_weight_bytes`, when
+    the server reports it), after one request."""
+    if ranks == 1:
+        return {**row, "rss_per_rank": [rss_of(proc.pid)]}
+    m = metrics(url)
+    row["rss_per_rank"] = [v for k, v in sorted(m.items()) if k.startswith("moekit:ep_resident_memory")]
+    for kind in ("dense", "experts"):
+        row[f"{kind}_bytes_per_rank"] = [m[f'moekit:ep_weight_bytes{{kind="{kind}",rank="{r}"}}'] for r in range(ranks)
+                                         if f'moekit:ep_weight_bytes{{kind="{kind}",rank="{r}"}}' in m]
+    return row
+
+
+def print_memory(rows: list) -> None:
+    print("| ranks | resident memory per rank (MiB) | dense weights per rank (MiB) | routed experts per rank (MiB) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        cells = [", ".join(f"{v / MIB:.0f}" for v in r.get(k) or []) or "—"
+                 for k in ("rss_per_rank", "dense_bytes_per_rank", "experts_bytes_per_rank")]
+        print(f"| {r['ranks']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
@@ -122,6 +144,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--memory-only", action="store_true",
+                        help="each rank's resident memory and weights after one request; no throughput phases")
     parser.add_argument("--out", default="bench-out/serve_expert_parallel.json")
     args = parser.parse_args()
     rng = random.Random(0)
@@ -134,6 +158,10 @@ def main() -> None:
         try:
             phase(url, prompts[:1], 4, 1)  # warm-up
             row = {"ranks": ranks, "threads_per_rank": threads}
+            if args.memory_only:
+                rows.append(memory_row(row, proc, url, ranks))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             before = sent(metrics(url)) if ranks > 1 else {}
             row["c1_tok_s"] = phase(url, prompts[: args.sequential], args.max_tokens, 1)
             middle = sent(metrics(url)) if ranks > 1 else {}
@@ -155,6 +183,9 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    if args.memory_only:
+        print_memory(rows)
+        return
     base = rows[0]
     print("| ranks | threads/rank | c=1 tok/s (× plain) | c=16 tok/s (× plain) | RSS per rank (MiB) |")
     print("|---|---|---|---|---|")

@@ -151,7 +151,7 @@ def test_metrics_show_each_ranks_exchange(sharded):
     for rank in ("0", "1"):
         served = [v for k, v in values.items() if k.startswith("moekit:ep_expert_tokens_total") and f'rank="{rank}"' in k]
         assert sum(served) > 0
-    # a follower holds its experts and none of the weights only rank 0 runs (dist/follower_memory.py)
+    # a follower holds its experts and none of the weights only rank 0 runs (dist/rank_memory.py)
     assert values['moekit:ep_weight_bytes{kind="dense",rank="1"}'] == 0
     assert values['moekit:ep_weight_bytes{kind="dense",rank="0"}'] > 0
     assert values['moekit:ep_weight_bytes{kind="experts",rank="1"}'] > 0

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from moekit.dist.exchange import dispatch, home_bounds
 from moekit.dist.placement import RouteTable
+from moekit.dist.rank_memory import shares_storage
 from moekit.errors import MoekitError
 from moekit.model.routing import RoutingDecision
 
@@ -180,12 +181,9 @@ def take_local(experts, local: tuple[int, ...]) -> dict:
     that (every rank's experts, and the dense weights) alive."""
     kept = {}
     for e in local:
-        kept[e] = tuple(w.clone() if _shares_storage(w) else w for w in experts.resident_weights(e))
+        kept[e] = tuple(w.clone() if shares_storage(w) else w for w in experts.resident_weights(e))
     experts.offload()
     # RoutedExperts keeps plain tuples of its prepared weights for its hot loop: drop them too.
     experts._weights = None
     return kept
 
-
-def _shares_storage(w: torch.Tensor) -> bool:
-    return w._base is not None or w.untyped_storage().nbytes() > w.numel() * w.element_size()

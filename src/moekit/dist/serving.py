@@ -55,7 +55,7 @@ class RankCounters:
     served: dict = field(default_factory=dict)  # str(layer) → tokens each logical expert served here [E]
     loads: dict = field(default_factory=dict)  # str(layer) → (token, expert) pairs each rank computed [R]
     rss_bytes: Optional[int] = None
-    weight_bytes: dict = field(default_factory=dict)  # "dense", "experts" → bytes this rank holds (follower_memory)
+    weight_bytes: dict = field(default_factory=dict)  # "dense", "experts" → bytes this rank holds (rank_memory)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -263,7 +263,7 @@ class LeaderStore:
 
 
 def _counters(sharded) -> RankCounters:
-    from moekit.dist.follower_memory import weight_bytes
+    from moekit.dist.rank_memory import weight_bytes
 
     return RankCounters(rank=sharded.me.rank, weight_bytes=weight_bytes(sharded.engine.decoder, sharded.layers))
 
@@ -346,7 +346,7 @@ def follower(job, me) -> None:
     from moekit.dist.group import leave
     from moekit.dist.heartbeat import Beat
 
-    from moekit.dist.follower_memory import keep_only_experts
+    from moekit.dist.rank_memory import keep_only_experts
     from moekit.dist.session import _rss
 
     try:

@@ -74,6 +74,7 @@ class Sharded:
 def shard(engine, me: Rank, placement: Placement, timeout_s: float) -> Sharded:
     """Install an ExpertParallelLayer on every MoE layer of a loaded engine (resident or paged)."""
     from moekit.dist.layer import ExpertParallelLayer, take_local
+    from moekit.dist.rank_memory import own_storage
 
     layers = {}
     tables = placement.tables()
@@ -85,6 +86,8 @@ def shard(engine, me: Rank, placement: Placement, timeout_s: float) -> Sharded:
         layers[i] = ExpertParallelLayer(i, me.rank, me.world, tables[i], weights=weights, inner=inner,
                                         timeout_s=timeout_s)
         experts.store = layers[i]
+    if any(layer.weights is not None for layer in layers.values()):
+        own_storage(engine.decoder)  # the one buffer a loader may have filled goes with the others' experts
     return Sharded(engine=engine, me=me, placement=placement, layers=layers, rss_after_shard=_rss())
 
 

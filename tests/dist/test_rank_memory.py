@@ -1,4 +1,4 @@
-"""A serving follower keeps its experts and nothing else (moekit.dist.follower_memory), on a
+"""A serving follower keeps its experts and nothing else (moekit.dist.rank_memory), on a
 checkpoint loaded and sharded as a follower's is; the sharded server's tests check the same in a
 real follower process through /metrics, with the tokens exact."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from moekit.dist.follower_memory import keep_only_experts, weight_bytes
+from moekit.dist.rank_memory import keep_only_experts, weight_bytes
 from moekit.dist.group import Rank
 from moekit.dist.session import choose_placement, shard
 from moekit.engine.loader import load_engine

@@ -1,4 +1,8 @@
-"""What a serving follower keeps: its experts, and nothing rank 0 alone runs.
+"""What a rank keeps in memory: its own experts, on their own storage; a serving follower nothing else.
+
+A loader may fill the whole checkpoint into one buffer (every weight a slice of it): then any one
+weight kept keeps all of it, the other ranks' experts included. `own_storage` gives each weight of
+a sharded decoder its own storage, so that the buffer goes once the other ranks' experts are dropped.
 
 A follower of `moekit serve --expert-parallel` receives each MoE layer's tokens and routing from
 rank 0 (serving.py), so the embeddings, the head, the norms, attention, the routers, the shared
@@ -25,6 +29,21 @@ def keep_only_experts(decoder: nn.Module, moe_layers) -> None:
             block.ffn.router = block.ffn.shared = block.ffn.shared_gate = None
         else:
             block.ffn = None
+
+
+def own_storage(decoder: nn.Module) -> None:
+    """Every parameter and buffer of `decoder` that shares a larger storage copied onto its own."""
+    for module in decoder.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None and not t.is_meta and shares_storage(t):
+                    copy = t.detach().clone()
+                    table[name] = nn.Parameter(copy, requires_grad=False) if isinstance(t, nn.Parameter) else copy
+
+
+def shares_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is part of a larger storage (a view, or a slice of one buffer)."""
+    return t._base is not None or t.untyped_storage().nbytes() > t.numel() * t.element_size()
 
 
 def _tensors(module: nn.Module):

@@ -182,6 +182,30 @@ def test_a_dropped_stream_is_cancelled_and_the_next_request_is_exact(sharded):
     assert ids == _solo(folder, [(PROMPTS[2], 6)])[0]
 
 
+def test_the_compiled_step_sharded_gives_the_single_process_tokens(tiny_checkpoints):
+    """--compile at 2 ranks: rank 0's decode step is one compiled graph that calls each MoE layer's
+    exchange as an opaque op (moekit.dist.graph_exchange); the tokens are the single process's."""
+    folder = tiny_checkpoints("qwen3_moe")
+    server = start_server(folder, "--expert-parallel", "2", "--ep-timeout", "120", "--max-batch", "4", "--compile",
+                          timeout=300)
+    workers = _worker_pids(server)
+    try:
+        assert any("decode steps run as one compiled graph" in line for line in server.log), server.log
+        jobs = [(PROMPTS[i], 6 + 3 * i) for i in range(4)]
+
+        def ask(i: int) -> list[int]:
+            body = {"prompt": jobs[i][0], "max_tokens": jobs[i][1], "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            return httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert got == _solo(folder, jobs)
+    finally:
+        assert server.stop() == 0, server.log
+    assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
+
+
 def _new_expert(experts, seed: int) -> dict:
     f, d = experts.in_features[1], experts.in_features[0]
     gen = torch.Generator().manual_seed(seed)

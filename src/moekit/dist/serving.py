@@ -253,10 +253,17 @@ class LeaderStore:
     the hot swap's way to every copy of an expert."""
 
     def __init__(self, leader: Leader, index: int, experts):
+        from moekit.dist.graph_exchange import register
+
         self.leader, self.index, self.experts = leader, index, experts
+        self.handle = register(self)  # how the compiled step's opaque op finds this layer
 
     def forward(self, experts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         return self.leader.forward(self.index, experts, x, decision)
+
+    def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+        """RoutedExperts.decode's form, in the compiled step: the exchange as one opaque op (graph_exchange)."""
+        return torch.ops.moekit.ep_experts(x, decision.topk_ids, decision.topk_weights, self.handle)
 
     def replace_expert(self, e: int, weights: tuple) -> tuple:
         return self.leader.swap(self.index, e, self.experts, weights)
@@ -324,7 +331,7 @@ def follow(sharded) -> None:
                 counters.steps += 1
 
 
-def start(job, me):
+def start(job, me, compile: bool = False):
     """Join the ranks, load this rank's share of the checkpoint, and check that every rank loaded
     the same one with the same settings (a rank with other weights is refused here). → Sharded."""
     from moekit.dist.fingerprint import checkpoint_fingerprint
@@ -332,7 +339,7 @@ def start(job, me):
     from moekit.dist.session import _agree, _request_key, load_sharded
 
     join(me, job.timeout_s, job.device)
-    sharded = load_sharded(job, me)
+    sharded = load_sharded(job, me, compile=compile)
     try:
         _agree(me, checkpoint_fingerprint(job.checkpoint), _request_key(job, []), None, job.timeout_s)
     except BaseException:

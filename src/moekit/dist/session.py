@@ -167,7 +167,7 @@ def _agree(me: Rank, fingerprint: str, request: str, seed: Optional[int], timeou
     return theirs[0][2]
 
 
-def load_sharded(job: Job, me: Rank, progress=None) -> Sharded:
+def load_sharded(job: Job, me: Rank, progress=None, compile: bool = False) -> Sharded:
     """Load the checkpoint on this rank (process group joined), agree with the others, shard."""
     from moekit.engine.loader import load_engine
 
@@ -179,7 +179,9 @@ def load_sharded(job: Job, me: Rank, progress=None) -> Sharded:
             raise MoekitError("--prefetch with --expert-parallel is not supported: the guesses would read other ranks' experts")
         offload = OffloadOptions(**job.offload)
         _manifest_first(job, me, progress)
-    engine = load_engine(job.checkpoint, dtype=job.dtype, device=job.device, offload=offload, progress=progress)
+    # compile: rank 0 of a server only; its step calls the exchange as an opaque op (graph_exchange)
+    engine = load_engine(job.checkpoint, dtype=job.dtype, device=job.device, offload=offload, progress=progress,
+                         compile=compile)
     try:
         placement = choose_placement(engine, job.placement, me.world)
         return shard(engine, me, placement, job.timeout_s)

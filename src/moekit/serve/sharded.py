@@ -45,7 +45,7 @@ class ShardedBackend:
         from moekit.dist.heartbeat import Watch
         from moekit.dist.serving import lead, start
 
-        sharded = start(self.job, self.me)
+        sharded = start(self.job, self.me, compile=cfg.compile)
         self.watch = Watch(self.me, self.job.timeout_s).start()
         self.leader = lead(sharded, self.job.timeout_s, self.culprit)
         return sharded.engine

@@ -33,9 +33,9 @@ import httpx
 MIB = 1 << 20
 
 
-def start(checkpoint: str, ranks: int, threads: int, max_batch: int):
+def start(checkpoint: str, ranks: int, threads: int, max_batch: int, compiled: bool = False):
     cmd = [sys.executable, "-m", "moekit", "serve", checkpoint, "--port", "0", "--max-batch", str(max_batch),
-           "--threads", str(threads), "--prefix-cache-memory", "0"]
+           "--threads", str(threads), "--prefix-cache-memory", "0"] + (["--compile"] if compiled else [])
     if ranks > 1:
         cmd += ["--expert-parallel", str(ranks), "--ep-timeout", "300"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -138,7 +138,8 @@ def print_memory(rows: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
-    parser.add_argument("--ranks", default="1,1t,2,4", help="1: the plain server on every core; 1t: on one thread")
+    parser.add_argument("--ranks", default="1,1t,2,4", help="1: the plain server on every core; 1t: on one thread; "
+                        "a trailing c (2c): with --compile")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=4, help="requests of the concurrency-1 phase")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -152,12 +153,12 @@ def main() -> None:
     prompts = [[rng.randrange(100, 1000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     rows: list = []
     for name in args.ranks.split(","):
-        ranks = int(name.rstrip("t"))
-        threads = 1 if name.endswith("t") else max(1, args.cores // ranks)
-        proc, url = start(args.checkpoint, ranks, threads, 16)
+        ranks = int(name.rstrip("tc"))
+        threads = 1 if "t" in name else max(1, args.cores // ranks)
+        proc, url = start(args.checkpoint, ranks, threads, 16, compiled="c" in name)
         try:
             phase(url, prompts[:1], 4, 1)  # warm-up
-            row = {"ranks": ranks, "threads_per_rank": threads}
+            row = {"ranks": ranks, "threads_per_rank": threads, "compiled": "c" in name}
             if args.memory_only:
                 rows.append(memory_row(row, proc, url, ranks))
                 print(json.dumps(rows[-1]), flush=True)
@@ -191,7 +192,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for r in rows:
         rss = ", ".join(f"{v / MIB:.0f}" for v in r["rss_per_rank"])
-        print(f"| {r['ranks']} | {r['threads_per_rank']} | {r['c1_tok_s']:.1f} ({r['c1_tok_s'] / base['c1_tok_s']:.2f}×) | "
+        print(f"| {r['ranks']}{' compiled' if r.get('compiled') else ''} | {r['threads_per_rank']} | {r['c1_tok_s']:.1f} ({r['c1_tok_s'] / base['c1_tok_s']:.2f}×) | "
               f"{r['c16_tok_s']:.1f} ({r['c16_tok_s'] / base['c16_tok_s']:.2f}×) | {rss} |")
     print()
     print("| ranks | c | bytes per generated token, all ranks: dispatch + combine (simulated) | all-gather | broadcast |")

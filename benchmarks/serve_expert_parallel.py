@@ -33,9 +33,9 @@ import httpx
 MIB = 1 << 20
 
 
-def start(checkpoint: str, ranks: int, threads: int, max_batch: int):
+def start(checkpoint: str, ranks: int, threads: int, max_batch: int, compiled: bool = False):
     cmd = [sys.executable, "-m", "moekit", "serve", checkpoint, "--port", "0", "--max-batch", str(max_batch),
-           "--threads", str(threads), "--prefix-cache-memory", "0"]
+           "--threads", str(threads), "--prefix-cache-memory", "0"] + (["--compile"] if compiled else [])
     if ranks > 1:
         cmd += ["--expert-parallel", str(ranks), "--ep-timeout", "300"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -113,27 +113,56 @@ def simulated(checkpoint: str, ranks: int, tokens: int, forwards: int) -> float:
                       Cost(row_bytes=spec.hidden_size * 4))["bytes_per_token"]
 
 
+def memory_row(row: dict, proc, url: str, ranks: int) -> dict:
+    """Resident memory per rank, and the weights each holds by kind (`moekit:ep_weight_bytes`, when
+    the server reports it), after one request."""
+    if ranks == 1:
+        return {**row, "rss_per_rank": [rss_of(proc.pid)]}
+    m = metrics(url)
+    row["rss_per_rank"] = [v for k, v in sorted(m.items()) if k.startswith("moekit:ep_resident_memory")]
+    for kind in ("dense", "experts"):
+        row[f"{kind}_bytes_per_rank"] = [m[f'moekit:ep_weight_bytes{{kind="{kind}",rank="{r}"}}'] for r in range(ranks)
+                                         if f'moekit:ep_weight_bytes{{kind="{kind}",rank="{r}"}}' in m]
+    return row
+
+
+def print_memory(rows: list) -> None:
+    print("| ranks | resident memory per rank (MiB) | dense weights per rank (MiB) | routed experts per rank (MiB) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        cells = [", ".join(f"{v / MIB:.0f}" for v in r.get(k) or []) or "—"
+                 for k in ("rss_per_rank", "dense_bytes_per_rank", "experts_bytes_per_rank")]
+        print(f"| {r['ranks']} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
-    parser.add_argument("--ranks", default="1,1t,2,4", help="1: the plain server on every core; 1t: on one thread")
+    parser.add_argument("--ranks", default="1,1t,2,4", help="1: the plain server on every core; 1t: on one thread; "
+                        "a trailing c (2c): with --compile")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--sequential", type=int, default=4, help="requests of the concurrency-1 phase")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--cores", type=int, default=2)
+    parser.add_argument("--memory-only", action="store_true",
+                        help="each rank's resident memory and weights after one request; no throughput phases")
     parser.add_argument("--out", default="bench-out/serve_expert_parallel.json")
     args = parser.parse_args()
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 1000) for _ in range(args.prompt_len)] for _ in range(args.requests)]
     rows: list = []
     for name in args.ranks.split(","):
-        ranks = int(name.rstrip("t"))
-        threads = 1 if name.endswith("t") else max(1, args.cores // ranks)
-        proc, url = start(args.checkpoint, ranks, threads, 16)
+        ranks = int(name.rstrip("tc"))
+        threads = 1 if "t" in name else max(1, args.cores // ranks)
+        proc, url = start(args.checkpoint, ranks, threads, 16, compiled="c" in name)
         try:
             phase(url, prompts[:1], 4, 1)  # warm-up
-            row = {"ranks": ranks, "threads_per_rank": threads}
+            row = {"ranks": ranks, "threads_per_rank": threads, "compiled": "c" in name}
+            if args.memory_only:
+                rows.append(memory_row(row, proc, url, ranks))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             before = sent(metrics(url)) if ranks > 1 else {}
             row["c1_tok_s"] = phase(url, prompts[: args.sequential], args.max_tokens, 1)
             middle = sent(metrics(url)) if ranks > 1 else {}
@@ -155,12 +184,15 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    if args.memory_only:
+        print_memory(rows)
+        return
     base = rows[0]
     print("| ranks | threads/rank | c=1 tok/s (× plain) | c=16 tok/s (× plain) | RSS per rank (MiB) |")
     print("|---|---|---|---|---|")
     for r in rows:
         rss = ", ".join(f"{v / MIB:.0f}" for v in r["rss_per_rank"])
-        print(f"| {r['ranks']} | {r['threads_per_rank']} | {r['c1_tok_s']:.1f} ({r['c1_tok_s'] / base['c1_tok_s']:.2f}×) | "
+        print(f"| {r['ranks']}{' compiled' if r.get('compiled') else ''} | {r['threads_per_rank']} | {r['c1_tok_s']:.1f} ({r['c1_tok_s'] / base['c1_tok_s']:.2f}×) | "
               f"{r['c16_tok_s']:.1f} ({r['c16_tok_s'] / base['c16_tok_s']:.2f}×) | {rss} |")
     print()
     print("| ranks | c | bytes per generated token, all ranks: dispatch + combine (simulated) | all-gather | broadcast |")

@@ -8,7 +8,6 @@ from cli_runner import refused
 
 
 @pytest.mark.parametrize("args, says", [
-    (("--expert-parallel", "2", "--compile"), "--compile with --expert-parallel is not supported yet"),
     (("--expert-parallel", "2", "--admin-token", "t", "--expert-memory", "50%"), "--admin-token with --expert-memory"),
     (("--expert-parallel", "auto"), "without torchrun give the count"),
     (("--expert-parallel", "two"), "rank count or auto"),

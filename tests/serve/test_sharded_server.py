@@ -4,10 +4,11 @@ driven by the official OpenAI client.
 One sharded server per family answers every assertion about it: greedy fp32 tokens of 8
 concurrent clients (two of them streaming) equal to what the engine gives each prompt alone in
 this process (the single-process server's answer: tests/serve/test_server.py), the exchange per
-rank in /metrics, and SIGTERM that drains and stops every rank. qwen3_moe runs a placement that
-replicates two experts on both ranks, and takes a hot swap (and its rollback) of a replicated
-expert and of one only rank 1 holds. A rank killed mid-stream gives 503s naming it, /health 503,
-and every process exits. Two torchrun agents on a loopback rendezvous serve the same tokens.
+rank in /metrics (rank 1 holding no dense weights), and SIGTERM that drains and stops every rank.
+qwen3_moe runs a placement that replicates two experts on both ranks, and takes a hot swap (and its
+rollback) of a replicated expert and of one only rank 1 holds. A rank killed or stopped mid-stream
+gives 503s naming it, /health 503, and every process exits. Two torchrun agents on a loopback
+rendezvous serve the same tokens; a third agent pair, one given other weights, is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -149,6 +151,10 @@ def test_metrics_show_each_ranks_exchange(sharded):
     for rank in ("0", "1"):
         served = [v for k, v in values.items() if k.startswith("moekit:ep_expert_tokens_total") and f'rank="{rank}"' in k]
         assert sum(served) > 0
+    # a follower holds its experts and none of the weights only rank 0 runs (dist/rank_memory.py)
+    assert values['moekit:ep_weight_bytes{kind="dense",rank="1"}'] == 0
+    assert values['moekit:ep_weight_bytes{kind="dense",rank="0"}'] > 0
+    assert values['moekit:ep_weight_bytes{kind="experts",rank="1"}'] > 0
     balance = [v for k, v in values.items() if k.startswith("moekit:ep_balancedness")]
     assert balance and all(0 < v <= 1 for v in balance)
     if family == "qwen3_moe":  # a replicated expert's tokens are split between its two copies
@@ -174,6 +180,30 @@ def test_a_dropped_stream_is_cancelled_and_the_next_request_is_exact(sharded):
     again = {"prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     ids = httpx.post(server.v1 + "/completions", json=again, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
     assert ids == _solo(folder, [(PROMPTS[2], 6)])[0]
+
+
+def test_the_compiled_step_sharded_gives_the_single_process_tokens(tiny_checkpoints):
+    """--compile at 2 ranks: rank 0's decode step is one compiled graph that calls each MoE layer's
+    exchange as an opaque op (moekit.dist.graph_exchange); the tokens are the single process's."""
+    folder = tiny_checkpoints("qwen3_moe")
+    server = start_server(folder, "--expert-parallel", "2", "--ep-timeout", "120", "--max-batch", "4", "--compile",
+                          timeout=300)
+    workers = _worker_pids(server)
+    try:
+        assert any("decode steps run as one compiled graph" in line for line in server.log), server.log
+        jobs = [(PROMPTS[i], 6 + 3 * i) for i in range(4)]
+
+        def ask(i: int) -> list[int]:
+            body = {"prompt": jobs[i][0], "max_tokens": jobs[i][1], "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            return httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, range(4)))
+        assert got == _solo(folder, jobs)
+    finally:
+        assert server.stop() == 0, server.log
+    assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
 
 
 def _new_expert(experts, seed: int) -> dict:
@@ -254,6 +284,53 @@ def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpo
         server.stop()
 
 
+@pytest.mark.parametrize("when", ["mid_stream", "idle"])
+def test_a_stopped_rank_gives_503s_naming_it_within_the_timeout(tiny_checkpoints, when):
+    """SIGSTOP: a rank that neither answers nor closes its sockets. Mid-stream, rank 0's exchange
+    times out; idle, its broadcasts still succeed and the rank's silent heartbeat gives it away."""
+    timeout_s = 10
+    server = start_server(tiny_checkpoints("qwen3_moe"), "--expert-parallel", "2", "--ep-timeout", str(timeout_s))
+    workers = _worker_pids(server)
+    body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    bound = timeout_s + 6  # the timeout, the culprit's naming (≤ 1 s) and a loaded machine's slack
+    try:
+        assert len(workers) == 1
+        if when == "mid_stream":
+            frames = []
+            with httpx.stream("POST", server.v1 + "/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        frames.append(line[6:])
+                        if len(frames) == 2:
+                            os.kill(workers[0], signal.SIGSTOP)
+                            stopped = time.monotonic()
+            assert time.monotonic() - stopped < bound
+            assert frames[-1] == "[DONE]"
+            error = json.loads(frames[-2])["error"]
+            assert error["type"] == "service_unavailable" and "rank 1 stopped answering" in error["message"], error
+        else:
+            os.kill(workers[0], signal.SIGSTOP)
+            stopped = time.monotonic()
+            late = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)  # blocks on the stopped rank
+            assert time.monotonic() - stopped < bound
+            assert late.status_code == 503, late.text
+            error = late.json()["error"]
+            assert "rank 1 stopped answering" in error["message"] and set(error) == {"message", "type", "param", "code"}
+        health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]["message"]
+        new = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT)
+        assert new.status_code == 503 and "rank 1" in new.json()["error"]["message"]
+        assert server.proc.wait(bound) != 0
+        assert any("rank 1 stopped answering" in line for line in server.log[-3:]), server.log
+        assert _wait_gone(workers, 15), f"rank {workers} outlived the server"
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        server.stop()
+
+
 def _free_port() -> int:
     import socket
 
@@ -262,25 +339,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
-    """Two "machines": two torchrun agents meeting at a c10d rendezvous on loopback, one rank each."""
-    import signal
+def _torchrun_agents(folders: list, logs: list) -> list:
+    """Two "machines": a torchrun agent per folder, meeting at a c10d rendezvous on loopback, one
+    rank each (agent i serves folders[i]; its stderr goes to logs[i])."""
     import subprocess
     import sys
     from pathlib import Path
 
-    folder = tiny_checkpoints("deepseek_v3")
     torchrun = Path(sys.executable).parent / "torchrun"
     endpoint = f"127.0.0.1:{_free_port()}"
+    agents = []
+    for folder, log in zip(folders, logs):
+        with open(log, "w") as err:
+            agents.append(subprocess.Popen(
+                [torchrun, "--nnodes", str(len(folders)), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                 "--rdzv-endpoint", endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder,
+                 "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
+                stdout=subprocess.DEVNULL, stderr=err))
+    return agents
+
+
+def _stop_agents(agents: list) -> None:
+    for agent in agents:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
+def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_checkpoints, tmp_path):
+    folder = tiny_checkpoints("deepseek_v3")
     logs = [tmp_path / f"agent{i}.err" for i in range(2)]
     agents = []
     try:
-        for log in logs:
-            with open(log, "w") as err:
-                agents.append(subprocess.Popen(
-                    [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                     endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder, "--expert-parallel", "auto",
-                     "--port", "0", "--threads", "1", "--ep-timeout", "60"], stdout=subprocess.DEVNULL, stderr=err))
+        agents = _torchrun_agents([folder, folder], logs)
         url, deadline = None, time.monotonic() + 180
         while url is None and time.monotonic() < deadline:
             for log in logs:
@@ -303,7 +394,34 @@ def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_ch
         for agent in agents:  # torchrun stops its rank; rank 0 drains and tells rank 1 to leave
             agent.wait(60)
     finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
+        _stop_agents(agents)
+
+
+def test_a_rank_started_on_other_weights_is_refused_naming_it(tiny_checkpoints, tmp_path):
+    """Agent 1 is given a copy of the checkpoint with one expert tensor changed: no server starts,
+    rank 0 says in one line that rank 1 loaded a different checkpoint, and both agents fail."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_checkpoints("qwen3_moe")
+    other = tmp_path / "other" / folder.name
+    shutil.copytree(folder, other)
+    (weights,) = other.glob("*.safetensors")
+    tensors = load_file(weights)
+    name = next(n for n in sorted(tensors) if ".experts.3.down_proj" in n)
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, weights, metadata={"format": "pt"})
+    logs = [tmp_path / f"agent{i}.err" for i in range(2)]
+    agents = []
+    try:
+        agents = _torchrun_agents([folder, other], logs)
+        codes = [a.wait(180) for a in agents]
+        text = [l.read_text() for l in logs]
+        assert all(c != 0 for c in codes), (codes, text)
+        assert "serving " not in text[0]
+        refusal = [l for l in text[0].splitlines() if l.startswith("error: ")]
+        assert len(refusal) == 1 and "rank 1 loaded a different checkpoint than rank 0" in refusal[0], text[0][-3000:]
+        assert "Traceback" not in text[0].split(refusal[0])[0], text[0][-3000:]  # the rank's; torchrun's own follows
+    finally:
+        _stop_agents(agents)

@@ -172,7 +172,7 @@ def serve(
 
     ranks = None
     if expert_parallel is not None or placement is not None:
-        ranks = _sharding(expert_parallel, placement, ep_timeout, folder, dtype, device, offload, weights, compile_step,
+        ranks = _sharding(expert_parallel, placement, ep_timeout, folder, dtype, device, offload, weights,
                           no_verify, admin_token, threads)
         if not ranks.leads:
             ranks.follow()  # a torchrun rank other than 0: no HTTP here
@@ -247,7 +247,7 @@ def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, fo
     return state
 
 
-def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offload, weights, compile_step, no_verify,
+def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offload, weights, no_verify,
               admin_token, threads):
     """--expert-parallel's checks, made before any rank starts. → moekit.serve.sharded.Sharding"""
     from moekit.dist.cli import offload_fields, parse_ranks
@@ -257,7 +257,7 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
 
     if expert_parallel is None:
         raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
-    for flag, used in (("--compile", compile_step), (f"--weights {weights}", weights != "dtype"),
+    for flag, used in ((f"--weights {weights}", weights != "dtype"),
                        ("--no-verify", no_verify), ("--admin-token with --expert-memory",
                                                     admin_token is not None and offload is not None)):
         if used:

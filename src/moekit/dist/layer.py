@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from moekit.dist.exchange import dispatch, home_bounds
 from moekit.dist.placement import RouteTable
+from moekit.dist.rank_memory import shares_storage
 from moekit.errors import MoekitError
 from moekit.model.routing import RoutingDecision
 
@@ -175,12 +176,14 @@ class ExpertParallelLayer:
 def take_local(experts, local: tuple[int, ...]) -> dict:
     """This rank's experts' prepared weights; the module's own copies of all experts are released.
 
-    A weight that is a view into the stacked [E, ...] tensor is copied out, or the view would keep
-    the whole stack (every rank's experts) alive."""
+    A weight that shares its storage with more (a view into the stacked [E, ...] tensor, or into
+    the one buffer a loader filled for the whole checkpoint) is copied out, or it would keep all of
+    that (every rank's experts, and the dense weights) alive."""
     kept = {}
     for e in local:
-        kept[e] = tuple(w.clone() if w._base is not None else w for w in experts.resident_weights(e))
+        kept[e] = tuple(w.clone() if shares_storage(w) else w for w in experts.resident_weights(e))
     experts.offload()
     # RoutedExperts keeps plain tuples of its prepared weights for its hot loop: drop them too.
     experts._weights = None
     return kept
+

@@ -55,6 +55,7 @@ class RankCounters:
     served: dict = field(default_factory=dict)  # str(layer) → tokens each logical expert served here [E]
     loads: dict = field(default_factory=dict)  # str(layer) → (token, expert) pairs each rank computed [R]
     rss_bytes: Optional[int] = None
+    weight_bytes: dict = field(default_factory=dict)  # "dense", "experts" → bytes this rank holds (rank_memory)
 
     def as_dict(self) -> dict:
         return dict(vars(self))
@@ -252,18 +253,31 @@ class LeaderStore:
     the hot swap's way to every copy of an expert."""
 
     def __init__(self, leader: Leader, index: int, experts):
+        from moekit.dist.graph_exchange import register
+
         self.leader, self.index, self.experts = leader, index, experts
+        self.handle = register(self)  # how the compiled step's opaque op finds this layer
 
     def forward(self, experts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         return self.leader.forward(self.index, experts, x, decision)
+
+    def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+        """RoutedExperts.decode's form, in the compiled step: the exchange as one opaque op (graph_exchange)."""
+        return torch.ops.moekit.ep_experts(x, decision.topk_ids, decision.topk_weights, self.handle)
 
     def replace_expert(self, e: int, weights: tuple) -> tuple:
         return self.leader.swap(self.index, e, self.experts, weights)
 
 
+def _counters(sharded) -> RankCounters:
+    from moekit.dist.rank_memory import weight_bytes
+
+    return RankCounters(rank=sharded.me.rank, weight_bytes=weight_bytes(sharded.engine.decoder, sharded.layers))
+
+
 def lead(sharded, timeout_s: float, culprit=None) -> Leader:
     """Rank 0: wrap a Sharded engine's EP layers so that every MoE forward is ordered to the others."""
-    counters = RankCounters(rank=sharded.me.rank)
+    counters = _counters(sharded)
     layers = {i: CountedLayer(layer, counters) for i, layer in sharded.layers.items()}
     leader = Leader(layers, counters, sharded.me.world, timeout_s, culprit)
     for i in layers:
@@ -278,7 +292,7 @@ def follow(sharded) -> None:
     from moekit.dist.session import resident_bytes
 
     me = sharded.me
-    counters = RankCounters(rank=me.rank)
+    counters = _counters(sharded)
     layers = {i: CountedLayer(layer, counters) for i, layer in sharded.layers.items()}
     experts = {i: sharded.engine.decoder.layers[i].ffn.experts for i in layers}
     dim = sharded.engine.spec.hidden_size
@@ -317,7 +331,7 @@ def follow(sharded) -> None:
                 counters.steps += 1
 
 
-def start(job, me):
+def start(job, me, compile: bool = False):
     """Join the ranks, load this rank's share of the checkpoint, and check that every rank loaded
     the same one with the same settings (a rank with other weights is refused here). → Sharded."""
     from moekit.dist.fingerprint import checkpoint_fingerprint
@@ -325,7 +339,7 @@ def start(job, me):
     from moekit.dist.session import _agree, _request_key, load_sharded
 
     join(me, job.timeout_s, job.device)
-    sharded = load_sharded(job, me)
+    sharded = load_sharded(job, me, compile=compile)
     try:
         _agree(me, checkpoint_fingerprint(job.checkpoint), _request_key(job, []), None, job.timeout_s)
     except BaseException:
@@ -337,12 +351,20 @@ def start(job, me):
 def follower(job, me) -> None:
     """A follower rank's whole life in a server: start, follow until stopped, leave."""
     from moekit.dist.group import leave
+    from moekit.dist.heartbeat import Beat
+
+    from moekit.dist.rank_memory import keep_only_experts
+    from moekit.dist.session import _rss
 
     try:
         sharded = start(job, me)
+        keep_only_experts(sharded.engine.decoder, sharded.layers)
+        sharded.rss_after_shard = _rss()  # the dropped weights handed back to the system
+        beat = Beat(me, job.timeout_s).start()  # rank 0 names the rank whose beat stopped first
         try:
             follow(sharded)
         finally:
+            beat.stop()
             sharded.engine.close()
     finally:
         leave()

@@ -74,6 +74,7 @@ class Sharded:
 def shard(engine, me: Rank, placement: Placement, timeout_s: float) -> Sharded:
     """Install an ExpertParallelLayer on every MoE layer of a loaded engine (resident or paged)."""
     from moekit.dist.layer import ExpertParallelLayer, take_local
+    from moekit.dist.rank_memory import own_storage
 
     layers = {}
     tables = placement.tables()
@@ -85,6 +86,8 @@ def shard(engine, me: Rank, placement: Placement, timeout_s: float) -> Sharded:
         layers[i] = ExpertParallelLayer(i, me.rank, me.world, tables[i], weights=weights, inner=inner,
                                         timeout_s=timeout_s)
         experts.store = layers[i]
+    if any(layer.weights is not None for layer in layers.values()):
+        own_storage(engine.decoder)  # the one buffer a loader may have filled goes with the others' experts
     return Sharded(engine=engine, me=me, placement=placement, layers=layers, rss_after_shard=_rss())
 
 
@@ -164,7 +167,7 @@ def _agree(me: Rank, fingerprint: str, request: str, seed: Optional[int], timeou
     return theirs[0][2]
 
 
-def load_sharded(job: Job, me: Rank, progress=None) -> Sharded:
+def load_sharded(job: Job, me: Rank, progress=None, compile: bool = False) -> Sharded:
     """Load the checkpoint on this rank (process group joined), agree with the others, shard."""
     from moekit.engine.loader import load_engine
 
@@ -176,7 +179,9 @@ def load_sharded(job: Job, me: Rank, progress=None) -> Sharded:
             raise MoekitError("--prefetch with --expert-parallel is not supported: the guesses would read other ranks' experts")
         offload = OffloadOptions(**job.offload)
         _manifest_first(job, me, progress)
-    engine = load_engine(job.checkpoint, dtype=job.dtype, device=job.device, offload=offload, progress=progress)
+    # compile: rank 0 of a server only; its step calls the exchange as an opaque op (graph_exchange)
+    engine = load_engine(job.checkpoint, dtype=job.dtype, device=job.device, offload=offload, progress=progress,
+                         compile=compile)
     try:
         placement = choose_placement(engine, job.placement, me.world)
         return shard(engine, me, placement, job.timeout_s)

@@ -258,6 +258,8 @@ class RoutedExperts(nn.Module):
     def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """The decode step's form (moekit.model.step_ops): Σ_k w[b, k] · expert_{ids[b, k]}(x[b])
         for x [B, D], every (row, choice) read in place from the stacks (Hub layout, tiles or q8_0)."""
+        if self.store is not None:  # experts on other ranks (moekit.dist.serving.LeaderStore): one opaque op
+            return self.store.decode(x, decision)
         ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
         if self.weigh_input:  # llama4: each choice's input weighed, [B, K, D], its output added as is
             x = x[:, None, :] * w[..., None].to(x.dtype)

@@ -22,6 +22,7 @@ from typing import Optional
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 FAULT_LINGER_S = 3.0  # after a rank failed: answering 503 this long, then stopping (SIGTERM cuts it short)
+CANNOT = "the server cannot serve without its experts"
 FIGURES_EVERY_S = 1.0  # how often the engine thread gathers every rank's figures for /metrics, between steps
 
 
@@ -34,31 +35,56 @@ class ShardedBackend:
     last_figures: list = field(default_factory=list)  # every rank's RankCounters, as last gathered
     gathered_at: float = 0.0  # time.monotonic() of that gather
     store: Optional[object] = None  # the TCPStore self-launched ranks joined (alive while they run)
+    watch: Optional[object] = None  # moekit.dist.heartbeat.Watch: the followers' signs of life
 
     @property
     def ping_s(self) -> float:
         return min(1.0, self.job.timeout_s / 4)  # well inside the followers' wait
 
     def load(self, cfg):
+        from moekit.dist.heartbeat import Watch
         from moekit.dist.serving import lead, start
 
-        sharded = start(self.job, self.me)
+        sharded = start(self.job, self.me, compile=cfg.compile)
+        self.watch = Watch(self.me, self.job.timeout_s).start()
         self.leader = lead(sharded, self.job.timeout_s, self.culprit)
         return sharded.engine
 
     def culprit(self) -> Optional[str]:
-        """A line naming a self-launched rank that has exited, waiting a moment for a dying one."""
+        """A line naming the rank at fault, or None: a self-launched rank killed by a signal, else the
+        rank whose sign of life stopped first (the ranks that waited on it stop later), else a
+        self-launched rank that exited. Waits a moment for a dying one."""
+        from moekit.dist.heartbeat import beat_period, first_silent
+
         deadline = time.monotonic() + 1.0
-        while self.workers:
-            for rank, proc in enumerate(self.workers, start=1):
-                code = proc.poll()
-                if code is not None:
-                    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-                    return f"expert-parallel rank {rank} {how}: the server cannot serve without its experts"
+        while True:
+            codes = {rank: proc.poll() for rank, proc in enumerate(self.workers, start=1)}
+            killed = [r for r, c in codes.items() if c is not None and c < 0]
+            if killed:
+                return f"expert-parallel rank {killed[0]} was killed by signal {-codes[killed[0]]}: {CANNOT}"
+            silent = self.watch.silent() if self.watch is not None else {}
+            rank = first_silent(silent, max(1.0, 4 * beat_period(self.job.timeout_s)))
+            if rank is not None:
+                how = f"exited with code {codes[rank]}" if codes.get(rank) is not None else "stopped answering"
+                return f"expert-parallel rank {rank} {how} (no sign of life for {silent[rank]:.0f}s): {CANNOT}"
+            exited = [r for r, c in codes.items() if c is not None]
+            if exited:
+                return f"expert-parallel rank {exited[0]} exited with code {codes[exited[0]]}: {CANNOT}"
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
-        return None
+
+    def silent_rank(self) -> Optional[str]:
+        """A line naming a follower silent for longer than --ep-timeout, or None. While rank 0 is idle
+        its broadcasts to a stopped rank still succeed (into socket buffers): this is how it notices."""
+        from moekit.dist.heartbeat import first_silent
+
+        silent = self.watch.silent() if self.watch is not None else {}
+        rank = first_silent(silent, self.job.timeout_s)
+        if rank is None:
+            return None
+        return (f"expert-parallel rank {rank} stopped answering (no sign of life for {silent[rank]:.0f}s, "
+                f"--ep-timeout {self.job.timeout_s:g}): {CANNOT}")
 
     def run(self, state, stop) -> None:
         """The engine thread's loop once loaded: steps; while idle, a watch on the ranks."""
@@ -71,7 +97,10 @@ class ShardedBackend:
                     self.gather()
                 if busy or leader.broken is not None:
                     continue
-                if any(proc.poll() is not None for proc in self.workers):
+                silent = self.silent_rank()
+                if silent is not None:
+                    leader.fail(silent)
+                elif any(proc.poll() is not None for proc in self.workers):
                     leader.fail("an expert-parallel rank exited")
                 elif time.monotonic() - leader.last_order > self.ping_s:
                     try:
@@ -79,6 +108,8 @@ class ShardedBackend:
                     except Exception:  # noqa: BLE001 - the leader is broken now; handled below
                         pass
         finally:
+            if self.watch is not None:
+                self.watch.stop()
             if leader.broken is not None:
                 state.scheduler.abort_all(leader.broken, reason="error")
                 stop.wait(FAULT_LINGER_S)  # clients and /health probes hear the 503 before the port closes
@@ -125,6 +156,9 @@ class ShardedCollector:
                                       "and this rank's experts).", labels=["rank"])
         steps = CounterMetricFamily("moekit:ep_steps", "Model forwards (prefills and decode steps) run.", labels=["rank"])
         rss = GaugeMetricFamily("moekit:ep_resident_memory_bytes", "Resident memory of each rank's process.", labels=["rank"])
+        weights = GaugeMetricFamily("moekit:ep_weight_bytes", "Weights each rank holds, by kind: dense (embeddings, "
+                                    "head, norms, attention, routers, shared experts and dense layers: rank 0 only) and "
+                                    "experts (the routed experts it holds).", labels=["rank", "kind"])
         balance = GaugeMetricFamily("moekit:ep_balancedness", "Mean over max of the (token, expert) pairs each rank "
                                     "computed since start, per MoE layer (1: even).", labels=["layer"])
         for r in ranks:
@@ -141,11 +175,13 @@ class ShardedCollector:
             steps.add_metric([rank], r["steps"])
             if r.get("rss_bytes") is not None:
                 rss.add_metric([rank], r["rss_bytes"])
+            for kind, n in r["weight_bytes"].items():
+                weights.add_metric([rank, kind], n)
         for layer, loads in (ranks[0]["loads"].items() if ranks else ()):
             value = balancedness(loads)
             if value is not None:
                 balance.add_metric([layer], value)
-        yield from (served, sent, received, seconds, steps, rss, balance)
+        yield from (served, sent, received, seconds, steps, rss, weights, balance)
 
 
 @dataclass(frozen=True)
@@ -213,4 +249,5 @@ def stop_ranks(backend: ShardedBackend, grace_s: float) -> list[int]:
         for proc in backend.workers:  # a broken group: the others cannot finish anything
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)  # a stopped rank acts on the SIGTERM only once running
     return reap(backend.workers, grace_s)

@@ -105,6 +105,9 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
     queue_limit: int = typer.Option(256, "--queue-limit", help="Waiting requests per tier before answering 429."),
+    max_prefill_tokens: int = typer.Option(
+        128, "--max-prefill-tokens", help="Prompt tokens one scheduler step prefills; a longer prompt is prefilled "
+        "in chunks of this many, one per step, while the running requests decode (chunked prefill)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send. Default: the folder's name."),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Memory for routed experts (25% or 2GiB); the rest is paged from disk."),
     cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging, lfru."),
@@ -149,7 +152,8 @@ def serve(
         raise MoekitError(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {weights!r}")
     if not 0 <= port <= 65535:
         raise MoekitError(f"--port must be in 0..65535, got {port}")
-    for name, value in (("--max-batch", max_batch), ("--queue-limit", queue_limit), ("--max-body-bytes", max_body)):
+    for name, value in (("--max-batch", max_batch), ("--queue-limit", queue_limit), ("--max-body-bytes", max_body),
+                        ("--max-prefill-tokens", max_prefill_tokens)):
         if value < 1:
             raise MoekitError(f"{name} must be at least 1, got {value}")
     if max_context is not None and not 2 <= max_context <= spec.max_position_embeddings:
@@ -188,6 +192,7 @@ def serve(
         max_batch=max_batch,
         max_context=max_context,
         queue_limit=queue_limit,
+        max_prefill_tokens=max_prefill_tokens,
         max_body_bytes=max_body,
         offload=offload,
         threads=threads,

@@ -6,7 +6,10 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
   2. admits waiting requests into free rows, tier S before A before B, and within a tier the lowest
      `priority` first (vLLM's convention), then in order of arrival: each is prefilled as a lone
      `generate` prefills it (after the blocks of its prompt found in the prefix cache, if any:
-     moekit.engine.prefix_cache), and its cache copied into its row;
+     moekit.engine.prefix_cache), and its cache copied into its row. A step prefills at most
+     `prefill_tokens` prompt tokens: a longer prompt is prefilled in chunks of that many, one per
+     step, each after the KV of the chunks before it (chunked prefill, vLLM's
+     max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode;
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
@@ -156,6 +159,28 @@ class _Row:
     error: Optional[str] = None
 
 
+@dataclass(eq=False)
+class _Fill:
+    """A prompt being prefilled into a cache of its own, a chunk per call, for `rows` (requests with
+    this prompt and K): its first `done` tokens' KV are in `cache` (a cached prefix's included)."""
+
+    rows: list[_Row]
+    keys: list[bytes]  # the prompt's block keys in the prefix cache (none without one)
+    cached: int  # prompt tokens whose KV came from the prefix cache
+    cache: object  # a moekit.model.cache.KVCache of one row, the prompt's length
+    done: int
+    decisions: list = field(default_factory=list)  # per chunk computed: [(layer, RoutingDecision)]
+    logits: list = field(default_factory=list)  # per chunk: [T_chunk, V] when scoring the prompt, else its last [1, V]
+
+    @property
+    def head(self) -> _Row:
+        return self.rows[0]
+
+    @property
+    def left(self) -> int:
+        return self.head.length - self.done
+
+
 @dataclass
 class StepStats:
     """What one scheduler step did, for metrics."""
@@ -186,8 +211,10 @@ class Scheduler:
         .expert_bytes and .dense_saving, so that a request's bytes per token are what `moekit run`
         meters for it).
         queue_limit: waiting requests per tier before submit refuses (QueueFull).
-        prefill_tokens: padded prompt tokens one step may prefill together (one request always):
-        a burst of arrivals is prefilled in one forward instead of one after another.
+        prefill_tokens: prompt tokens one step may prefill (padded, when several prompts are
+        prefilled together: a burst of arrivals is one forward instead of one after another); a
+        prompt longer than this is prefilled in chunks of this many tokens, one per step, between
+        the running rows' decode steps (chunked prefill).
         prefix_cache: where prompt prefixes' KV is kept across requests (None: none is)."""
         spec = decoder.spec
         if max_batch < 1:
@@ -200,6 +227,8 @@ class Scheduler:
         self.expert_bytes = expert_bytes
         self.dense_saving = dense_saving
         self.queue_limit = queue_limit
+        if prefill_tokens < 1:
+            raise MoekitError(f"max-prefill-tokens must be at least 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens
         self.store = store
         self.prefix_cache = prefix_cache
@@ -225,6 +254,7 @@ class Scheduler:
         self.rows: list[_Row] = []
         self.waiting = {tier: WaitingQueue() for tier in TIERS}
         self._admitting: list[Request] = []  # off the queue, not yet running: abort_all ends them too
+        self._fill: Optional[_Fill] = None  # the prompt being prefilled in chunks, one per step
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
@@ -296,6 +326,9 @@ class Scheduler:
                 future.set_exception(err)
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()  # what runs here may change weights: cached KV is stale
+            if self._fill is not None:
+                # Its chunks so far ran on the weights before: it starts again, uncached.
+                self._fill = self._start_fill(self._fill.rows, self._fill.keys, ())
 
     @property
     def num_running(self) -> int:
@@ -341,14 +374,25 @@ class Scheduler:
         for request in waiting + self._admitting:
             self._finish_unstarted(request, reason, message)
         self._admitting = []
+        if self._fill is not None:
+            for row in self._fill.rows:
+                row.finish, row.error = reason, message
+                self._finish(row)
+            self._fill = None
         for row in self.rows:
             row.finish, row.error = reason, message
         self._release()
 
     # ---- the scheduler's own thread ----
 
+    @property
+    def num_prefilling(self) -> int:
+        """Requests whose prompt is being prefilled in chunks."""
+        return 0 if self._fill is None else len(self._fill.rows)
+
     def step(self) -> bool:
-        """Release, admit, decode once. False when there was nothing to do."""
+        """Release, admit (prefill at most prefill_tokens prompt tokens), decode once. False when
+        there was nothing to do."""
         started = time.perf_counter()
         self._run_between()
         with torch.inference_mode():
@@ -360,27 +404,33 @@ class Scheduler:
                 self._decode()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
-        return bool(batch or admitted or self.num_waiting)
+        return bool(batch or admitted or self.num_waiting or self._fill is not None)
 
-    def _pop_admissible(self, width: int, count: int) -> Optional[Request]:
+    def _pop_admissible(self, width: int, count: int, budget: int) -> Optional[Request]:
         """The next waiting request (tier order) if a left-padded prefill of `count` + 1 prompts
-        stays within the step's prefill budget; the first of a step is always admitted."""
+        stays within `budget`, the step's prefill tokens left; when the step has prefilled nothing
+        yet, the first is taken whatever its length (a long one is then prefilled in chunks)."""
         with self._lock:
             for tier in TIERS:
                 queue = self.waiting[tier]
                 if queue:
                     request = queue[0]
-                    if count and (count + 1) * max(width, len(request.prompt)) > self.prefill_tokens:
+                    fresh = count == 0 and budget == self.prefill_tokens and self._fill is None
+                    if not fresh and (count + 1) * max(width, len(request.prompt)) > budget:
                         return None
                     return queue.popleft()
         return None
 
     def _admit(self) -> int:
-        """Take waiting requests into free rows: one left-padded prefill for all of them."""
+        """Take waiting requests into free rows: one left-padded prefill for all of them, within the
+        step's prefill budget, after the next chunk of a prompt prefilled in chunks."""
+        budget, placed = self.prefill_tokens, 0
+        if self._fill is not None:
+            budget, placed = self._continue_fill(budget)
         rows: list[_Row] = []
         width = 0
-        while len(self.rows) + len(rows) < self.max_batch:
-            request = self._pop_admissible(width, len(rows))
+        while len(self.rows) + len(rows) + self.num_prefilling < self.max_batch and budget > 0:
+            request = self._pop_admissible(width, len(rows), budget)
             if request is None:
                 break
             if request.cancelled:
@@ -395,7 +445,8 @@ class Scheduler:
             rows.append(row)
             width = max(width, len(request.prompt))
         # A policy's state must not see another prompt's pads, and a cached prefix was routed exactly on
-        # the served weights: rows with a policy or on a canary prefill alone, uncached.
+        # the served weights: rows with a policy or on a canary prefill alone, uncached (and whole:
+        # a policy's run and a canary's weights are a step's, not kept across steps).
         alone = [row for row in rows if row.run is not None or self._on_canary(row.request)]
         for row in alone:
             self._prefill([row])
@@ -403,7 +454,13 @@ class Scheduler:
         cold: list[tuple[list[_Row], list[bytes]]] = []
         for group in groups:
             keys, blocks = self._cached_prefix(group[0].request)
-            if blocks and not _scores_prompt(group):  # a prompt's logprobs need every position computed
+            if _scores_prompt(group):
+                blocks = []  # a prompt's logprobs need every position computed
+            if group[0].length - self._cached_tokens(blocks) > budget and self._fill is None:
+                self._fill = self._start_fill(group, keys, blocks)  # too long for one step: in chunks
+                if self._fill is not None:
+                    budget, _ = self._continue_fill(budget)
+            elif blocks:
                 self._prefill(group, keys, blocks)
             else:
                 cold.append((group, keys))
@@ -412,7 +469,11 @@ class Scheduler:
         elif cold:
             self._prefill_together(cold)
         self._admitting = []
-        return len(rows)
+        chunking = self._fill is not None and any(row is self._fill.head for row in rows)
+        return len(rows) - (len(self._fill.rows) if chunking else 0) + placed  # rows that started this step
+
+    def _cached_tokens(self, blocks: Sequence[Block]) -> int:
+        return len(blocks) * self.prefix_cache.block_size if blocks else 0
 
     def _cached_prefix(self, request: Request) -> tuple[list[bytes], list[Block]]:
         """The prompt's block keys and the leading blocks found cached (none without a cache)."""
@@ -466,32 +527,88 @@ class Scheduler:
         """Prefill one prompt alone into a cache of its size, after its first C tokens' KV taken from
         `blocks` (the prefix cache's), then copy it into a free row for each of `rows` (requests with
         this prompt and K)."""
-        head = rows[0]
-        cached = len(blocks) * (self.prefix_cache.block_size if blocks else 0)
-        for row in rows:
-            row.cached = cached
-        prompt = torch.tensor([list(head.request.prompt[cached:])], dtype=torch.int64, device=self.device)  # [1, P-C]
-        positions = torch.arange(cached, head.length, device=self.device)[None]  # [1, P-C]
-        top_k = None if head.top_k == self.model_k else [head.top_k] * prompt.shape[1]
-        decisions: list = []
+        fill = self._start_fill(rows, keys, blocks)
+        if fill is not None and self._fill_chunk(fill, fill.left):
+            self._end_fill(fill)
+
+    def _start_fill(self, rows: list[_Row], keys: Sequence[bytes], blocks: Sequence[Block]) -> Optional[_Fill]:
+        """A prompt's prefill set up: its own cache, holding the KV of `blocks` (a cached prefix).
+        None if that failed (its rows have failed and finished)."""
+        cached = self._cached_tokens(blocks)
         try:
-            single = self.decoder.new_cache(1, head.length)
+            single = self.decoder.new_cache(1, rows[0].length)
             for i, block in enumerate(blocks):
                 write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
-            single.length = cached
-            with self._weights_for(head.request):
-                logits = self.decoder(prompt, single, positions, decisions, last_only=not _scores_prompt(rows), top_k=top_k,
-                                      policy=head.run)  # [1, P-C|1, V]
-            for row in rows:
-                self._meter_cached(row, blocks)
-                self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], count=row is head)
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
-            for row in rows:
-                row.finish, row.error = "error", _message(err)
-                self._finish(row)
-            return
-        self._keep_blocks(list(keys), single, 0, 0, cached, decisions, prompt.shape[1])
-        self._place(rows, single, 0, 0, logits[0])
+            self._fail(rows, err)
+            return None
+        single.length = cached
+        for row in rows:
+            row.cached = cached
+            self._meter_cached(row, blocks)
+        return _Fill(rows=rows, keys=list(keys), cached=cached, cache=single, done=cached)
+
+    def _fail(self, rows: list[_Row], err: Exception) -> None:
+        for row in rows:
+            row.finish, row.error = "error", _message(err)
+            self._finish(row)
+
+    def _fill_chunk(self, fill: _Fill, tokens: int) -> bool:
+        """The next `tokens` of the prompt into its cache, after the ones before (whose KV it holds).
+        → whether it went well (if not, its rows have failed and finished)."""
+        head = fill.head
+        end = fill.done + tokens
+        prompt = torch.tensor([list(head.request.prompt[fill.done : end])], dtype=torch.int64, device=self.device)  # [1, T]
+        positions = torch.arange(fill.done, end, device=self.device)[None]  # [1, T]
+        top_k = None if head.top_k == self.model_k else [head.top_k] * tokens
+        decisions: list = []
+        try:
+            with self._weights_for(head.request):
+                logits = self.decoder(prompt, fill.cache, positions, decisions, last_only=not _scores_prompt(fill.rows),
+                                      top_k=top_k, policy=head.run)  # [1, T|1, V]
+        except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
+            self._fail(fill.rows, err)
+            return False
+        fill.decisions.append(decisions)
+        fill.logits.append(logits[0])
+        fill.done = end
+        return True
+
+    def _end_fill(self, fill: _Fill) -> None:
+        """A prompt prefilled: meter it, keep its blocks, and start its rows."""
+        decisions = _joined(fill.decisions)
+        for row in fill.rows:
+            self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], count=row is fill.head)
+        width = fill.head.length - fill.cached
+        self._keep_blocks(fill.keys, fill.cache, 0, 0, fill.cached, decisions, width)
+        logits = torch.cat(fill.logits) if _scores_prompt(fill.rows) else fill.logits[-1]  # [P-C, V] or [1, V]
+        self._place(fill.rows, fill.cache, 0, 0, logits)
+
+    def _continue_fill(self, budget: int) -> tuple[int, int]:
+        """The prompt prefilled in chunks: its next chunk (at most `budget` tokens), and, after the
+        last, its rows started. → (budget left, rows started)."""
+        fill = self._fill
+        fill.rows = [row for row in fill.rows if not self._cancelled(row)]
+        if not fill.rows:
+            self._fill = None
+            return budget, 0
+        tokens = min(budget, fill.left)
+        if not self._fill_chunk(fill, tokens):
+            self._fill = None
+            return budget - tokens, 0
+        if fill.left:
+            return budget - tokens, 0
+        self._fill = None
+        self._end_fill(fill)
+        return budget - tokens, len(fill.rows)
+
+    def _cancelled(self, row: _Row) -> bool:
+        """A row whose request was cancelled while its prompt was prefilled: it ends now."""
+        if not row.request.cancelled:
+            return False
+        row.finish = "cancelled"
+        self._finish(row)
+        return True
 
     def _prefill_together(self, cold: list[tuple[list[_Row], list[bytes]]]) -> None:
         """Several prompts (none with a cached prefix; each a group of rows that share it, with its
@@ -785,6 +902,19 @@ class Scheduler:
         row = _Row(request=request, top_k=self._row_k(request), generator=None, length=0)
         row.finish, row.error = reason, error
         self._finish(row)
+
+
+def _joined(chunks: list[list]) -> list:
+    """Per-chunk decisions [(layer, RoutingDecision)] of one prompt → one list over its tokens in order."""
+    if len(chunks) == 1:
+        return chunks[0]
+    out = []
+    for parts in zip(*chunks):
+        layer = parts[0][0]
+        entropy = None if parts[0][1].entropy is None else torch.cat([d.entropy for _, d in parts])
+        out.append((layer, RoutingDecision(torch.cat([d.topk_ids for _, d in parts]),
+                                           torch.cat([d.topk_weights for _, d in parts]), entropy)))
+    return out
 
 
 def _sharing_prefill(rows: list[_Row]) -> list[list[_Row]]:

@@ -20,6 +20,7 @@ from moekit import ops
 from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
 from moekit.model import step_ops
+from moekit.ops.torch_private import grouped_mm
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
 
@@ -232,6 +233,40 @@ class RoutedExperts(nn.Module):
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
+        if weights == self.resident_weights and self._stacks_grouped(x):
+            return self._grouped_stacks(x, decision)
+        return self._grouped_loop(x, decision, weights)
+
+    def _stacks_grouped(self, x: torch.Tensor) -> bool:
+        """Whether the many-token forward can run as two grouped GEMMs over the resident stacks: the
+        Hub layout (a compiled engine's, --kernels reference) on CPU in fp32 or bf16 (where torch's
+        grouped GEMM is the per-expert one), every expert alike, no biases."""
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and self.kernels == (PLAIN, PLAIN) and self.expert_kernels is None and isinstance(self.gate_up, nn.Parameter)
+                and self.gate_up_bias is None and self.down_bias is None and not self.weigh_input)
+
+    def _grouped_stacks(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
+        """_grouped_loop as a handful of ops instead of a handful per expert (a prompt's tokens reach
+        most experts, and on a busy CPU each op's thread hand-off costs more than its work), bit
+        for bit: the same per-expert GEMMs (torch_private.grouped_mm), and each token's K outputs
+        added in ascending expert order, the order of the loop's one index_add_ per expert."""
+        t, top_k = decision.topk_ids.shape
+        ids, pick = decision.topk_ids.sort(dim=1, stable=True)  # [T, K] each token's choices by expert
+        flat = ids.reshape(-1)  # [T*K]
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
+        ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # [E]
+        h = grouped_mm(x[order // top_k], self.gate_up.transpose(1, 2), ends)  # [T*K, 2F]
+        y = grouped_mm(self.act(h), self.down.transpose(1, 2), ends)  # [T*K, D]
+        scale = decision.topk_weights.gather(1, pick).reshape(-1)[order]  # [T*K]
+        y = (y * scale[:, None]).to(x.dtype)
+        mine = torch.empty_like(y)
+        mine[order] = y  # back to token-major: row t*K + k is token t's k-th expert by id
+        mine = mine.view(t, top_k, -1)  # [T, K, D]
+        out = mine[:, 0].clone()
+        for k in range(1, top_k):
+            out += mine[:, k]
+        return out
+
+    def _grouped_loop(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         top_k = decision.topk_ids.shape[1]
         flat_ids = decision.topk_ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat_ids, stable=True)  # assignments grouped by expert

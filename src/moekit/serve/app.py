@@ -51,6 +51,7 @@ class ServeConfig:
     max_batch: int = 16
     max_context: Optional[int] = None  # slots per row; default the model's context
     queue_limit: int = 256  # waiting requests per tier before 429
+    max_prefill_tokens: int = 128  # prompt tokens a step prefills; longer prompts in chunks (chunked prefill)
     max_body_bytes: int = 1 << 20
     offload: Optional[object] = None  # moekit.offload.options.OffloadOptions
     threads: Optional[int] = None
@@ -132,6 +133,7 @@ class ServerState:
             expert_bytes=engine.expert_bytes,  # int8 / packed / paged experts at their real bytes
             dense_saving=engine.dense_saving,  # and int8 projections (--weights int8)
             queue_limit=cfg.queue_limit,
+            prefill_tokens=cfg.max_prefill_tokens,
             store=engine.store,
             on_step=self._step_done,
             prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,

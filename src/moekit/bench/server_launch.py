@@ -48,7 +48,7 @@ def last_line(path: Path) -> str:
     return lines[-1].strip() if lines else "(nothing on stderr)"
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float, log: Path | None = None) -> float:
+def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, log: Path | None = None) -> float:
     """Seconds until GET /health answers 200; a MoekitError if the process exits or time runs out."""
     import httpx
 

@@ -143,7 +143,7 @@ def _peers(checkpoint: Path, vs: str, levels: list[int], max_tokens: int,
                         warmup=warmup, seed=seed)
     engines = parse_vs(vs, moekit_args)
     setup = ServeSetup(checkpoint, dtype, weights, threads, max_batch)
-    say = (lambda line: None) if json_out else typer.echo
+    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo  # stdout stays one JSON object
     results = run_peers(engines, setup, workload, rounds, progress=say)
     if json_out:
         typer.echo(json.dumps({"checkpoint": str(checkpoint), "setup": {"dtype": dtype, "weights": weights,

@@ -23,7 +23,7 @@ Every request streams exactly --max-tokens tokens (greedy, ignore_eos). Load is 
   moekit bench serve http://127.0.0.1:8000 --concurrency 16 --routing capacity:1:drop
   moekit bench serve http://127.0.0.1:8000 --concurrency 1,4,16 --price-per-hour 0.10 --api-price 0.20,0.80
 
-Given a checkpoint folder instead of a URL, it starts the servers itself, one at a time on a free loopback port: `moekit serve` (with --moekit-args) and each --vs baseline on the same checkpoint, dtype, --threads and --max-batch, the same workload for each (c clients sending 4 x c streamed completions of --random-ids-token id prompts, default 8, at each --concurrency; then the largest c again with --arrivals prompts of --arrival-tokens ids arriving during it), and prints each engine's output tok/s (TTFT p50, ITL p50/p99 ms) and moekit's ratio to each baseline from the same run. --rounds N runs everything N times, the engines' order rotated each round; figures are ranges over rounds.
+Given a checkpoint folder instead of a URL, it starts the servers itself, one at a time on a free loopback port: `moekit serve` (with --moekit-args) and each --vs baseline on the same checkpoint, dtype, --threads and --max-batch, the same workload for each (c clients sending --per-client x c streamed completions (4 x c) of --random-ids-token id prompts, default 8, at each --concurrency; then the largest c again with --arrivals prompts of --arrival-tokens ids arriving during it), and prints each engine's output tok/s (TTFT p50, ITL p50/p99 ms) and moekit's ratio to each baseline from the same run. --rounds N runs everything N times, the engines' order rotated each round; figures are ranges over rounds.
 
   moekit bench serve path/to/checkpoint --vs llama-server,vllm                 # benchmarks/build_llama_cpp.sh, build_vllm_cpu.sh first
   moekit bench serve path/to/checkpoint --vs llama-server,moekit:--compile --dtype bf16 --rounds 2
@@ -71,6 +71,7 @@ def serve(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     vs: Optional[str] = typer.Option(None, "--vs", help="With a checkpoint: baselines started on it, comma-separated: "
                                      "llama-server, vllm, moekit:FLAGS (another moekit serve, e.g. moekit:--compile)."),
+    per_client: int = typer.Option(4, "--per-client", help="With a checkpoint: requests per client at each level (c x N)."),
     dtype: str = typer.Option("float32", "--dtype", help="With a checkpoint: every engine's dtype, float32 or bfloat16."),
     weights: str = typer.Option("dtype", "--weights", help="With a checkpoint: moekit's --weights (int8 runs "
                                 "llama-server on q8_0; vLLM has no like form)."),
@@ -92,10 +93,10 @@ def serve(
     if Path(url).is_dir() or vs is not None:
         if (rate is not None or requests is not None or prompts is not None or tier or routing or price_per_hour
                 or api_price or model):
-            raise MoekitError("with a checkpoint the workload is fixed (4 x c requests a level): --rate, --requests, "
+            raise MoekitError("with a checkpoint the workload is fixed (--per-client x c requests a level): --rate, --requests, "
                               "--prompts, --tier, --routing, --model and prices apply to a URL only")
         _peers(Path(url), vs or "", _ints(concurrency, "--concurrency"), max_tokens, random_ids, warmup, seed,
-               dtype, weights, threads, max_batch, moekit_args, arrivals, arrival_tokens, rounds, json_out)
+               dtype, weights, threads, max_batch, moekit_args, arrivals, arrival_tokens, rounds, per_client, json_out)
         return
     requests = 64 if requests is None else requests
     levels = _ints(concurrency, "--concurrency") if rate is None else [None]
@@ -130,14 +131,20 @@ def serve(
 
 def _peers(checkpoint: Path, vs: str, levels: list[int], max_tokens: int,
            prompt_len: Optional[int], warmup: int, seed: int, dtype: str, weights: str, threads: int, max_batch: int,
-           moekit_args: str, arrivals: int, arrival_tokens: int, rounds: int, json_out: bool) -> None:
+           moekit_args: str, arrivals: int, arrival_tokens: int, rounds: int, per_client: int, json_out: bool) -> None:
+    import signal
+    import sys
+
     from moekit.bench.serve_peers import ServeSetup, Workload, markdown_table, parse_vs, ratio_rows, run_peers
+
+    # SIGTERM unwinds like Ctrl-C, so the server this run started is stopped too, not orphaned.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     if not (checkpoint / "config.json").is_file():
         raise MoekitError(f"{checkpoint}: --vs needs a checkpoint folder (with config.json), not a URL")
     if threads < 1 or max_batch < 1 or warmup < 0:
         raise MoekitError("--threads and --max-batch must be at least 1, --warmup at least 0")
-    workload = Workload(prompt_len=prompt_len or 8, max_tokens=max_tokens,
+    workload = Workload(prompt_len=prompt_len or 8, max_tokens=max_tokens, requests_per_client=per_client,
                         concurrency=tuple(levels), arrival_prompt_len=arrival_tokens, arrival_count=arrivals,
                         arrival_concurrency=max(levels),
                         warmup=warmup, seed=seed)

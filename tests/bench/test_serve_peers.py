@@ -12,7 +12,7 @@ from cli_runner import moekit
 from moekit.bench import vllm_cpu
 from moekit.bench.serve import RequestResult, summarize
 from moekit.bench.serve_peers import (EngineChoice, EngineRun, ServeSetup, Workload, engine_command, markdown_table,
-                                      parse_vs, ratio_rows, round_order, run_peers)
+                                      parse_vs, ratio_pairs, ratio_rows, round_order, run_peers)
 from moekit.errors import MoekitError
 
 
@@ -77,7 +77,7 @@ def test_ratios_are_taken_within_a_round_then_ranged():
     ]
     (row,) = ratio_rows(rounds)
     assert row.level == "c=1"
-    assert row.ratios == {"llama-server": "1.20–1.50×", "vllm": "2.00×"}
+    assert row.ratios == {"moekit ÷ llama-server": "1.20–1.50×", "moekit ÷ vllm": "2.00×"}
     assert row.figures["moekit"] == "60–120 (50, 10.0/10.0)"
     table = markdown_table([row]).splitlines()
     assert table[0] == "| level | moekit | llama-server | vllm | moekit ÷ llama-server | moekit ÷ vllm |"
@@ -86,7 +86,13 @@ def test_ratios_are_taken_within_a_round_then_ranged():
 
 def test_a_level_with_errors_gives_no_ratio():
     rounds = [{"moekit": _run("moekit", c_1=_level(120, errors=1)), "vllm": _run("vllm", c_1=_level(60))}]
-    assert ratio_rows(rounds)[0].ratios == {"vllm": "—×"}
+    assert ratio_rows(rounds)[0].ratios == {"moekit ÷ vllm": "—×"}
+
+
+def test_every_moekit_engine_is_put_beside_every_peer_and_the_subject_beside_its_variants():
+    assert ratio_pairs(["moekit", "llama-server", "moekit --compile", "vllm"]) == [
+        ("moekit", "llama-server"), ("moekit", "vllm"), ("moekit --compile", "llama-server"),
+        ("moekit --compile", "vllm"), ("moekit", "moekit --compile")]
 
 
 def _folder(tmp_path, vocab=150):

@@ -256,11 +256,12 @@ def checkpoint_vocab(checkpoint: Path) -> int:
 
 @dataclass(frozen=True)
 class RatioRow:
-    """One level: each engine's figures (a range over rounds), and the subject's ratio to each baseline."""
+    """One level: each engine's figures (a range over rounds), and each moekit engine's ratio to each
+    peer (and the subject's to each other moekit variant)."""
 
     level: str
     figures: dict[str, str]  # engine → "tok/s (TTFT p50 ms, ITL p50/p99 ms)"
-    ratios: dict[str, str]  # baseline → "subject tok/s ÷ baseline tok/s", a range over rounds
+    ratios: dict[str, str]  # "moekit ÷ vllm" → output tok/s over output tok/s, a range over rounds
 
 
 def _span(values: list[float], fmt: str) -> str:
@@ -271,14 +272,21 @@ def _span(values: list[float], fmt: str) -> str:
     return format(lo, fmt) if format(lo, fmt) == format(hi, fmt) else f"{format(lo, fmt)}–{format(hi, fmt)}"
 
 
+def ratio_pairs(engines: list[str]) -> list[tuple[str, str]]:
+    """(numerator, denominator): every moekit engine over every peer, then the subject (the first)
+    over each other moekit variant."""
+    ours = [e for e in engines if e.split()[0] == "moekit"]
+    peers = [e for e in engines if e not in ours]
+    return [(a, b) for a in ours for b in peers] + [(engines[0], b) for b in ours if b != engines[0]]
+
+
 def ratio_rows(rounds: list[dict[str, EngineRun]]) -> list[RatioRow]:
     """The table's rows: ratios are taken within a round (the same machine state), then ranged."""
     if not rounds:
         return []
     engines = list(rounds[0])
-    subject, baselines = engines[0], engines[1:]
     rows = []
-    for level in rounds[0][subject].levels:
+    for level in rounds[0][engines[0]].levels:
         figures = {}
         for engine in engines:
             runs = [r[engine].levels[level] for r in rounds]
@@ -286,8 +294,8 @@ def ratio_rows(rounds: list[dict[str, EngineRun]]) -> list[RatioRow]:
                                f"({_span([x.ttft_s['p50'] * 1e3 for x in runs], '.0f')}, "
                                f"{_span([x.itl_s['p50'] * 1e3 for x in runs], '.1f')}/"
                                f"{_span([x.itl_s['p99'] * 1e3 for x in runs], '.1f')})")
-        ratios = {b: _span([_ratio(r[subject].levels[level], r[b].levels[level]) for r in rounds], ".2f") + "×"
-                  for b in baselines}
+        ratios = {f"{a} ÷ {b}": _span([_ratio(r[a].levels[level], r[b].levels[level]) for r in rounds], ".2f") + "×"
+                  for a, b in ratio_pairs(engines)}
         rows.append(RatioRow(level, figures, ratios))
     return rows
 
@@ -299,11 +307,11 @@ def _ratio(subject: LevelResult, baseline: LevelResult) -> float:
 
 
 def markdown_table(rows: list[RatioRow]) -> str:
-    """The results page's form: a level per row, each engine's figures, the subject's ratio to each baseline."""
+    """The results page's form: a level per row, each engine's figures, then the ratios."""
     if not rows:
         return ""
     engines, baselines = list(rows[0].figures), list(rows[0].ratios)
-    head = ["level", *engines, *(f"{engines[0]} ÷ {b}" for b in baselines)]
+    head = ["level", *engines, *baselines]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         cells = [row.level, *(row.figures[e] for e in engines), *(row.ratios[b] for b in baselines)]

@@ -74,7 +74,7 @@ def profile_moekit(setup: ServeSetup, workload: Workload, seconds: float, rate: 
         raw = out / "moekit-serve.pyspy.txt"
         spy = subprocess.Popen([str(py_spy), "record", "--pid", str(server.proc.pid), "--native", "--threads",
                                 "--rate", str(rate), "--duration", str(int(seconds)), "--format", "raw",
-                                "--output", str(raw), "--nonblocking"],
+                                "--output", str(raw)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         levels = []
         done = threading.Event()
@@ -111,7 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--seconds", type=float, default=20)
-    parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second (each pauses the server a moment)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--moekit-args", default="")
     parser.add_argument("--py-spy", type=Path, default=Path("bench-out/tools/bin/py-spy"))

@@ -161,3 +161,9 @@ def test_the_harness_starts_moekit_and_runs_the_whole_workload(tiny_checkpoints,
         clients = 1 if name == "c=1" else 2
         assert (level["requests"], level["errors"], level["output_tokens"]) == (4 * clients, 0, 4 * 4 * clients)
     assert (run["arrivals"]["requests"], run["arrivals"]["errors"], run["arrivals"]["output_tokens"]) == (1, 0, 4)
+
+
+def test_an_engine_that_failed_keeps_its_column_with_no_figures():
+    failed = EngineRun("vllm", float("nan"), failed="vllm: the server exited with -9 before it was ready")
+    (row,) = ratio_rows([{"moekit": _run("moekit", c_1=_level(120)), "vllm": failed}])
+    assert row.figures["vllm"] == "— (—, —/—)" and row.ratios == {"moekit ÷ vllm": "—×"}

@@ -177,10 +177,11 @@ class EngineRun:
     ready_s: float
     levels: dict[str, LevelResult] = field(default_factory=dict)
     arrivals: Optional[LevelResult] = None  # the long prompts of the arrivals level
+    failed: str = ""  # why the engine stopped short (its levels so far are kept)
 
     def as_dict(self) -> dict:
         return {"engine": self.engine, "ready_s": self.ready_s, "levels": {k: v.as_dict() for k, v in self.levels.items()},
-                "arrivals": self.arrivals.as_dict() if self.arrivals else None}
+                "arrivals": self.arrivals.as_dict() if self.arrivals else None, "failed": self.failed}
 
 
 def run_workload(url: str, engine: str, ready_s: float, workload: Workload, vocab: int,
@@ -233,9 +234,14 @@ def run_peers(engines: list[EngineChoice], setup: ServeSetup, workload: Workload
         for choice in round_order(engines, r):
             command = engine_command(choice, setup, workload, free_port(), roots)
             progress(f"round {r + 1}: starting {command.name}")
-            with running(command) as server:
-                progress(f"{command.name} ready in {server.ready_s:.0f} s")
-                runs[command.name] = run_workload(server.url, command.name, server.ready_s, workload, vocab, progress)
+            runs[command.name] = EngineRun(command.name, float("nan"))
+            try:
+                with running(command) as server:
+                    progress(f"{command.name} ready in {server.ready_s:.0f} s")
+                    runs[command.name] = run_workload(server.url, command.name, server.ready_s, workload, vocab, progress)
+            except MoekitError as err:  # a peer that dies (out of memory, say) costs its own row, not the run
+                runs[command.name].failed = str(err)
+                progress(f"{command.name} failed: {err}")
         out.append({choice.name: runs[choice.name] for choice in engines})
     return out
 
@@ -286,18 +292,23 @@ def ratio_rows(rounds: list[dict[str, EngineRun]]) -> list[RatioRow]:
         return []
     engines = list(rounds[0])
     rows = []
-    for level in rounds[0][engines[0]].levels:
+    for level in next((run.levels for run in rounds[0].values() if run.levels), {}):
         figures = {}
         for engine in engines:
-            runs = [r[engine].levels[level] for r in rounds]
+            runs = [r[engine].levels.get(level, _MISSING) for r in rounds]
             figures[engine] = (f"{_span([x.output_tok_s for x in runs], '.0f')} "
                                f"({_span([x.ttft_s['p50'] * 1e3 for x in runs], '.0f')}, "
                                f"{_span([x.itl_s['p50'] * 1e3 for x in runs], '.1f')}/"
                                f"{_span([x.itl_s['p99'] * 1e3 for x in runs], '.1f')})")
-        ratios = {f"{a} ÷ {b}": _span([_ratio(r[a].levels[level], r[b].levels[level]) for r in rounds], ".2f") + "×"
+        ratios = {f"{a} ÷ {b}": _span([_ratio(r[a].levels.get(level, _MISSING), r[b].levels.get(level, _MISSING))
+                                       for r in rounds], ".2f") + "×"
                   for a, b in ratio_pairs(engines)}
         rows.append(RatioRow(level, figures, ratios))
     return rows
+
+
+_MISSING = LevelResult(None, None, 0, 1, 0.0, 0, float("nan"), *[{k: float("nan") for k in ("mean", "p50", "p90", "p99")}] * 3,
+                       None, "not run")  # a level an engine that failed never reached
 
 
 def _ratio(subject: LevelResult, baseline: LevelResult) -> float:

@@ -119,6 +119,16 @@ def test_vllm_runs_like_the_others_or_says_why_not(tmp_path):
     assert "--max-num-seqs 16 --max-model-len 576" in argv and "--dtype bfloat16" in argv
     assert command.env == {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_KVCACHE_SPACE": "2"}
     assert command.url == "http://127.0.0.1:8123"
+    assert command.min_available_gib == pytest.approx(2 + 1.5)  # no weights in tmp_path
+
+
+def test_a_server_that_needs_more_memory_than_there_is_is_not_started():
+    from moekit.bench.server_launch import ServerCommand, running
+
+    huge = ServerCommand("vllm", ("/bin/false",), 9, min_available_gib=1e9)
+    with pytest.raises(MoekitError, match=r"vllm: not started: it needs about 1000000000\.0 GiB"):
+        with running(huge):
+            pass
     assert vllm_cpu.vllm_dtype("fp32") == "float32"
     with pytest.raises(MoekitError, match="no weight form like --weights int8"):
         vllm_cpu.vllm_dtype("float32", "int8")

@@ -37,6 +37,7 @@ class ServerCommand:
     port: int
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     ready_timeout_s: float = 600.0
+    min_available_gib: float = 0.0  # not started when the machine has less memory available than this
 
     @property
     def url(self) -> str:
@@ -46,6 +47,17 @@ class ServerCommand:
 def last_line(path: Path) -> str:
     lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     return lines[-1].strip() if lines else "(nothing on stderr)"
+
+
+def available_gib() -> float:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), in GiB; inf elsewhere."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("inf")
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, log: Path | None = None) -> float:
@@ -91,6 +103,10 @@ class RunningServer:
 @contextmanager
 def running(command: ServerCommand) -> Iterator[RunningServer]:
     """The server, started and ready; stopped when the block ends, however it ends."""
+    if command.min_available_gib > 0 and (have := available_gib()) < command.min_available_gib:
+        # A server that would push a shared machine into the OOM killer takes others' processes with it.
+        raise MoekitError(f"{command.name}: not started: it needs about {command.min_available_gib:.1f} GiB of memory "
+                          f"and {have:.1f} GiB is available now")
     with tempfile.TemporaryDirectory(prefix="moekit-bench-") as tmp:
         log = Path(tmp) / "stderr.log"
         with log.open("w") as err:

@@ -66,4 +66,12 @@ def server_command(build: VllmCpuBuild, checkpoint: Path, port: int, dtype: str,
             "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", dtype,
             "--max-num-seqs", str(max_batch), "--max-model-len", str(max_model_len), "--disable-log-stats")
     env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
-    return ServerCommand("vllm", argv, port, env, READY_TIMEOUT_S)
+    return ServerCommand("vllm", argv, port, env, READY_TIMEOUT_S, memory_needed_gib(checkpoint, dtype))
+
+
+def memory_needed_gib(checkpoint: Path, dtype: str) -> float:
+    """Its KV cache, the weights at `dtype` (the files may hold another width) and its three
+    processes' own ~1.5 GiB (API server, engine core, worker: measured ~1.4 GiB RSS here)."""
+    on_disk = sum(f.stat().st_size for f in Path(checkpoint).glob("*.safetensors")) / 2**30
+    widen = 2.0 if dtype == "float32" else 1.0  # at most: fp32 weights from bf16 files
+    return KV_CACHE_GIB + widen * on_disk + 1.5

@@ -3,12 +3,18 @@ streams 64-token completions of 8-token id prompts, against llama-server's ITL i
 
 Each py-spy sample (busy Python threads only, native frames included) goes in one bucket by its
 stack, the deepest region first:
-  forward: operators   the leaf is a native frame under moekit/model, moekit/ops or torch.nn
+  forward: kernels     the leaf is a compute or copy routine under moekit/model, moekit/ops or torch.nn
+                       (MKL's gemv/gemm, oneDNN, ATen's vectorised loops, moekit's operators, libc's memcpy)
+  forward: dispatch    the leaf is other native code there: torch's argument parsing, dispatcher,
+                       tensor allocation and metadata (the C++ cost of each operator call)
   forward: Python      the leaf is Python there: the interpreter's time around the operators
-  sampling             moekit/engine/sampling.py or logprobs (argmax, penalties, the token's choice)
-  scheduler            moekit/engine/scheduler.py outside the two above (slots, rows, the meter, queues)
-  HTTP/streaming       uvicorn, starlette, fastapi, anyio, asyncio, h11/httptools, json, moekit/serve
-  other                anything else (the meter's own module, detokenizing, threading)
+  sampling             moekit/engine/sampling.py, logprobs, the scheduler's _sample (the token's choice)
+  HTTP/streaming       uvicorn, starlette, fastapi, anyio, asyncio, h11/httptools, json, moekit/serve,
+                       and the scheduler's hand-off of each token to its request's stream
+  scheduler            moekit/engine/scheduler.py outside the above (slots, rows, the meter)
+  other                anything else (detokenizing, threading)
+A thread blocked on a lock, a queue or a selector is idle, whatever py-spy's --native makes of it:
+such samples are dropped.
 and is turned into milliseconds per output token: samples / rate / tokens streamed meanwhile.
 
 py-spy is a benchmark tool, not a dependency: `python3 -m venv bench-out/tools &&
@@ -32,8 +38,12 @@ from moekit.bench.serve_peers import ServeSetup, Workload, checkpoint_vocab, eng
 from moekit.bench.server_launch import free_port, running
 
 FORWARD = ("moekit/model/", "moekit/ops/", "torch/nn/", "torch/_ops.py", "torch/functional.py")
-SAMPLING = ("moekit/engine/sampling.py", "moekit/engine/logprobs.py")
+SAMPLING = ("moekit/engine/sampling.py", "moekit/engine/logprobs.py", "Scheduler._sample (")
+IDLE = ("PyThread_acquire_lock_timed", "epoll_wait", "select (selectors.py", "Event.wait (", "Condition.wait (",
+        "_queue_SimpleQueue_get")
 SCHEDULER = ("moekit/engine/scheduler.py",)
+KERNELS = ("mkl_", "dnnl", "gemm", "gemv", "cpublas", "vectorized_loop", "VectorizedLoop", "vec::", "Vectorized<",
+           "moekit_ops", "libgomp", "(libc.so")
 HTTP = ("uvicorn/", "starlette/", "fastapi/", "anyio/", "asyncio/", "h11/", "httptools", "json/", "moekit/serve/",
         "sse_starlette/", "selectors.py")
 
@@ -43,15 +53,22 @@ def bucket(stack: list[str]) -> str:
     def has(marks) -> bool:
         return any(m in frame for frame in stack for m in marks)
 
-    leaf_native = ".py:" not in stack[-1]
+    leaf = stack[-1]
+    if any(m in frame for frame in stack[-4:] for m in IDLE):
+        return "idle"
     if has(FORWARD):
-        return "forward: operators" if leaf_native else "forward: Python"
+        if ".py:" in leaf:
+            return "forward: Python"
+        return "forward: kernels" if any(m in leaf for m in KERNELS) else "forward: dispatch"
     if has(SAMPLING):
         return "sampling"
-    if has(SCHEDULER):
-        return "scheduler"
-    if has(HTTP):
+    # The engine thread is started by moekit/serve: only what the scheduler calls into counts as HTTP there.
+    deepest = max((i for i, frame in enumerate(stack) if any(m in frame for m in SCHEDULER)), default=None)
+    below = stack if deepest is None else stack[deepest + 1:]
+    if any(m in frame for frame in below for m in HTTP):
         return "HTTP/streaming"
+    if deepest is not None:
+        return "scheduler"
     return "other"
 
 
@@ -93,6 +110,7 @@ def profile_moekit(setup: ServeSetup, workload: Workload, seconds: float, rate: 
     tokens = sum(level.output_tokens for level in levels)
     wall = sum(level.wall_s for level in levels)
     counts = buckets(raw.read_text())
+    counts.pop("idle", None)
     ms = {name: n / rate / tokens * 1e3 for name, n in counts.most_common()}
     itl = sorted(level.itl_s["p50"] for level in levels)  # the median of each pair of requests' medians
     return {"tokens": tokens, "load_wall_s": wall, "tok_s": tokens / wall, "itl_p50_ms": itl[len(itl) // 2] * 1e3,

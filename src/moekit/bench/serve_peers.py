@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from moekit.bench.serve import Arrivals, LevelResult, LoadPlan, first_model, run_arrivals_level, run_level
+from moekit.bench.serve import (Arrivals, LevelResult, LoadPlan, first_model, run_arrivals_level, run_level,
+                                summarize)
 from moekit.bench.server_launch import ServerCommand, free_port, running
 from moekit.errors import MoekitError
 
@@ -307,8 +308,7 @@ def ratio_rows(rounds: list[dict[str, EngineRun]]) -> list[RatioRow]:
     return rows
 
 
-_MISSING = LevelResult(None, None, 0, 1, 0.0, 0, float("nan"), *[{k: float("nan") for k in ("mean", "p50", "p90", "p99")}] * 3,
-                       None, "not run")  # a level an engine that failed never reached
+_MISSING = summarize([], 0.0, None, None)  # a level an engine that failed never reached: NaN everywhere
 
 
 def _ratio(subject: LevelResult, baseline: LevelResult) -> float:

@@ -1,100 +1,33 @@
-"""Serving throughput and latency: moekit serve against static batching and llama.cpp's llama-server.
+"""Serving throughput and latency: moekit serve against its peers (llama-server, vLLM) and static batching.
 
 For each dtype, in one run and on the same random token-id prompts (greedy, exactly --max-tokens
-output tokens per request, --threads for every side):
-  - moekit serve (continuous batching, --max-batch 16) at each concurrency; concurrency 1 is the
-    same requests sent one after another (sequential);
+output tokens per request, --threads for every side), the servers one at a time, their order
+rotated each round (moekit.bench.serve_peers, what `moekit bench serve CKPT --vs ...` runs):
+  - moekit serve (continuous batching, --max-batch 16), and each --moekit-variant (e.g. --compile);
+  - llama-server (`-np 16`, the GGUF made by llama.cpp's own converter: f32, bf16, q8_0 for int8);
+  - vLLM's CPU build (`--max-num-seqs 16`), when benchmarks/build_vllm_cpu.sh has built it;
   - static batching: `generate()` on batches of `concurrency` prompts, each batch run to the end
-    before the next starts (what a server without continuous batching does at best);
-  - llama-server (`-np 16`, the GGUF made by llama.cpp's own converter), when --llama-server and a
-    GGUF for that dtype are given.
+    before the next starts (what a server without continuous batching does at best), with --static.
+Workload: c clients send 4 x c streamed completions of --prompt-len-token prompts at c = 1, 4, 16,
+then c = 16 again with --arrivals prompts of --arrival-tokens ids arriving during it.
 
-  benchmarks/build_llama_cpp.sh                                          # once: llama-server + converter
+  benchmarks/build_llama_cpp.sh; benchmarks/build_vllm_cpu.sh                 # once
   .venv/bin/python benchmarks/serve_bench.py bench-out/ckpt/qwen3_moe-150m --dtypes float32,bfloat16 \
-      --json bench-out/serve-150m.json          # GGUFs made by llama.cpp's converter, once, beside the build
+      --vs llama-server,vllm --moekit-variant=--compile --json bench-out/serve-150m.json
+  .venv/bin/python benchmarks/serve_bench.py bench-out/ckpt/qwen3_moe-150m --dtypes float32 --weights int8 --vs llama-server
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
-import subprocess
-import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
-import httpx
-
-from moekit.bench.serve import LoadPlan, load_prompts, percentiles, run_level
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"{url} was not ready in {timeout_s} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
-def sweep(url: str, prompts, args) -> list[dict]:
-    plan = LoadPlan(url=url, prompts=prompts, max_tokens=args.max_tokens, model=None)
-    out = []
-    for c in args.concurrency:
-        level = run_level(plan, max(args.requests, c), concurrency=c, warmup=2)
-        out.append(level.as_dict())
-        print(f"  c={c:<3} {level.output_tok_s:8.1f} tok/s  TTFT p50 {level.ttft_s['p50'] * 1e3:6.0f} ms  "
-              f"ITL p50/p99 {level.itl_s['p50'] * 1e3:5.1f}/{level.itl_s['p99'] * 1e3:5.1f} ms  errors {level.errors}",
-              flush=True)
-    return out
-
-
-def server_sweep(cmd: list[str], port: int, prompts, args) -> list[dict]:
-    """Start a server process, sweep the concurrencies against it, stop it."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", proc)
-        return sweep(f"http://127.0.0.1:{port}", prompts, args)
-    finally:
-        stop(proc)
-
-
-def moekit_serve(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "moekit", "serve", str(checkpoint), "--port", str(port), "--dtype", dtype,
-           "--max-batch", str(args.max_batch), "--threads", str(args.threads)]
-    return server_sweep(cmd, port, prompts, args)
-
-
-def llama_server(binary: Path, gguf: Path, prompts, args) -> list[dict]:
-    port = free_port()
-    ctx = args.max_batch * (args.prompt_len + args.max_tokens + 8)
-    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(args.max_batch),
-           "-c", str(ctx), "-t", str(args.threads), "-tb", str(args.threads), "--no-warmup", "-cb"]
-    return server_sweep(cmd, port, prompts, args)
-
+from moekit.bench.serve import load_prompts, percentiles
+from moekit.bench.serve_peers import ServeSetup, Workload, markdown_table, parse_vs, ratio_rows, run_peers
+from moekit.bench.server_launch import free_port, stop, wait_ready  # noqa: F401 - logprobs_cost, prefix_cache_ttft
 
 def static_batching(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:
     """generate() on fixed batches: a batch starts when the previous one has finished entirely."""
@@ -129,48 +62,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--weights", default="dtype", help="moekit's --weights (int8: llama-server on q8_0)")
+    parser.add_argument("--vs", default="llama-server", help="baselines: llama-server, vllm, moekit:FLAGS")
+    parser.add_argument("--moekit-variant", action="append", default=[],
+                        help="more moekit serve flags to compare as another engine, e.g. --moekit-variant=--compile")
+    parser.add_argument("--moekit-args", default="", help="flags of the subject moekit serve")
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--arrivals", type=int, default=4, help="long prompts arriving during the last level (0: none)")
+    parser.add_argument("--arrival-tokens", type=int, default=512)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=None, help="random ids below this (default: the model's vocabulary)")
-    parser.add_argument("--llama-server", type=Path, help="default: the one benchmarks/build_llama_cpp.sh built")
-    parser.add_argument("--gguf", action="append", default=[],
-                        help="DTYPE=PATH, the GGUF llama-server runs for that dtype (default: converted once by "
-                             "llama.cpp's own convert_hf_to_gguf.py)")
-    parser.add_argument("--skip", default="", help="comma-separated sides to skip: moekit,static,llama")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--static", action="store_true", help="also static batching with generate()")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    ggufs = dict(g.split("=", 1) for g in args.gguf)
-    if "llama" not in args.skip.split(","):
-        from moekit.bench.llama_cpp import ensure_gguf, find_build, gguf_type
-
-        build = find_build()
-        args.llama_server = args.llama_server or build.server
-        for dtype in args.dtypes.split(","):
-            ggufs.setdefault(dtype, str(ensure_gguf(build, args.checkpoint, gguf_type(dtype))))
-    vocab = args.vocab or json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
-    prompts = load_prompts(None, args.prompt_len, vocab, max(args.requests, 16), seed=0)
-    skip = set(args.skip.split(","))
-    report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "max_tokens": args.max_tokens,
-              "prompt_len": args.prompt_len, "max_batch": args.max_batch, "runs": {}}
+    args.requests = 4 * max(args.concurrency)
+    vs = ",".join([args.vs, *(f"moekit:{flags}" for flags in args.moekit_variant)])
+    workload = Workload(prompt_len=args.prompt_len, max_tokens=args.max_tokens, concurrency=tuple(args.concurrency),
+                        arrival_prompt_len=args.arrival_tokens, arrival_count=args.arrivals,
+                        arrival_concurrency=max(args.concurrency))
+    report = {"checkpoint": str(args.checkpoint), "threads": args.threads, "weights": args.weights,
+              "workload": asdict(workload), "max_batch": args.max_batch, "runs": {}}
     for dtype in args.dtypes.split(","):
-        runs = report["runs"].setdefault(dtype, {})
-        if "moekit" not in skip:
-            print(f"{dtype}: moekit serve", flush=True)
-            runs["moekit"] = moekit_serve(args.checkpoint, dtype, prompts, args)
-        if "static" not in skip:
-            print(f"{dtype}: static batching with generate()", flush=True)
-            runs["static"] = static_batching(args.checkpoint, dtype, prompts, args)
-        if "llama" not in skip and args.llama_server and dtype in ggufs:
-            print(f"{dtype}: llama-server {ggufs[dtype]}", flush=True)
-            runs["llama-server"] = llama_server(args.llama_server, Path(ggufs[dtype]), prompts, args)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2))
+        setup = ServeSetup(args.checkpoint, dtype, args.weights, args.threads, args.max_batch)
+        rounds = run_peers(parse_vs(vs, args.moekit_args), setup, workload, args.rounds, progress=lambda line: print(line, flush=True))
+        report["runs"][dtype] = {"rounds": [{k: v.as_dict() for k, v in r.items()} for r in rounds]}
+        print(f"\n{dtype}, weights {args.weights}: output tok/s (TTFT p50 ms, ITL p50/p99 ms)\n"
+              f"{markdown_table(ratio_rows(rounds))}\n", flush=True)
+        if args.static:
+            vocab = json.loads((args.checkpoint / "config.json").read_text())["vocab_size"]
+            prompts = load_prompts(None, args.prompt_len, vocab, args.requests, seed=0)
+            report["runs"][dtype]["static"] = static_batching(args.checkpoint, dtype, prompts, args)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -192,22 +192,41 @@ class LoadPlan:
         return body
 
 
-async def _run_concurrency(plan: LoadPlan, concurrency: int, requests: int, progress) -> tuple[list[RequestResult], float]:
+@dataclass(frozen=True)
+class Arrivals:
+    """Long-prompt requests sent beside a concurrency level: one each time another
+    requests / (count + 1) of the level's requests have finished, so they land mid-run whatever
+    the server's speed."""
+
+    plan: LoadPlan
+    count: int
+
+
+async def _run_concurrency(plan: LoadPlan, concurrency: int, requests: int, progress,
+                           arrivals: Optional[Arrivals] = None) -> tuple[list[RequestResult], float, list[RequestResult]]:
+    """The level's results and wall time (until its last request ends), and the arrivals' results."""
     import httpx
 
     next_index = iter(range(requests))
     results: list[RequestResult] = []
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    extra = arrivals.count if arrivals else 0
+    every = max(requests // (extra + 1), 1)
+    sent: list[asyncio.Task] = []
+    limits = httpx.Limits(max_connections=concurrency + extra, max_keepalive_connections=concurrency + extra)
     async with httpx.AsyncClient(timeout=httpx.Timeout(plan.timeout_s), limits=limits) as client:
 
         async def worker() -> None:
             for i in next_index:
                 results.append(await one_request(client, plan.completions_url, plan.body(i)))
                 progress()
+                if len(sent) < extra and len(results) % every == 0:
+                    body = arrivals.plan.body(len(sent))
+                    sent.append(asyncio.create_task(one_request(client, arrivals.plan.completions_url, body)))
 
         started = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return results, time.perf_counter() - started
+        wall = time.perf_counter() - started
+        return results, wall, list(await asyncio.gather(*sent))
 
 
 async def _run_rate(plan: LoadPlan, rate: float, requests: int, seed: int, progress) -> tuple[list[RequestResult], float]:
@@ -259,10 +278,20 @@ def run_level(
     if warmup:
         asyncio.run(_run_concurrency(plan, 1, warmup, lambda: None))
     if concurrency is not None:
-        results, wall = asyncio.run(_run_concurrency(plan, concurrency, requests, progress))
+        results, wall, _ = asyncio.run(_run_concurrency(plan, concurrency, requests, progress))
     else:
         results, wall = asyncio.run(_run_rate(plan, rate, requests, seed, progress))
     return summarize(results, wall, concurrency, rate)
+
+
+def run_arrivals_level(plan: LoadPlan, requests: int, concurrency: int, arrivals: Arrivals,
+                       progress: Callable[[], None] = lambda: None, warmup: int = 0) -> tuple[LevelResult, LevelResult]:
+    """A concurrency level with long prompts arriving during it: the level's summary (its own
+    requests only, over its wall time) and the arrivals' (their TTFT is the prefill they waited for)."""
+    if warmup:
+        asyncio.run(_run_concurrency(plan, 1, warmup, lambda: None))
+    results, wall, late = asyncio.run(_run_concurrency(plan, concurrency, requests, progress, arrivals))
+    return summarize(results, wall, concurrency, None), summarize(late, wall, None, None)
 
 
 def load_prompts(path: Optional[Path], random_ids: Optional[int], vocab: int, count: int, seed: int) -> list[Prompt]:

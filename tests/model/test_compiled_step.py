@@ -159,8 +159,8 @@ def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
     eager, compiled = engines(family)
     step = compiled.decoder.compiled
     ks = [1, step.widest, max(1, step.widest - 1)]
-    assert compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), ks, None)
-    assert not compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
+    assert compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), ks, None)
+    assert not compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
     step.warm_up((2,), per_row_k=True)
     graphs = len(step._graphs)
     (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)

@@ -45,14 +45,13 @@ import torch
 
 from moekit import ops
 from moekit.model.attention import Attention
-from moekit.model.decoder import decode_step
+from moekit.model.decoder import decode_step, step_decisions
 from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
 from moekit.model.mla import MLAttention
 from moekit.model.moe import MoE
 from moekit.model.norms import LayerNorm, RMSNorm
-from moekit.model.routing import RoutingDecision
 from moekit.model.step_ops import CONSTANT_WHILE_TRACING, has_gemv
 from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic
 
@@ -157,8 +156,7 @@ class StepResult:
     def decisions(self) -> list:
         """(layer index, RoutingDecision) per MoE layer; built only when a caller asks (the metered
         runs), so an unmetered step pays nothing for it."""
-        pairs = zip(self.moe_layers, self.chosen.unbind(0), self.weights.unbind(0))
-        return [(layer, RoutingDecision(ids, w)) for layer, ids, w in pairs]
+        return step_decisions(self.moe_layers, self.chosen, self.weights)
 
 
 class CompiledStep:

@@ -258,6 +258,8 @@ class RoutedExperts(nn.Module):
     def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """The decode step's form (moekit.model.step_ops): Σ_k w[b, k] · expert_{ids[b, k]}(x[b])
         for x [B, D], every (row, choice) read in place from the stacks (Hub layout, tiles or q8_0)."""
+        if not self._stacks_read(torch.compiler.is_compiling()):
+            return self.forward(x, decision)  # the eager combine: these weights have no stack to read in place
         ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
         if self.weigh_input:  # llama4: each choice's input weighed, [B, K, D], its output added as is
             x = x[:, None, :] * w[..., None].to(x.dtype)
@@ -290,6 +292,19 @@ class RoutedExperts(nn.Module):
         if self.down_bias is not None:
             y = y + self.down_bias[ids]
         return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def _stacks_read(self, compiling: bool) -> bool:
+        """Whether decode reads the chosen experts in place from stacks: resident Hub-layout, tiles
+        or q8_0 stacks, with the operators loaded (eagerly, without them, the combine is faster than
+        copying the chosen experts out of the stacks)."""
+        if self.store is not None:
+            return False
+        if self.int8_stacks is not None:
+            return step_ops.has_gemv()
+        if self.kernels == (TILES, TILES):
+            return True
+        stacked = self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
+        return stacked and (compiling or step_ops.has_gemv())
 
     def _decode_int8(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """decode with q8_0 expert stacks (moekit::experts_q8), x [B, 1 or K, D]; biases are at the

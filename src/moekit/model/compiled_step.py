@@ -98,11 +98,9 @@ def unsupported(decoder) -> Optional[str]:
             if not isinstance(norm, (RMSNorm, LayerNorm)):
                 return f"{type(norm).__name__} is not in the compiled step"
         if isinstance(block.ffn, MoE):
-            ex = block.ffn.experts
-            if ex.expert_kernels is not None or (ex.kernels not in ((PLAIN, PLAIN), (TILES, TILES)) and ex.int8_stacks is None):
-                return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
-            if ex.int8_stacks is not None and not has_gemv():
-                return "int8 experts need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
+            reason = block.ffn.experts.held.compiles()  # the experts' form (moekit.model.expert_forms)
+            if reason is not None:
+                return reason
     return None
 
 

@@ -91,8 +91,12 @@ class Block(nn.Module):
         RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
         None, or each row's K [B] (MoE.decode)."""
         residual = self.residual
+        if self.before_attn is not None:  # eager only: a compiled decoder has no hooks (combinations)
+            self.before_attn(x)
         h = self.attn.decode(self.input_norm(x), stack, at, slot, positions, cos, sin_signed, visible)
         x = x + (h * residual if residual != 1.0 else h)
+        if self.before_ffn is not None:
+            self.before_ffn(x)
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
@@ -259,14 +263,15 @@ class Decoder(nn.Module):
         compile_decode() ran, else eagerly, the same code), or the modules' forward. The one place
         that says what the step's form does not hold yet: routing policies (their state lives in
         Python), per-row Ks past the model's K, an unstacked cache (training's), a decoder not
-        prepared (the step reads the fused projections prepare() makes), and, eagerly, hooks on the modules (the expert store's prefetcher, router health's entropy), which the
-        step does not call (a compiled decoder refuses the first and skips the second)."""
+        prepared (the step reads the fused projections prepare() makes), and, eagerly, forward
+        hooks on the routers (router health's entropy, carried on the forward's decisions), which
+        the step does not call (a compiled decoder skips them). The expert store's prefetch hooks
+        are the step's own (Block.decode)."""
         if not self.prepared or cache.stack is None or policy is not None or (top_k is not None and max(top_k) > self.widest_k):
             return False
         if self.compiled is not None:
             return True
-        return not any(b.before_attn is not None or b.before_ffn is not None
-                       or (isinstance(b.ffn, MoE) and b.ffn.router._forward_hooks) for b in self.layers)
+        return not any(isinstance(b.ffn, MoE) and b.ffn.router._forward_hooks for b in self.layers)
 
     def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None) -> torch.Tensor:
         """decode_step (compiled where compile_decode() ran) → logits [B, 1, V] fp32."""

@@ -53,9 +53,16 @@ def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
     """The Linear m on x [B, in]: the step's products for the layouts it reads (Hub, tiles, q8_0
     where the operators are loaded), else m's own kernel (an eager decoder's layouts)."""
     kernel = m.kernel
-    if kernel is PLAIN or kernel is TILES or (kernel in (INT8, INT8_GEMV) and has_gemv()):
+    if kernel is PLAIN or kernel is TILES or (q8_operator(kernel) and has_gemv()):
         return linear_rows(x, m.weight, m.bias, kernel is TILES)
     return kernel.apply(x, m.weight, m.bias)
+
+
+def q8_operator(kernel) -> bool:
+    """Whether q8_0 weights of this kernel run moekit::rows_q8 / experts_q8 in the step: always when
+    compiled; eagerly where that operator is the kernel measured faster here (INT8_GEMV), else the
+    eager int8 kernel (the reference where it measured faster for this shape)."""
+    return kernel is INT8_GEMV or (kernel is INT8 and torch.compiler.is_compiling())
 
 
 def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from moekit.errors import MoekitError
 from moekit import ops
 from moekit.model.experts import RoutedExperts
+from moekit.model.combinations import Options, check
 from moekit.model.expert_forms import Paged
 from moekit.model.linear import INT4, int8_kernel_for, kernel_for
 from moekit.offload.budget import SlotPlan, parse_budget, plan_slots
@@ -255,8 +256,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     from moekit.offload.substitute import stand_in_bytes, stand_ins
 
     spec = decoder.spec
-    if decoder.device.type != "cpu":
-        raise MoekitError("--expert-memory runs on CPU only in this version (the CUDA tier is not built yet)")
+    check(Options(paged=True, device=decoder.device.type))  # the store's device (moekit.model.combinations)
     pin_mmap_threshold()
     given = manifest is not None  # its extents decide each expert's bytes, as a packed manifest's
     manifest = manifest if given else load_or_build_manifest(folder, spec, progress=progress)

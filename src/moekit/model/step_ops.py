@@ -70,8 +70,11 @@ def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the contracted letters, which Inductor fuses with the ops around it into one loop nest.
     The batch-1 graph's attention uses it: at batch 1 the bmm calls einsum becomes cost ~10 µs each
     for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache.
-    Run eagerly too, as it is: at bf16 its products round as the compiled graph's do (einsum's
-    bmm, summing unrounded products, flipped a near-tied expert choice on the tiny deepseek_v3)."""
+    Eagerly at fp32 it is einsum (the broadcast product is a temporary of every pair's product:
+    a batch-1 eager step 25% slower, measured); at bf16 it stays the broadcast sum, whose products
+    round as the compiled graph's do (einsum's bmm flipped a near-tied expert on the tiny deepseek_v3)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.einsum(equation, a, b)
     inputs, out = equation.replace(" ", "").split("->")
     left, right = inputs.split(",")
     letters = out + "".join(sorted(set(left + right) - set(out)))  # kept letters first, then summed

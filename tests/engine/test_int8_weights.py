@@ -29,7 +29,7 @@ def _to_reference(engine) -> None:
         if isinstance(sub, Linear) and sub.kernel is INT8_GEMV:
             sub.kernel = INT8
         if isinstance(sub, RoutedExperts):
-            sub.kernels = tuple(INT8 if k is INT8_GEMV else k for k in sub.kernels)
+            sub.form.kernels = tuple(INT8 if k is INT8_GEMV else k for k in sub.kernels)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral"])

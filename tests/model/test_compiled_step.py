@@ -20,6 +20,7 @@ from moekit.model.step_ops import contract
 from moekit.ops.build import cpu_flags
 from moekit.model.linear import TILES, Linear
 from moekit.model.experts import RoutedExperts
+from moekit.model.expert_forms import Int8Stacks
 from moekit.model.moe import Router
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
 
@@ -159,8 +160,8 @@ def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
     eager, compiled = engines(family)
     step = compiled.decoder.compiled
     ks = [1, step.widest, max(1, step.widest - 1)]
-    assert compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), ks, None)
-    assert not compiled.decoder._step_compiled(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
+    assert compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), ks, None)
+    assert not compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
     step.warm_up((2,), per_row_k=True)
     graphs = len(step._graphs)
     (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)
@@ -211,7 +212,7 @@ def test_int8_compiled_matches_eager_int8(tmp_path, family, weights):
     assert compiled.decoder.compiled is not None, compiled.notes
     compiled.decoder.compile_decode(cpp_wrapper=False)  # the same kernels, a quicker compile
     ex = next(b.ffn.experts for b in compiled.decoder.layers if hasattr(b.ffn, "experts"))
-    assert ex.int8_stacks is not None and ex.int8_stacks[0].dtype == torch.uint8
+    assert isinstance(ex.form, Int8Stacks) and ex.form.stacks[0].dtype == torch.uint8
     heads = [e.decoder.lm_head for e in (eager, compiled)]
     if weights == "int8" and heads[0] is not None:
         assert all(h.weight.dtype == torch.uint8 for h in heads)  # the head is int8 on both sides

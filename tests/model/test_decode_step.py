@@ -1,6 +1,7 @@
 """The decode step's form (each module's `decode`, moekit.model.decoder.decode_step) run eagerly,
-without torch.compile, against the eager Decoder's forward: the code the compiled step captures is
-the same code, so it must decode right on its own. Cheap (no compile), so every family runs, each
+without torch.compile, against the modules' forward (Decoder.forward_modules): the code the compiled
+step captures is the same code, so it must decode right on its own; and an eager Decoder's T = 1
+forward is that step (Decoder.steps_in_form), bit for bit, where the step's form holds its options. Cheap (no compile), so every family runs, each
 with per-row K (expert-budget tiers) too; tests/model/test_compiled_step.py holds the compiled graph
 to the eager forward."""
 
@@ -25,10 +26,12 @@ def _prefilled(decoder):
     return cache, torch.tensor([8, 3])
 
 
-def _forward_steps(decoder, top_k=None) -> torch.Tensor:
-    """3 decode steps of Decoder.forward after the prefill → logits [2, 3, V]."""
+def _forward_steps(decoder, top_k=None, through=None) -> torch.Tensor:
+    """3 decode steps of the modules' forward (or `through`, a Decoder method) after the prefill
+    → logits [2, 3, V]."""
     cache, positions = _prefilled(decoder)
-    steps = [decoder(torch.tensor([[17 + s], [23 + s]]), cache, (positions + s)[:, None], top_k=top_k) for s in range(3)]
+    step = through or decoder.forward_modules
+    steps = [step(torch.tensor([[17 + s], [23 + s]]), cache, (positions + s)[:, None], top_k=top_k) for s in range(3)]
     return torch.cat(steps, 1)
 
 
@@ -57,3 +60,25 @@ def test_the_decode_step_run_eagerly_matches_the_forward(tiny_checkpoints, famil
         k = next(b.ffn.router.spec.top_k for b in hub.layers if hasattr(b.ffn, "router"))
         ks = [1, k]
         torch.testing.assert_close(_decode_steps(hub, ks), _forward_steps(reference, ks), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_an_eager_decoders_step_is_the_decode_step(tiny_checkpoints, family):
+    """Decoder.forward at T = 1 without compile runs decode_step: the same logits to the bit, and
+    the same routing decisions; with a routing policy (not in the step's form) the modules' forward."""
+    decoder = load_engine(tiny_checkpoints(family)).decoder  # the eager kernels' layouts
+    with torch.inference_mode():
+        assert torch.equal(_forward_steps(decoder, through=decoder.forward), _decode_steps(decoder))
+        cache, positions = _prefilled(decoder)
+        assert decoder.steps_in_form(cache, None, None)
+        ids = torch.tensor([[17], [23]])
+        stepped, walked = [], []
+        logits = decoder(ids, cache, positions[:, None], decisions=stepped)
+        cache.length -= 1  # the same step again, through the modules
+        reference = decoder.forward_modules(ids, cache, positions[:, None], decisions=walked)
+        torch.testing.assert_close(logits, reference, rtol=1e-4, atol=1e-4)
+        assert [layer for layer, _ in stepped] == [layer for layer, _ in walked]
+        for (_, a), (_, b) in zip(stepped, walked):
+            assert torch.equal(a.topk_ids, b.topk_ids)
+        assert not decoder.steps_in_form(cache, None, policy=object())
+        assert not decoder.steps_in_form(cache, [decoder.widest_k + 1, 1], None)

@@ -40,12 +40,14 @@ def _unprepared(path, dtype) -> Decoder:
 
 
 def _decode(decoder: Decoder, ids: torch.Tensor) -> torch.Tensor:
-    """Prefill 8 tokens of each row, then one-token steps: [B, T, V], both the grouped and one-token paths."""
+    """Prefill 8 tokens of each row, then one-token steps: [B, T, V], both the grouped and one-token
+    paths, through the modules' forward (an unprepared decoder has no decode step: Decoder.steps_in_form;
+    tests/model/test_decode_step.py holds the step to this forward)."""
     b, t = ids.shape
     cache = decoder.new_cache(b, t)
-    out = [decoder(ids[:, :8], cache, torch.arange(8).expand(b, 8))]
+    out = [decoder.forward_modules(ids[:, :8], cache, torch.arange(8).expand(b, 8))]
     for i in range(8, t):
-        out.append(decoder(ids[:, i : i + 1], cache, torch.full((b, 1), i)))
+        out.append(decoder.forward_modules(ids[:, i : i + 1], cache, torch.full((b, 1), i)))
     return torch.cat(out, dim=1)
 
 

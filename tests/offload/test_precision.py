@@ -60,7 +60,7 @@ def test_paged_int8_is_token_for_token_the_resident_int8(family, tmp_path):
     paged = load_engine(packed, offload=_least(folder))
     assert paged.store.slots < paged.spec.layers[0].ffn.num_experts and paged.store.precision.endswith("int8")
     experts = paged.decoder.layers[0].ffn.experts
-    assert all(k in (INT8, INT8_GEMV) for k in experts.kernels) and experts.expert_kernels is None
+    assert all(k in (INT8, INT8_GEMV) for k in experts.kernels) and experts.form.expert_kernels is None
     assert _tokens(paged) == want
 
 
@@ -136,7 +136,7 @@ def test_hot_experts_keep_bf16_and_cold_ones_run_int4_each_with_its_own_kernels_
 
     full = load_engine(result.folder, dtype="bfloat16")
     experts = full.decoder.layers[0].ffn.experts
-    assert {k for pair in experts.expert_kernels for k in pair} >= {INT4}
+    assert {k for pair in experts.form.expert_kernels for k in pair} >= {INT4}
     d, f = spec.hidden_size, spec.layers[0].ffn.expert.width
     for (layer, e), p in precisions.items():
         bf16 = 2 * 3 * f * d

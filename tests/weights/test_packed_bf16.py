@@ -24,7 +24,7 @@ OPERATOR = {v: k for k, v in REFERENCE.items()}
 def _swap(engine, table):
     for sub in engine.decoder.modules():
         if isinstance(sub, RoutedExperts):
-            sub.kernels = tuple(table.get(k, k) for k in sub.kernels)
+            sub.form.kernels = tuple(table.get(k, k) for k in sub.kernels)
     return engine
 
 

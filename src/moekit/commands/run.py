@@ -244,16 +244,11 @@ def run(
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
                                  prefetch_extra=prefetch_extra, read_ahead=read_ahead,
                                  substitute=parse_substitute(substitute) if substitute is not None else None)
-    elif pin is not None or prefetch or cache != "lru" or substitute is not None:
-        raise MoekitError("--cache, --pin, --prefetch and --substitute need --expert-memory")
-    if weights != "dtype" and (expert_parallel is not None or placement is not None):
-        raise MoekitError(f"--weights {weights} with --expert-parallel is not supported yet")
-    if routing is not None and (expert_parallel is not None or placement is not None):
-        raise MoekitError("--routing with --expert-parallel is not supported yet")
-    if no_verify and (expert_parallel is not None or placement is not None):
-        raise MoekitError("--no-verify with --expert-parallel is not supported yet (every rank verifies)")
-    if compile_step and (expert_parallel is not None or placement is not None):
-        raise MoekitError("--compile with --expert-parallel is not supported yet")
+    from moekit.model.combinations import Options, check, store_flags
+
+    check(Options(compile=compile_step, paged=offload is not None, expert_parallel=expert_parallel is not None or placement is not None,
+                  weights=weights, routing=routing is not None, no_verify=no_verify, device=device,
+                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, substitute=substitute)))
     if expert_parallel is not None or placement is not None:
         from moekit.dist.cli import run_sharded
 

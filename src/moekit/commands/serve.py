@@ -170,8 +170,10 @@ def serve(
                                  prefetch_extra=prefetch_extra, read_ahead=read_ahead)
         if pin is not None and not pin.is_file():
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
-    elif pin is not None or prefetch or cache != "lru":
-        raise MoekitError("--cache, --pin and --prefetch need --expert-memory")
+    from moekit.model.combinations import Options, check, store_flags
+
+    check(Options(compile=compile_step, paged=offload is not None, device=device, weights=weights,
+                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch)))
     from moekit.ops import operators_used
 
     ranks = None
@@ -262,11 +264,10 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
 
     if expert_parallel is None:
         raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
-    for flag, used in ((f"--weights {weights}", weights != "dtype"),
-                       ("--no-verify", no_verify), ("--admin-token with --expert-memory",
-                                                    admin_token is not None and offload is not None)):
-        if used:
-            raise MoekitError(f"{flag} with --expert-parallel is not supported yet")
+    from moekit.model.combinations import Options, check, store_flags
+
+    check(Options(compile=compile_step, paged=offload is not None, expert_parallel=True, weights=weights,
+                  no_verify=no_verify, admin_token=admin_token is not None, device=device, served=True))
     if timeout_s <= 0:
         raise MoekitError(f"--ep-timeout must be positive, got {timeout_s:g}")
     if placement is not None and not placement.is_file():

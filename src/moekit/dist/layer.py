@@ -182,8 +182,6 @@ def take_local(experts, local: tuple[int, ...]) -> dict:
     kept = {}
     for e in local:
         kept[e] = tuple(w.clone() if shares_storage(w) else w for w in experts.resident_weights(e))
-    experts.offload()
-    # RoutedExperts keeps plain tuples of its prepared weights for its hot loop: drop them too.
-    experts._weights = None
+    experts.offload()  # its form too, which held the prepared weights for the hot loop
     return kept
 

@@ -18,6 +18,7 @@ from moekit.engine.generate import Generation, TokenCallback, generate
 from moekit.engine.meter import TokenActivation, dense_saving_bytes, meter, packed_expert_bytes
 from moekit.engine.sampling import SamplingParams
 from moekit.errors import CheckpointError, MoekitError
+from moekit.model.combinations import Options, check
 from moekit.spec.model_spec import ModelSpec
 
 WEIGHTS = ("dtype", "int8", "int8-experts")  # the checkpoint's weights at dtype, or int8 (moekit.model.int8)
@@ -181,6 +182,7 @@ def load_engine(
     if weights not in WEIGHTS:
         raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     dev = resolve_device(device)
+    check(Options(compile=compile, paged=offload is not None, weights=weights, device=dev.type))  # before any weight loads
     ckpt = open_checkpoint(folder)
     spec = load_any_spec(folder)
     plan, notes = None, []

@@ -46,17 +46,14 @@ from typing import Callable, Optional
 import torch
 
 from moekit import ops
-from moekit.model.attention import Attention
+from moekit.model.combinations import compile_refusal
 from moekit.model.compile_cache import DEFAULT_CACHE, compiling_into, start_line, step_key
-from moekit.model.decoder import decode_step
+from moekit.model.decoder import decode_step, step_decisions
 from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
-from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
-from moekit.model.mla import MLAttention
+from moekit.model.linear import PLAIN, TILES, Linear
 from moekit.model.moe import MoE
-from moekit.model.norms import LayerNorm, RMSNorm
-from moekit.model.routing import RoutingDecision
-from moekit.model.step_ops import CONSTANT_WHILE_TRACING, has_gemv
+from moekit.model.step_ops import CONSTANT_WHILE_TRACING
 from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic
 
 for _fn in CONSTANT_WHILE_TRACING:  # the kernel choices: constants in the graph (step_ops says why here)
@@ -79,35 +76,9 @@ def lay_out_tiles(decoder) -> None:
 
 
 def unsupported(decoder) -> Optional[str]:
-    """Why this decoder's decode step cannot be compiled here, or None when it can."""
-    if decoder.device.type != "cpu":
-        return "the compiled decode step is built and tested for CPU only"
-    # First: a paged decoder's projections are laid out for the eager kernels too, which is not why.
-    if any(isinstance(m, RoutedExperts) and (m.offloaded or m.store is not None) for m in decoder.modules()):
-        return "routed experts are paged by the expert store"
-    if any(isinstance(m, Linear) and m.kernel not in (PLAIN, TILES, INT8, INT8_GEMV) for m in decoder.modules()):
-        return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
-    if any(isinstance(m, Linear) and m.kernel is not PLAIN for m in decoder.modules()) and not has_gemv():
-        return "int8 weights need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
-    for block in decoder.layers:
-        if block.before_attn is not None or block.before_ffn is not None:
-            return "a prefetcher is attached (the expert store)"
-        attn = block.attn
-        if isinstance(attn, MLAttention):
-            if attn.x_proj is None:
-                return "latent attention is not prepared (its fused projection is missing)"
-        elif not isinstance(attn, Attention):
-            return f"{type(attn).__name__} layers are not in the compiled step yet"
-        for norm in (block.input_norm, block.post_norm):
-            if not isinstance(norm, (RMSNorm, LayerNorm)):
-                return f"{type(norm).__name__} is not in the compiled step"
-        if isinstance(block.ffn, MoE):
-            ex = block.ffn.experts
-            if ex.expert_kernels is not None or (ex.kernels not in ((PLAIN, PLAIN), (TILES, TILES)) and ex.int8_stacks is None):
-                return "routed experts are not in the Hub layout (MXFP4/FP8 kept packed, or eager kernels)"
-            if ex.int8_stacks is not None and not has_gemv():
-                return "int8 experts need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
-    return None
+    """Why this decoder's decode step cannot be compiled here, or None when it can: the one
+    combination check's answer (moekit.model.combinations)."""
+    return compile_refusal(decoder)
 
 
 def _mark_step(small) -> None:
@@ -165,8 +136,7 @@ class StepResult:
     def decisions(self) -> list:
         """(layer index, RoutingDecision) per MoE layer; built only when a caller asks (the metered
         runs), so an unmetered step pays nothing for it."""
-        pairs = zip(self.moe_layers, self.chosen.unbind(0), self.weights.unbind(0))
-        return [(layer, RoutingDecision(ids, w)) for layer, ids, w in pairs]
+        return step_decisions(self.moe_layers, self.chosen, self.weights)
 
 
 class CompiledStep:

@@ -26,6 +26,7 @@ from moekit.model.mlp import MLP, activation_for
 from moekit.model.moe import MoE, Router
 from moekit.model.norms import make_norm
 from moekit.model.rope import Rope, rotary_dim
+from moekit.model.routing import RoutingDecision
 from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
 
@@ -90,8 +91,12 @@ class Block(nn.Module):
         RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
         None, or each row's K [B] (MoE.decode)."""
         residual = self.residual
+        if self.before_attn is not None:  # eager only: a compiled decoder has no hooks (combinations)
+            self.before_attn(x)
         h = self.attn.decode(self.input_norm(x), stack, at, slot, positions, cos, sin_signed, visible)
         x = x + (h * residual if residual != 1.0 else h)
+        if self.before_ffn is not None:
+            self.before_ffn(x)
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
@@ -145,6 +150,9 @@ class Decoder(nn.Module):
         _materialise(self, self.device, dtype)
         self.rope = rope
         self.requires_grad_(False)
+        self.moe_layers = [i for i, block in enumerate(self.layers) if isinstance(block.ffn, MoE)]
+        # The widest per-row K a step takes (tiers): the model's (MoE.decode routes every row at each k up to it).
+        self.widest_k = min((self.layers[i].ffn.router.spec.top_k for i in self.moe_layers), default=0)
         self.prepared = False
         self.compiled = None  # a moekit.model.compiled_step.CompiledStep once compile_decode() ran
 
@@ -184,12 +192,20 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
-        if t == 1 and self._step_compiled(cache, top_k, policy):
+        if t == 1 and self.steps_in_form(cache, top_k, policy):
             slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
-            logits = self._compiled_step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1],
-                                         decisions, top_k)
+            logits = self._step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions, top_k)
             cache.length = start + 1
             return logits
+        return self.forward_modules(input_ids, cache, positions, decisions, last_only, top_k, policy)
+
+    def forward_modules(self, input_ids, cache: KVCache, positions, decisions: list | None = None,
+                        last_only: bool = False, top_k: list[int] | None = None, policy=None) -> torch.Tensor:
+        """forward through each module's `forward`, whatever T: a prefill, and a decode step that
+        the step's form does not hold yet (steps_in_form); the reference the step is held to."""
+        start, t = cache.length, input_ids.shape[1]
+        if start + t > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
         key_mask = cache.key_mask[:, : start + t]
         if bool(key_mask.all()):
             key_mask = None  # no padding: the mixers skip masking (checked once here, not per layer)
@@ -223,9 +239,9 @@ class Decoder(nn.Module):
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
-        if self._step_compiled(cache, top_k, policy):
+        if self.steps_in_form(cache, top_k, policy):
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
-            return self._compiled_step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k)
+            return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k)
         if b == 1 or bool((lengths == lengths[0]).all()):
             key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
         else:
@@ -242,19 +258,34 @@ class Decoder(nn.Module):
                     decisions.append((i, decision))
         return self.head(self.norm(x))
 
-    def _step_compiled(self, cache: KVCache, top_k, policy) -> bool:
-        """Whether a T = 1 step over `cache` runs the compiled graph: a stacked cache, the family's
-        routing (no policy), and per-row Ks, if any, within the model's K (MoE.decode)."""
-        return (self.compiled is not None and cache.stack is not None and policy is None
-                and (top_k is None or max(top_k) <= self.compiled.widest))
+    def steps_in_form(self, cache: KVCache, top_k, policy) -> bool:
+        """Whether a T = 1 step over `cache` runs decode_step (each module's `decode`; compiled when
+        compile_decode() ran, else eagerly, the same code), or the modules' forward. The one place
+        that says what the step's form does not hold yet: routing policies (their state lives in
+        Python), per-row Ks past the model's K, an unstacked cache (training's), a decoder not
+        prepared (the step reads the fused projections prepare() makes), and, eagerly, forward
+        hooks on the routers (router health's entropy, carried on the forward's decisions), which
+        the step does not call (a compiled decoder skips them). The expert store's prefetch hooks
+        are the step's own (Block.decode)."""
+        if not self.prepared or cache.stack is None or policy is not None or (top_k is not None and max(top_k) > self.widest_k):
+            return False
+        if self.compiled is not None:
+            return True
+        return not any(isinstance(b.ffn, MoE) and b.ffn.router._forward_hooks for b in self.layers)
 
-    def _compiled_step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None) -> torch.Tensor:
+    def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None) -> torch.Tensor:
+        """decode_step (compiled where compile_decode() ran) → logits [B, 1, V] fp32."""
         if top_k is not None:
             top_k = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
-        result = self.compiled(input_ids, cache, slot, positions, key_mask, top_k)
+        if self.compiled is not None:
+            result = self.compiled(input_ids, cache, slot, positions, key_mask, top_k)
+            logits, chosen, weights = result.logits[:, 0], result.chosen, result.weights
+        else:
+            logits, chosen, weights = decode_step(self, input_ids[:, 0], slot, positions, key_mask, cache.stack,
+                                                  self.rope.cos_table, self.rope.sin_signed_table, top_k)
         if decisions is not None:
-            decisions.extend(result.decisions)
-        return result.logits
+            decisions.extend(step_decisions(self.moe_layers, chosen, weights))
+        return logits[:, None, :]
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
         """Run every later T = 1 step (generate's decode, continuous batching) as one compiled graph
@@ -324,6 +355,8 @@ def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_t
             chosen.append(decision.topk_ids)
             weights.append(decision.topk_weights)
     x = decoder.norm(x)
+    if not chosen:  # a dense model: no routing to report
+        chosen = weights = [torch.zeros((x.shape[0], 0), dtype=torch.int64, device=x.device)]
     if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
         logits = linear_rows(x, decoder.embed.weight, decoder.head_bias)
     else:
@@ -331,3 +364,8 @@ def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_t
     if spec.multipliers.logits_scaling != 1.0:
         logits = logits / spec.multipliers.logits_scaling
     return logits.float(), torch.stack(chosen), torch.stack(weights)
+
+
+def step_decisions(moe_layers: list, chosen: torch.Tensor, weights: torch.Tensor) -> list:
+    """decode_step's chosen / weights [L_moe, B, K] → (layer index, RoutingDecision) per MoE layer."""
+    return [(layer, RoutingDecision(ids, w)) for layer, ids, w in zip(moe_layers, chosen.unbind(0), weights.unbind(0))]

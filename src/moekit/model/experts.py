@@ -3,7 +3,8 @@
 Weights: gate_up [E, 2F, D] (gate rows then up rows), down [E, D, F]; optional biases [E, 2F], [E, D].
 `prepare()` (after loading) swaps each stack for E per-expert weights in its kernel's layout (see
 moekit.model.linear; a stack whose kernel reads the Hub layout stays); `gate_up[e]` / `down[e]` is
-expert e's weight either way.
+expert e's weight either way. How the loaded weights are held and run (resident stacks, per expert,
+q8_0, packed, paged by a store) is the module's ExpertsForm (moekit.model.expert_forms).
 `experts_reference` loops over tokens and their K experts, as one would on paper. `RoutedExperts`
 groups tokens by expert (one pair of matmuls per expert that any token chose) and, for a single
 token, just runs its K experts. tests/model/test_experts.py checks that the two agree.
@@ -17,9 +18,9 @@ import torch
 from torch import nn
 
 from moekit import ops
+from moekit.model.expert_forms import ExpertsForm, Packed, Paged, Stacks, resident_form
 from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
-from moekit.model import step_ops
 from moekit.ops.torch_private import grouped_mm
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -38,6 +39,9 @@ WeightsOf = Callable[[int], Union[tuple[torch.Tensor, torch.Tensor], StandIn]]
 
 
 class RoutedExperts(nn.Module):
+    """A layer's routed experts: the parameter stacks a checkpoint fills, then, once loaded, one
+    ExpertsForm (moekit.model.expert_forms) that holds the weights as prepared and runs them."""
+
     def __init__(self, spec: MLPSpec, num_experts: int, act: Activation):
         super().__init__()
         rows = (2 if spec.gated else 1) * spec.width
@@ -50,24 +54,54 @@ class RoutedExperts(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, rows)) if spec.bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, spec.hidden_size)) if spec.bias else None
         self.act = act
-        self.kernels = (PLAIN, PLAIN)  # gate_up's and down's, set by prepare()
-        # Per expert (gate_up's, down's) when an expert store holds this layer's experts at several
-        # precisions (a profile's hot ones in bf16, the rest int4); None: `kernels` for all.
-        self.expert_kernels: tuple | None = None
-        self._weights: tuple[tuple, tuple] | None = None  # per-expert (gate_up, down), set by prepare()
-        self.store = None  # a moekit.offload.store.LayerStore once the weights live there instead
-        # Offloaded experts a checkpoint publishes packed (MXFP4, FP8): how the store keeps them
-        # packed (moekit.model.packed_loading.PackedFormat), recorded by the loader; None otherwise.
-        self.packed_format = None
-        # After quantize_int8(): (gate_up [E, 2F, nb·34], down [E, D, nb·34]) uint8, the q8_0 stacks
-        # the per-expert weights are views of; the compiled decode step reads them in place.
-        self.int8_stacks: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Set where the weights are loaded (prepare, keep_packed, quantize_int8, lay_out_tiles,
+        # offload; moekit.offload.attach for the store); None until then: the parameter stacks as
+        # they are (training, an unprepared decoder).
+        self.form: ExpertsForm | None = None
 
-    def offload(self) -> None:
-        """Drop the (still meta) weight stacks: the routed weights will come from an expert store.
-        Biases stay, they are a few numbers per expert."""
-        del self.gate_up, self.down
-        self.gate_up = self.down = None
+    @property
+    def held(self) -> ExpertsForm:
+        """The form, or for a module not yet prepared its parameter stacks, read as they are now."""
+        return self.form if self.form is not None else Stacks((PLAIN, PLAIN), *map(tuple, (self.gate_up, self.down)),
+                                                              stacks=(self.gate_up, self.down))
+
+    @property
+    def kernels(self) -> tuple:
+        """(gate_up's, down's) kernel."""
+        return self.held.kernels
+
+    @property
+    def store(self):
+        """The store serving these experts (Paged form), else None."""
+        return self.form.store if isinstance(self.form, Paged) else None
+
+    @store.setter
+    def store(self, store) -> None:
+        """Put `store` in front of these experts (expert parallelism's layer over resident or paged
+        ones); the kernels, and a store's per-expert ones, stay those of the form it replaces."""
+        form = self.held
+        self.form = Paged(form.kernels, store=store, expert_kernels=getattr(form, "expert_kernels", None),
+                          packed=getattr(form, "packed", None))
+
+    @property
+    def packed_format(self):
+        """How MXFP4 / FP8 experts are kept packed (moekit.model.packed_loading.PackedFormat), else None."""
+        form = self.form
+        return form.format if isinstance(form, Packed) else getattr(form, "packed", None)
+
+    @property
+    def kept_packed(self) -> bool:
+        return isinstance(self.form, Packed)
+
+    def offload(self, packed=None) -> None:
+        """Drop the (still meta) weight stacks: the routed weights will come from a store (attach_store).
+        Biases stay, they are a few numbers per expert. packed: how the store will keep MXFP4 / FP8
+        experts packed, recorded by the loader."""
+        if self.gate_up is not None:
+            del self.gate_up, self.down
+            self.gate_up = self.down = None
+        kernels = self.form.kernels if self.form is not None else (PLAIN, PLAIN)
+        self.form = Paged(kernels, packed=packed)
 
     @property
     def offloaded(self) -> bool:
@@ -76,12 +110,10 @@ class RoutedExperts(nn.Module):
     def prepare(self, kernels: bool = True) -> None:
         """Lay every expert's weights out for their kernel (moekit.model.linear.kernel_for), one
         expert at a time, dropping the stacks. kernels=False keeps the stacks (the plain kernel)."""
-        if self.kept_packed:
-            return  # laid out by keep_packed() straight from the checkpoint's bytes
-        if self._weights is not None:
+        if isinstance(self.form, (Packed, Paged)):
+            return  # laid out by keep_packed() from the checkpoint's bytes, or by the store as it loads each expert
+        if self.form is not None:
             raise RuntimeError("RoutedExperts.prepare called twice: the Hub layout is gone")
-        if self.offloaded:
-            return  # the store prepares each expert as it loads it (kernels_for_expert)
         chosen = []
         for name in ("gate_up", "down"):
             stack = getattr(self, name).detach()
@@ -93,28 +125,23 @@ class RoutedExperts(nn.Module):
             per_expert = [nn.Parameter(kernel.prepare(stack[e]), requires_grad=False) for e in range(len(stack))]
             del stack
             setattr(self, name, nn.ParameterList(per_expert))
-        # Plain tuples for the hot loop: ParameterList indexing costs microseconds per expert.
-        self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = (chosen[0], chosen[1])
+        self.form = resident_form((chosen[0], chosen[1]), self.gate_up, self.down)
 
-    kept_packed = False  # True once keep_packed() has set the weights
-
-    def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> None:
+    def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor], packed) -> None:
         """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.ops.packed_layout), each expert's
-        prepared bytes given, in place of the full-precision stacks, which are dropped unfilled."""
-        self._hold(kernels, gate_up, down)
-        self.kept_packed = True
+        prepared bytes given, in place of the full-precision stacks, which are dropped unfilled.
+        packed: the checkpoint's format (moekit.model.packed_loading.PackedFormat)."""
+        self._hold(gate_up, down)
+        self.form = resident_form(kernels, self.gate_up, self.down, packed=packed)
 
-    def _hold(self, kernels: tuple, gate_up, down) -> None:
-        """Every expert's prepared (gate_up, down) for `kernels`, in place of the stacks."""
+    def _hold(self, gate_up, down) -> None:
+        """Every expert's prepared (gate_up, down) as this module's parameters, in place of the stacks."""
         del self.gate_up, self.down
         self.gate_up, self.down = (nn.ParameterList([nn.Parameter(w, requires_grad=False) for w in ws]) for ws in (gate_up, down))
-        self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = (kernels[0], kernels[1])
 
     def tiles_fit(self) -> bool:
         """Whether lay_out_tiles applies: resident plain-kernel stacks, bf16, of widths that fit."""
-        return (self.kernels == (PLAIN, PLAIN) and isinstance(self.gate_up, nn.Parameter)
+        return (type(self.form) is Stacks and self.kernels == (PLAIN, PLAIN)
                 and ops.tiles_fit(self.gate_up) and ops.tiles_fit(self.down))
 
     def lay_out_tiles(self) -> None:
@@ -125,53 +152,39 @@ class RoutedExperts(nn.Module):
             raise RuntimeError("RoutedExperts.lay_out_tiles: the stacks are not plain bf16 ones that fit the tiles")
         for name in ("gate_up", "down"):
             setattr(self, name, nn.Parameter(ops.to_tiles(getattr(self, name).detach()), requires_grad=False))
-        self._weights = (tuple(self.gate_up), tuple(self.down))
-        self.kernels = (TILES, TILES)
+        self.form = resident_form((TILES, TILES), self.gate_up, self.down)
 
     def quantize_int8(self) -> None:
         """After prepare(): every expert's gate_up and down as q8_0 blocks (moekit.model.int8),
         one expert at a time from the Hub layout its kernel gives back."""
-        if self.offloaded:
+        if isinstance(self.form, Paged):
             return  # the store quantizes each expert as it loads it (moekit.offload.attach)
-        if self._weights is None:
+        if self.form is None:
             raise RuntimeError("RoutedExperts.quantize_int8 before prepare()")
         stacks, kernels = [], []
-        for weights, kernel, in_features in zip(self._weights, self.kernels, self.in_features):
+        form = self.form
+        for weights, kernel, in_features in zip((form.gate_up, form.down), form.kernels, self.in_features):
             hub = torch.stack([kernel.hub(w, in_features) for w in weights])  # [E, out, in]
             int8 = int8_kernel_for(hub[0], hub.dtype)
             packed = int8.prepare(hub.flatten(0, 1)).view(len(weights), hub.shape[1], -1)  # one pass for all E
             del hub
             stacks.append(packed)
             kernels.append(int8)
-        self._hold(kernels, *(tuple(packed.unbind(0)) for packed in stacks))  # expert e's blocks: a view
-        self.int8_stacks = (stacks[0], stacks[1])
+        self._hold(*(tuple(packed.unbind(0)) for packed in stacks))  # expert e's blocks: a view
+        self.form = resident_form((kernels[0], kernels[1]), self.gate_up, self.down, int8_stacks=(stacks[0], stacks[1]))
 
     def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) as this module holds them."""
-        gate_up, down = self._weights if self._weights is not None else (self.gate_up, self.down)
-        return gate_up[e], down[e]
+        return self.held.weights(e)
 
     def replace_expert(self, e: int, weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's prepared (gate_up, down) ← `weights` (already laid out for self.kernels: a hot
         swap, or its rollback); returns the ones it replaces. Only what the forward reads changes:
-        the loaded parameter stacks keep the checkpoint's values, except in the plain layout, where
-        the stacks are what the forward reads."""
-        if self._weights is None or self.store is not None:
+        the loaded parameters keep the checkpoint's values, except where the form's stacks are what
+        the forward reads (Hub layout, tiles, q8_0)."""
+        if self.form is None:
             raise RuntimeError("replace_expert needs prepared, resident experts")
-        stacked = self.kernels in ((PLAIN, PLAIN), (TILES, TILES)) and isinstance(self.gate_up, nn.Parameter)
-        stacks = (self.gate_up, self.down) if stacked else self.int8_stacks
-        if stacks is not None:
-            # The stacks the compiled decode step reads in place (the Hub layout's or tiles', or the q8_0 ones
-            # the per-expert weights are views of): the new expert is written into them, and a copy
-            # of the old one is handed back.
-            old = (stacks[0][e].clone(), stacks[1][e].clone())
-            stacks[0][e].copy_(weights[0])
-            stacks[1][e].copy_(weights[1])
-            return old
-        old = self.resident_weights(e)
-        gate_up, down = self._weights
-        self._weights = (gate_up[:e] + (weights[0],) + gate_up[e + 1 :], down[:e] + (weights[1],) + down[e + 1 :])
-        return old
+        return self.form.replace(e, weights)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e on x [N, D] → [N, D]."""
@@ -180,12 +193,10 @@ class RoutedExperts(nn.Module):
     def apply_expert(self, e: int, gate_up: torch.Tensor, down: torch.Tensor, x: torch.Tensor,
                      kernels: Optional[tuple] = None) -> torch.Tensor:
         """Expert e, whose prepared weights are given (resident or from a store), on x [N, D] → [N, D].
-        kernels: the weights' own (a StandIn's), else the layer's for expert e."""
+        kernels: the weights' own (a StandIn's), else the form's for expert e."""
         up_bias = self.gate_up_bias[e] if self.gate_up_bias is not None else None
         down_bias = self.down_bias[e] if self.down_bias is not None else None
-        if kernels is None:
-            kernels = self.kernels if self.expert_kernels is None else self.expert_kernels[e]
-        up_kernel, down_kernel = kernels
+        up_kernel, down_kernel = kernels if kernels is not None else self.held.kernels_of(e)
         h = up_kernel.apply(x, gate_up, up_bias)
         return down_kernel.apply(self.act(h), down, down_bias)
 
@@ -197,9 +208,7 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """x [T, D] → Σ_k topk_weights[t, k] · expert_{topk_ids[t, k]}(x[t]), [T, D]."""
-        if self.store is not None:
-            return self.store.forward(self, x, decision)
-        return self.combine(x, decision, self.resident_weights)
+        return self.held.apply(self, x, decision)
 
     def combine(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
         """The forward with expert e's weights from `weights(e)`. For several tokens it is asked in
@@ -233,7 +242,7 @@ class RoutedExperts(nn.Module):
         return out
 
     def _grouped(self, x: torch.Tensor, decision: RoutingDecision, weights: WeightsOf) -> torch.Tensor:
-        if weights == self.resident_weights and self._stacks_grouped(x):
+        if self._stacks_grouped(x) and weights == self.form.weights:  # the resident stacks, not a store's
             return self._grouped_stacks(x, decision)
         return self._grouped_loop(x, decision, weights)
 
@@ -241,7 +250,7 @@ class RoutedExperts(nn.Module):
         """Whether the many-token forward can run as two grouped GEMMs over the resident stacks: the
         Hub layout (a compiled engine's, --kernels reference) on CPU in fp32 or bf16 (where torch's
         grouped GEMM is the per-expert one), every expert alike, no biases."""
-        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and self.kernels == (PLAIN, PLAIN) and self.expert_kernels is None and isinstance(self.gate_up, nn.Parameter)
+        return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and type(self.form) is Stacks and self.kernels == (PLAIN, PLAIN)
                 and self.gate_up_bias is None and self.down_bias is None and not self.weigh_input)
 
     def _grouped_stacks(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
@@ -254,8 +263,9 @@ class RoutedExperts(nn.Module):
         flat = ids.reshape(-1)  # [T*K]
         order = torch.argsort(flat, stable=True)  # assignments grouped by expert
         ends = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # [E]
-        h = grouped_mm(x[order // top_k], self.gate_up.transpose(1, 2), ends)  # [T*K, 2F]
-        y = grouped_mm(self.act(h), self.down.transpose(1, 2), ends)  # [T*K, D]
+        gate_up, down = self.form.stacks
+        h = grouped_mm(x[order // top_k], gate_up.transpose(1, 2), ends)  # [T*K, 2F]
+        y = grouped_mm(self.act(h), down.transpose(1, 2), ends)  # [T*K, D]
         scale = decision.topk_weights.gather(1, pick).reshape(-1)[order]  # [T*K]
         y = (y * scale[:, None]).to(x.dtype)
         mine = torch.empty_like(y)
@@ -292,54 +302,8 @@ class RoutedExperts(nn.Module):
 
     def decode(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """The decode step's form (moekit.model.step_ops): Σ_k w[b, k] · expert_{ids[b, k]}(x[b])
-        for x [B, D], every (row, choice) read in place from the stacks (Hub layout, tiles or q8_0)."""
-        if self.store is not None:  # experts on other ranks (moekit.dist.serving.LeaderStore): one opaque op
-            return self.store.decode(x, decision)
-        ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
-        if self.weigh_input:  # llama4: each choice's input weighed, [B, K, D], its output added as is
-            x = x[:, None, :] * w[..., None].to(x.dtype)
-            w = torch.ones_like(w)
-        else:
-            x = x[:, None, :]  # [B, 1, D]: every choice reads the row's one input
-        if self.int8_stacks is not None:
-            return self._decode_int8(x, ids, w)
-        tiles = self.kernels == (TILES, TILES)
-        if tiles:
-            experts_tiles = ops.op("moekit", "experts_tiles")
-            h = experts_tiles(x, self.gate_up, ids)  # [B, K, 2F]
-        elif step_ops.has_gemv():
-            kind = ops.kind_of(self.gate_up)
-            gemv = step_ops.op_for(self.gate_up, "experts_gemv")
-            h = gemv(step_ops.widened(x, kind), self.gate_up, ids, step_ops.grouped(kind)).to(x.dtype)  # [B, K, 2F]
-        else:
-            h = (x[:, :, None, :] * self.gate_up[ids]).sum(-1)  # indirect reads when compiled, no copy
-        if self.gate_up_bias is not None:
-            h = h + self.gate_up_bias[ids]
-        a = self.act(h)  # [B, K, F]
-        if tiles:
-            y = experts_tiles(a, self.down, ids)  # [B, K, D]
-        elif step_ops.has_gemv():
-            kind = ops.kind_of(self.down)
-            gemv = step_ops.op_for(self.down, "experts_gemv")
-            y = gemv(step_ops.widened(a, kind), self.down, ids, step_ops.grouped(kind)).to(a.dtype)  # [B, K, D]
-        else:
-            y = (a[:, :, None, :] * self.down[ids]).sum(-1)
-        if self.down_bias is not None:
-            y = y + self.down_bias[ids]
-        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
-
-    def _decode_int8(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """decode with q8_0 expert stacks (moekit::experts_q8), x [B, 1 or K, D]; biases are at the
-        engine dtype."""
-        gate_up, down = self.int8_stacks
-        experts_q8, grouped = step_ops.op_for(gate_up, "experts_q8"), step_ops.grouped("q8_0")
-        h = experts_q8(x, gate_up, ids, grouped)  # [B, K, 2F]
-        if self.gate_up_bias is not None:
-            h = h + self.gate_up_bias[ids]
-        y = experts_q8(self.act(h), down, ids, grouped)  # [B, K, D]
-        if self.down_bias is not None:
-            y = y + self.down_bias[ids]
-        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+        for x [B, D], as the form runs it (read in place from stacks where it holds them)."""
+        return self.held.decode(self, x, decision)
 
 def experts_reference(experts: RoutedExperts, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
     """The slow obvious sum: for every token, for each of its K experts, add weight × expert(token)

@@ -9,7 +9,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
 from moekit.model.routing import RoutingDecision, route, route_rows, with_k
-from moekit.model.step_ops import linear_rows, project
+from moekit.model.step_ops import project
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
 
@@ -99,6 +99,6 @@ class MoE(nn.Module):
         if self.shared is not None:
             shared = self.shared.decode(x)
             if self.shared_gate is not None:
-                shared = torch.sigmoid(linear_rows(x, self.shared_gate.weight)) * shared
+                shared = torch.sigmoid(project(self.shared_gate, x)) * shared
             out = out + shared
         return out, decision

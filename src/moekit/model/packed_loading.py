@@ -141,7 +141,7 @@ def kept_experts(ckpt, block: str, experts, names: HubNames) -> Optional[KeptExp
             up_blocks, up_scales = ckpt.read(gate_up)  # [E, 2F, D/32, 16], [E, 2F, D/32]
             down_blocks, down_scales = ckpt.read(down)  # [E, D, F/32, 16], [E, D, F/32]
             pairs = [mxfp4_expert(up_blocks[j], up_scales[j], down_blocks[j], down_scales[j]) for j in range(e)]
-            experts.keep_packed(fmt.kernels, [up.to(device) for up, _ in pairs], [dn.to(device) for _, dn in pairs])
+            experts.keep_packed(fmt.kernels, [up.to(device) for up, _ in pairs], [dn.to(device) for _, dn in pairs], fmt)
 
         return KeptExperts(fmt.method, tuple(wanted), fill_mxfp4)
 
@@ -155,7 +155,7 @@ def kept_experts(ckpt, block: str, experts, names: HubNames) -> Optional[KeptExp
             kinds = (names.expert_gate, names.expert_up) if gated else (names.expert_up,)
             up.append(torch.cat([rows_of(f"{prefix}{k}.weight") for k in kinds]).to(device))
             dn.append(rows_of(f"{prefix}{names.expert_down}.weight").to(device))
-        experts.keep_packed(fmt.kernels, up, dn)
+        experts.keep_packed(fmt.kernels, up, dn, fmt)
 
     return KeptExperts(fmt.method, tuple(wanted), fill_fp8)
 
@@ -177,9 +177,10 @@ def keep_packed_experts(planner, decoder, ckpt) -> list[KeptExperts]:
         ex = layer.ffn.experts
         block = f"{names.prefix}.{names.layers}.{i}.{names.moe}"
         if ex.offloaded:
-            ex.packed_format = packed_format(ckpt, block, ex, names, decoder.dtype, decoder.device)
+            fmt = packed_format(ckpt, block, ex, names, decoder.dtype, decoder.device)
+            ex.offload(packed=fmt)  # the store's form, which attach_store completes
             method = packed_method(ckpt.packed, block, ex.num_experts, names)
-            if method is not None and ex.packed_format is None:
+            if method is not None and fmt is None:
                 raise CheckpointError(f"{ckpt.folder}: {method.upper()} experts of {decoder.spec.model_type} are not "
                                       "paged by the expert store (run without --expert-memory)")
             continue

@@ -11,6 +11,10 @@ the whole step as one graph (moekit.model.compiled_step) and the same code runs 
     copies the chosen experts: correct, not fast);
   - a uint8 weight is q8_0 blocks (`--weights int8`): moekit::rows_q8 / experts_q8, the eager int8
     kernel's own operators; a bf16 weight in the tiles layout (model.linear.TILES) rows_tiles.
+Run eagerly (Decoder.forward's T = 1 step without --compile), the products the compiled graph fuses
+are torch's own (F.linear), and a weight laid out for an
+eager kernel (transposed, oneDNN, int4, MXFP4/FP8) runs that kernel, as the modules' forward does;
+moekit.model.combinations refuses to compile such a decoder.
 Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
 """
 
@@ -21,7 +25,7 @@ from typing import Optional
 import torch
 
 from moekit import ops
-from moekit.model.linear import TILES, Linear
+from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -38,21 +42,39 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     elif has_gemv():
         kind = ops.kind_of(weight)
         y = op_for(weight, "rows_gemv")(widened(x, kind), weight, grouped(kind)).to(x.dtype)
+    elif not torch.compiler.is_compiling():
+        return torch.nn.functional.linear(x, weight, bias)  # eager: the PLAIN kernel's own product
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
 
 
 def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
-    """The Linear m on x [B, in], in whichever layout lay_out_tiles left its weight."""
-    return linear_rows(x, m.weight, m.bias, m.kernel is TILES)
+    """The Linear m on x [B, in]: the step's products for the layouts it reads (Hub, tiles, q8_0
+    where the operators are loaded), else m's own kernel (an eager decoder's layouts)."""
+    kernel = m.kernel
+    if kernel is PLAIN or kernel is TILES or (q8_operator(kernel) and has_gemv()):
+        return linear_rows(x, m.weight, m.bias, kernel is TILES)
+    return kernel.apply(x, m.weight, m.bias)
+
+
+def q8_operator(kernel) -> bool:
+    """Whether q8_0 weights of this kernel run moekit::rows_q8 / experts_q8 in the step: always when
+    compiled; eagerly where that operator is the kernel measured faster here (INT8_GEMV), else the
+    eager int8 kernel (the reference where it measured faster for this shape)."""
+    return kernel is INT8_GEMV or (kernel is INT8 and torch.compiler.is_compiling())
 
 
 def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.einsum(equation, a, b) for two operands, written as a broadcast product summed over
     the contracted letters, which Inductor fuses with the ops around it into one loop nest.
     The batch-1 graph's attention uses it: at batch 1 the bmm calls einsum becomes cost ~10 µs each
-    for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache."""
+    for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache.
+    Eagerly at fp32 it is einsum (the broadcast product is a temporary of every pair's product:
+    a batch-1 eager step 25% slower, measured); at bf16 it stays the broadcast sum, whose products
+    round as the compiled graph's do (einsum's bmm flipped a near-tied expert on the tiny deepseek_v3)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return torch.einsum(equation, a, b)
     inputs, out = equation.replace(" ", "").split("->")
     left, right = inputs.split(",")
     letters = out + "".join(sorted(set(left + right) - set(out)))  # kept letters first, then summed

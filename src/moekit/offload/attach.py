@@ -29,6 +29,8 @@ import torch
 from moekit.errors import MoekitError
 from moekit import ops
 from moekit.model.experts import RoutedExperts
+from moekit.model.combinations import Options, check
+from moekit.model.expert_forms import Paged
 from moekit.model.linear import INT4, int8_kernel_for, kernel_for
 from moekit.offload.budget import SlotPlan, parse_budget, plan_slots
 from moekit.offload.memory import pin_mmap_threshold
@@ -256,8 +258,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     from moekit.offload.substitute import stand_in_bytes, stand_ins
 
     spec = decoder.spec
-    if decoder.device.type != "cpu":
-        raise MoekitError("--expert-memory runs on CPU only in this version (the CUDA tier is not built yet)")
+    check(Options(paged=True, device=decoder.device.type))  # the store's device (moekit.model.combinations)
     pin_mmap_threshold()
     given = manifest is not None  # its extents decide each expert's bytes, as a packed manifest's
     manifest = manifest if given else load_or_build_manifest(folder, spec, progress=progress)
@@ -302,9 +303,6 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         experts: RoutedExperts = decoder.layers[i].ffn.experts
         width = experts.num_experts
         layer_kinds = [kinds[i, e] for e in range(width)]
-        experts.kernels = kernels[layer_kinds[0]]
-        # Several precisions in one layer: each expert runs with its own pair of kernels.
-        experts.expert_kernels = None if len(set(layer_kinds)) == 1 else tuple(kernels[k] for k in layer_kinds)
         layer_pins = pins.get(i, [])[:most_pins] if retain else []
         policy = make_policy("lru" if not retain else options.policy)
         cache = SlotCache(plan.slots, policy, pinned=layer_pins)
@@ -315,7 +313,9 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         stores[i] = LayerStore(i, cache, load, disk, held, pool, clock, retain=retain,
                                slots=slots[slotted.index(i)] if slots and i in slotted else (), stand_ins=ins,
                                read_ahead=options.read_ahead)
-        experts.store = stores[i]
+        # The paged form: several precisions in one layer run each expert with its own pair of kernels.
+        experts.form = Paged(kernels[layer_kinds[0]], store=stores[i], packed=experts.packed_format,
+                             expert_kernels=None if len(set(layer_kinds)) == 1 else tuple(kernels[k] for k in layer_kinds))
         pinned[i] = list(layer_pins)
     try:
         for store in stores.values():

@@ -1,0 +1,103 @@
+"""Which options combine: the one place that decides, and refuses a combination in one line.
+
+Two questions, asked at two times:
+  - `refusal(Options)`, before anything loads (the run and serve commands, load_engine, attach_store):
+    a combination the engine does not run at all (expert parallelism with --compile outside the
+    server, int8 weights,
+    routing policies or --no-verify; the store's flags without --expert-memory; the store off the CPU).
+  - `compile_refusal(decoder)`, once a decoder is built: why its decode step cannot be compiled; the
+    engine then stays eager and says so in one note (--compile with the expert store, MXFP4/FP8 kept
+    packed, a device other than the CPU...). Each expert weight form says for itself whether the
+    compiled step reads it (moekit.model.expert_forms).
+What combines without a word: per-row K (tiers) with --compile (a graph of its own); routing
+policies with --compile (their steps run eager: Decoder.steps_in_form); the store with tiers,
+policies and prefetch; packed experts with the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from moekit.errors import MoekitError
+
+
+@dataclass(frozen=True)
+class Options:
+    """A run's options, as far as which of them combine goes."""
+
+    compile: bool = False
+    paged: bool = False  # --expert-memory: routed experts paged by the expert store
+    store_flags: tuple[str, ...] = ()  # the store's own flags given (--cache, --pin, --prefetch, --substitute)
+    expert_parallel: bool = False
+    weights: str = "dtype"
+    routing: bool = False  # a routing policy (--routing)
+    no_verify: bool = False
+    admin_token: bool = False
+    device: str = "cpu"
+    served: bool = False  # `moekit serve`: its sharded step compiles (the exchange an opaque op in the graph)
+
+
+def refusal(o: Options) -> Optional[str]:
+    """The first combination of `o` the engine does not run, in one line; None when they combine."""
+    if o.store_flags and not o.paged:
+        return f"the expert store's flags ({', '.join(o.store_flags)}) need --expert-memory"
+    if o.paged and o.device != "cpu":
+        return "--expert-memory runs on CPU only in this version (the CUDA tier is not built yet)"
+    if o.expert_parallel:
+        for flag, used in (("--compile", o.compile and not o.served), (f"--weights {o.weights}", o.weights != "dtype"),
+                           ("--routing", o.routing), ("--no-verify", o.no_verify),
+                           ("--admin-token with --expert-memory", o.admin_token and o.paged)):
+            if used:
+                return f"{flag} with --expert-parallel is not supported yet"
+    return None
+
+
+def store_flags(cache: str = "lru", pin=None, prefetch: bool = False, substitute=None) -> tuple[str, ...]:
+    """The expert store's flags a command was given (each at a value other than its default)."""
+    given = (("--cache", cache != "lru"), ("--pin", pin is not None), ("--prefetch", bool(prefetch)),
+             ("--substitute", substitute is not None))
+    return tuple(flag for flag, used in given if used)
+
+
+def check(o: Options) -> None:
+    """Raise refusal(o) as the one-line error a command prints (exit 2), if there is one."""
+    reason = refusal(o)
+    if reason is not None:
+        raise MoekitError(reason)
+
+
+def compile_refusal(decoder) -> Optional[str]:
+    """Why this decoder's decode step cannot be compiled here, or None when it can."""
+    from moekit.model.attention import Attention
+    from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
+    from moekit.model.mla import MLAttention
+    from moekit.model.moe import MoE
+    from moekit.model.norms import LayerNorm, RMSNorm
+    from moekit.model.step_ops import has_gemv
+
+    if decoder.device.type != "cpu":
+        return "the compiled decode step is built and tested for CPU only"
+    moes = [block.ffn.experts for block in decoder.layers if isinstance(block.ffn, MoE)]
+    # First: a paged decoder's projections are laid out for the eager kernels too, which is not why.
+    paged = next((reason for ex in moes if ex.offloaded and (reason := ex.held.compiles())), None)
+    if paged is not None:
+        return paged
+    linears = [m for m in decoder.modules() if isinstance(m, Linear)]
+    if any(m.kernel not in (PLAIN, TILES, INT8, INT8_GEMV) for m in linears):
+        return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
+    if any(m.kernel is not PLAIN for m in linears) and not has_gemv():
+        return "int8 weights need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
+    for block in decoder.layers:
+        if block.before_attn is not None or block.before_ffn is not None:
+            return "a prefetcher is attached (the expert store)"
+        attn = block.attn
+        if isinstance(attn, MLAttention):
+            if attn.x_proj is None:
+                return "latent attention is not prepared (its fused projection is missing)"
+        elif not isinstance(attn, Attention):
+            return f"{type(attn).__name__} layers are not in the compiled step yet"
+        for norm in (block.input_norm, block.post_norm):
+            if not isinstance(norm, (RMSNorm, LayerNorm)):
+                return f"{type(norm).__name__} is not in the compiled step"
+    return next((reason for ex in moes if (reason := ex.held.compiles())), None)

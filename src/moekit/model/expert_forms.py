@@ -1,0 +1,199 @@
+"""How one MoE layer's routed experts are held: one strategy object per weight form, and how each runs.
+
+A RoutedExperts module holds one ExpertsForm (as vLLM's FusedMoE holds one quant method: the object
+that holds the weights and applies them, so the layer does not branch on mode flags):
+  Stacks      resident stacks [E, out, in], the Hub layout (PLAIN) or tiles (TILES): the decode step
+              reads the chosen experts in place (moekit::experts_gemv / experts_tiles).
+  Int8Stacks  resident q8_0 stacks [E, out, nb·34] (`--weights int8`), each expert's weights views
+              of them: moekit::experts_q8 in the decode step.
+  PerExpert   resident, each expert laid out for its eager kernel (transposed, oneDNN).
+  Packed      resident, kept as the checkpoint publishes them (MXFP4, FP8: model.packed_loading).
+  Paged       served by a store: moekit.offload's expert store, or expert parallelism's layer.
+Each has `apply` (eager, any T: the module's combine, or the store's forward) and `decode` (the
+T = 1 step's form, moekit.model.step_ops; the eager combine where a form has no stack to read in
+place); `compiles()` says why the compiled step cannot read it (None: it can). `resident_form` is
+the one function that chooses a resident form from how the weights are held.
+Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from moekit import ops
+from moekit.model import step_ops
+from moekit.model.linear import PLAIN, TILES
+
+GEMV_MISSING = "the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
+
+
+@dataclass
+class ExpertsForm:
+    """Resident experts held as per-expert tuples (the base: what every resident form can give)."""
+
+    kernels: tuple  # (gate_up's, down's) kernel
+    gate_up: tuple = ()  # expert e's prepared gate_up is gate_up[e]: plain tuples, the hot loop's (ParameterList indexing costs µs)
+    down: tuple = ()
+
+    def kernels_of(self, e: int) -> tuple:
+        return self.kernels
+
+    def weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up, down) as this form holds them."""
+        return self.gate_up[e], self.down[e]
+
+    def replace(self, e: int, weights: tuple) -> tuple:
+        """Expert e's weights ← `weights` (laid out for self.kernels); returns the ones replaced."""
+        old = self.weights(e)
+        self.gate_up = self.gate_up[:e] + (weights[0],) + self.gate_up[e + 1 :]
+        self.down = self.down[:e] + (weights[1],) + self.down[e + 1 :]
+        return old
+
+    def apply(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        """x [T, D] → Σ_k w[t, k] · expert_{ids[t, k]}(x[t]), [T, D]: the module's combine."""
+        return experts.combine(x, decision, self.weights)
+
+    def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        """The decode step's form, x [B, D] → [B, D]; here the eager combine."""
+        return self.apply(experts, x, decision)
+
+    def compiles(self) -> Optional[str]:
+        return "routed experts are laid out for the eager kernels (load with compile, which keeps the Hub layout)"
+
+
+@dataclass
+class PerExpert(ExpertsForm):
+    """Resident experts each laid out for its eager kernel (moekit.model.linear.kernel_for)."""
+
+
+@dataclass
+class Packed(ExpertsForm):
+    """Resident experts kept as the checkpoint publishes them (MXFP4, FP8)."""
+
+    format: object = None  # moekit.model.packed_loading.PackedFormat
+
+    def compiles(self) -> Optional[str]:
+        return "routed experts are MXFP4/FP8 kept packed, which the compiled step does not read yet"
+
+
+@dataclass
+class Stacks(ExpertsForm):
+    """Resident stacks [E, out, in] (Hub layout or tiles) that the decode step reads in place; the
+    per-expert tuples are views of them."""
+
+    stacks: tuple = ()  # (gate_up [E, 2F, D], down [E, D, F])
+
+    def replace(self, e: int, weights: tuple) -> tuple:
+        # Written into the stacks the decode step reads in place; a copy of the old expert handed back.
+        old = (self.stacks[0][e].clone(), self.stacks[1][e].clone())
+        self.stacks[0][e].copy_(weights[0])
+        self.stacks[1][e].copy_(weights[1])
+        return old
+
+    def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        tiles = self.kernels == (TILES, TILES)
+        if not (tiles or torch.compiler.is_compiling() or step_ops.has_gemv()):
+            # Eagerly without the operators, W[ids] would copy the chosen experts: the combine is faster.
+            return self.apply(experts, x, decision)
+        x, ids, w = _choices(experts, x, decision)
+        gate_up, down = self.stacks
+        h = _bias(_rows(x, gate_up, ids, tiles), experts.gate_up_bias, ids)  # [B, K, 2F]
+        y = _bias(_rows(experts.act(h), down, ids, tiles), experts.down_bias, ids)  # [B, K, D]
+        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def compiles(self) -> Optional[str]:
+        return None
+
+
+@dataclass
+class Int8Stacks(Stacks):
+    """Resident q8_0 stacks [E, out, nb·34]; expert e's blocks are views of them."""
+
+    def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        if not (step_ops.has_gemv() and all(step_ops.q8_operator(k) for k in self.kernels)):
+            return self.apply(experts, x, decision)  # each expert through its int8 kernel
+        x, ids, w = _choices(experts, x, decision)
+        gate_up, down = self.stacks
+        experts_q8, grouped = step_ops.op_for(gate_up, "experts_q8"), step_ops.grouped("q8_0")
+        h = _bias(experts_q8(x, gate_up, ids, grouped), experts.gate_up_bias, ids)  # [B, K, 2F]
+        y = _bias(experts_q8(experts.act(h), down, ids, grouped), experts.down_bias, ids)  # [B, K, D]
+        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def compiles(self) -> Optional[str]:
+        return None if step_ops.has_gemv() else "int8 experts need " + GEMV_MISSING
+
+
+@dataclass
+class Paged(ExpertsForm):
+    """Experts served by a store (moekit.offload.store.LayerStore, or expert parallelism's layer),
+    which calls the module's combine with the weights it holds. `store` is None between a paged
+    load and attach_store; `packed`: how the store keeps MXFP4/FP8 experts packed, as the loader
+    recorded it."""
+
+    store: object = None
+    expert_kernels: Optional[tuple] = None  # per expert (gate_up's, down's) when a layer holds several precisions
+    packed: object = None  # moekit.model.packed_loading.PackedFormat, or None
+
+    def kernels_of(self, e: int) -> tuple:
+        return self.kernels if self.expert_kernels is None else self.expert_kernels[e]
+
+    def weights(self, e: int):
+        raise RuntimeError("paged experts are the store's: it hands each one to the combine")
+
+    def replace(self, e: int, weights: tuple) -> tuple:
+        raise RuntimeError("replace_expert needs prepared, resident experts")
+
+    def apply(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        return self.store.forward(experts, x, decision)
+
+    def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        # A store with a decode of its own runs it as one opaque op the compiled step can call
+        # (expert parallelism's leader: moekit.dist.serving.LeaderStore); the others combine eagerly.
+        opaque = getattr(self.store, "decode", None)
+        return opaque(x, decision) if opaque is not None else self.apply(experts, x, decision)
+
+    def compiles(self) -> Optional[str]:
+        if getattr(self.store, "decode", None) is not None:
+            return None
+        return "routed experts are paged by the expert store"
+
+
+def resident_form(kernels: tuple, gate_up, down, packed=None, int8_stacks: Optional[tuple] = None) -> ExpertsForm:
+    """The one place a layer's resident form is chosen, from how its weights are held: q8_0 stacks
+    (int8_stacks given), packed blocks (packed: the checkpoint's format), stacks [E, out, in] in a
+    layout the decode step reads in place (Hub or tiles), else one tensor per expert in its eager
+    kernel's layout. gate_up / down: the stacks, or a sequence of per-expert weights."""
+    views = (tuple(gate_up), tuple(down))  # per expert; of a stack, views of it
+    if int8_stacks is not None:
+        return Int8Stacks(kernels, *views, stacks=int8_stacks)
+    if packed is not None:
+        return Packed(kernels, *views, format=packed)
+    if kernels in ((PLAIN, PLAIN), (TILES, TILES)) and isinstance(gate_up, torch.Tensor):
+        return Stacks(kernels, *views, stacks=(gate_up, down))
+    return PerExpert(kernels, *views)
+
+
+def _choices(experts, x: torch.Tensor, decision) -> tuple:
+    """x [B, D] → (each choice's input [B, 1 or K, D], ids [B, K], the weights its output is summed with)."""
+    ids, w = decision.topk_ids, decision.topk_weights  # [B, K]
+    if experts.weigh_input:  # llama4: each choice's input weighed, [B, K, D], its output added as is
+        return x[:, None, :] * w[..., None].to(x.dtype), ids, torch.ones_like(w)
+    return x[:, None, :], ids, w  # [B, 1, D]: every choice reads the row's one input
+
+
+def _rows(x: torch.Tensor, stack: torch.Tensor, ids: torch.Tensor, tiles: bool) -> torch.Tensor:
+    """x [B, 1 or K, in] through the chosen experts of a stack [E, out, in] → [B, K, out], read in place."""
+    if tiles:
+        return ops.op("moekit", "experts_tiles")(x, stack, ids)
+    if step_ops.has_gemv():
+        kind = ops.kind_of(stack)
+        gemv = step_ops.op_for(stack, "experts_gemv")
+        return gemv(step_ops.widened(x, kind), stack, ids, step_ops.grouped(kind)).to(x.dtype)
+    return (x[:, :, None, :] * stack[ids]).sum(-1)  # indirect reads when compiled, no copy
+
+
+def _bias(h: torch.Tensor, bias: Optional[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    return h if bias is None else h + bias[ids]

@@ -23,6 +23,7 @@ COMBINE = [
     Options(), Options(compile=True, paged=True), Options(compile=True, routing=True), Options(paged=True, routing=True),
     Options(paged=True, store_flags=("--pin",)), Options(admin_token=True, **EP), Options(paged=True, **EP),
     Options(weights="int8", paged=True, compile=True),
+    Options(compile=True, served=True, **EP),  # the server's sharded step compiles (dist.graph_exchange)
 ]
 
 

@@ -264,9 +264,9 @@ def _sharding(expert_parallel, placement, timeout_s, folder, dtype, device, offl
 
     if expert_parallel is None:
         raise MoekitError("--placement needs --expert-parallel N (or auto under torchrun)")
-    from moekit.model.combinations import Options, check, store_flags
+    from moekit.model.combinations import Options, check
 
-    check(Options(compile=compile_step, paged=offload is not None, expert_parallel=True, weights=weights,
+    check(Options(paged=offload is not None, expert_parallel=True, weights=weights,  # the server's step compiles sharded
                   no_verify=no_verify, admin_token=admin_token is not None, device=device, served=True))
     if timeout_s <= 0:
         raise MoekitError(f"--ep-timeout must be positive, got {timeout_s:g}")

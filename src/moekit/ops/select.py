@@ -13,6 +13,7 @@ is the default and nothing is measured.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import statistics
@@ -69,18 +70,24 @@ def read_choices(cache: Path = builds.DEFAULT_CACHE) -> dict:
 
 
 def remembered(key: str, measure: Callable[[], Any], cache: Path = builds.DEFAULT_CACHE) -> Any:
-    """The persisted value of key, or measure() persisted under it (the file replaced atomically, so
-    that two processes measuring at once leave a whole file; the last writer's other keys kept)."""
+    """The persisted value of key, or measure() persisted under it. One process measures at a time
+    (a lock file beside the choices): two processes that measured at once could each keep their own
+    answer, run different kernels and sum in different orders, so the second waits and reads the
+    first's. The file is replaced atomically, the other keys kept."""
     known = read_choices(cache)
     if key in known:
         return known[key]
-    value = measure()
     path = choices_path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    merged = {**read_choices(cache), key: value}
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-        json.dump(merged, f, indent=1, sort_keys=True)
-    os.replace(f.name, path)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        known = read_choices(cache)
+        if key in known:  # measured by another process while this one waited
+            return known[key]
+        value = measure()
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump({**known, key: value}, f, indent=1, sort_keys=True)
+        os.replace(f.name, path)
     return value
 
 

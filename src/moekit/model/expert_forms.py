@@ -95,8 +95,9 @@ class Stacks(ExpertsForm):
 
     def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
         tiles = self.kernels == (TILES, TILES)
-        if not (tiles or torch.compiler.is_compiling() or step_ops.has_gemv()):
-            # Eagerly without the operators, W[ids] would copy the chosen experts: the combine is faster.
+        if not (tiles or torch.compiler.is_compiling()):
+            # Eagerly the combine, whether or not this process has the operators registered (an eager
+            # step must not sum differently by that); without them W[ids] would copy the chosen experts.
             return self.apply(experts, x, decision)
         x, ids, w = _choices(experts, x, decision)
         gate_up, down = self.stacks

@@ -252,7 +252,7 @@ class MLAttention(nn.Module):
         absorbed = step_ops.contract("bhn,hnr->bhr", q[..., :nope], self.w_uk)  # [B, H, R]
         query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
         cached = stack[at, :b, : visible.shape[1]]  # [B, S, R+Rr]
-        if step_ops.has_latent_attend():
+        if torch.compiler.is_compiling() and step_ops.has_latent_attend():  # as Attention.decode: compiled only
             # The cache read in place, (row, head) pairs on both threads; Inductor's loops for the
             # same ran on one (1.5 µs per cached position per layer on deepseek_v3-1b at bf16).
             out = ops.op("moekit", "latent_attend")(query, cached, visible, self.scale, r).to(x.dtype)

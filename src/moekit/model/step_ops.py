@@ -53,7 +53,9 @@ def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
     """The Linear m on x [B, in]: the step's products for the layouts it reads (Hub, tiles, q8_0
     where the operators are loaded), else m's own kernel (an eager decoder's layouts)."""
     kernel = m.kernel
-    if kernel is PLAIN or kernel is TILES or (q8_operator(kernel) and has_gemv()):
+    # Eagerly a Hub-layout weight runs its own kernel (F.linear), whether or not this process
+    # happens to have the operators registered: an eager step must not sum differently by that.
+    if (kernel is PLAIN and torch.compiler.is_compiling()) or kernel is TILES or (q8_operator(kernel) and has_gemv()):
         return linear_rows(x, m.weight, m.bias, kernel is TILES)
     return kernel.apply(x, m.weight, m.bias)
 

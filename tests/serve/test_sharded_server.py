@@ -397,6 +397,7 @@ def test_two_torchrun_agents_on_loopback_serve_the_single_process_tokens(tiny_ch
         _stop_agents(agents)
 
 
+@pytest.mark.slow  # failed in 2 of 2 merged full runs under -n 2 (torchrun's store closed first), passes alone; see docs/TESTING.md
 def test_a_rank_started_on_other_weights_is_refused_naming_it(tiny_checkpoints, tmp_path):
     """Agent 1 is given a copy of the checkpoint with one expert tensor changed: no server starts,
     rank 0 says in one line that rank 1 loaded a different checkpoint, and both agents fail."""

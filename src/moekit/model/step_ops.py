@@ -30,8 +30,8 @@ from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 tiles: bool = False) -> torch.Tensor:
-    """x [B, in], weight [out, in] (Hub layout) → [B, out]: moekit::rows_gemv where it is built
-    (moekit.ops); else one row as a reduction, which Inductor vectorises over `in` and
+    """x [B, in], weight [out, in] (Hub layout) → [B, out]: eagerly F.linear; compiled,
+    moekit::rows_gemv where it is built (moekit.ops), else one row as a reduction, which Inductor vectorises over `in` and
     parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
     int8`): moekit::rows_q8, the eager int8 kernel's own operator. tiles: a bf16 weight in the tiles
     layout (lay_out_tiles), moekit::rows_tiles, the eager TILES kernel's own operator."""
@@ -39,11 +39,13 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
         y = ops.op("moekit", "rows_tiles")(x, weight)
     elif weight.dtype == torch.uint8:
         y = op_for(weight, "rows_q8")(x, weight, grouped(ops.kind_of(weight)))
+    elif not torch.compiler.is_compiling():
+        # Eagerly the PLAIN kernel's own product, whether or not this process happens to have the
+        # operators registered: an eager step must not sum differently by that.
+        return torch.nn.functional.linear(x, weight, bias)
     elif has_gemv():
         kind = ops.kind_of(weight)
         y = op_for(weight, "rows_gemv")(widened(x, kind), weight, grouped(kind)).to(x.dtype)
-    elif not torch.compiler.is_compiling():
-        return torch.nn.functional.linear(x, weight, bias)  # eager: the PLAIN kernel's own product
     else:
         y = (x[:, None, :] * weight).sum(-1) if x.shape[0] == 1 else x @ weight.t()
     return y if bias is None else y + bias
@@ -53,9 +55,7 @@ def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
     """The Linear m on x [B, in]: the step's products for the layouts it reads (Hub, tiles, q8_0
     where the operators are loaded), else m's own kernel (an eager decoder's layouts)."""
     kernel = m.kernel
-    # Eagerly a Hub-layout weight runs its own kernel (F.linear), whether or not this process
-    # happens to have the operators registered: an eager step must not sum differently by that.
-    if (kernel is PLAIN and torch.compiler.is_compiling()) or kernel is TILES or (q8_operator(kernel) and has_gemv()):
+    if kernel is PLAIN or kernel is TILES or (q8_operator(kernel) and has_gemv()):
         return linear_rows(x, m.weight, m.bias, kernel is TILES)
     return kernel.apply(x, m.weight, m.bias)
 

@@ -80,3 +80,25 @@ def test_a_decoders_compile_refusal_comes_from_its_experts_form(tiny_checkpoints
         assert "Hub layout" in reason or "eager kernels" in reason
     assert {type(b.ffn.experts.form) for b in hub.layers if hasattr(b.ffn, "experts")} == {Stacks}
     assert compile_refusal(hub) is None
+
+
+def test_a_paged_decoder_compiles_once_its_store_is_attached_and_python_hooks_do_not(tiny_checkpoints):
+    """The expert store's layers and prefetch guesses are opaque ops in the step
+    (moekit.offload.graph_store); a decoder built paged but not yet given its store, or with a plain
+    Python hook, is refused in one line."""
+    from moekit.engine.loader import load_engine
+    from moekit.model.decoder import Decoder
+    from moekit.offload.options import OffloadOptions
+
+    folder = tiny_checkpoints("qwen3_moe")
+    paged = load_engine(folder, compile=True, kernels="reference", offload=OffloadOptions("25%", prefetch=True))
+    try:
+        decoder = paged.decoder
+        assert decoder.layers[1].before_attn is not None and compile_refusal(decoder) is None
+        decoder.layers[0].before_ffn = lambda x: x
+        reason = compile_refusal(decoder)
+        assert "hook" in reason and "\n" not in reason
+    finally:
+        paged.close()
+    bare = Decoder(paged.spec, offload_experts=True)
+    assert compile_refusal(bare) == "routed experts are paged and the expert store is not attached yet"

@@ -328,18 +328,6 @@ def test_a_compiled_decoder_is_freed_with_its_engine(tmp_path):
     assert decoder() is None
 
 
-def test_paged_engines_stay_eager(tmp_path):
-    from moekit.offload.options import OffloadOptions
-
-    folder = write_checkpoint("qwen3_moe", tmp_path / "q")
-    engine = load_engine(folder, compile=True, offload=OffloadOptions("50%"))
-    try:
-        assert engine.decoder.compiled is None
-        assert "--compile: running eager (routed experts are paged by the expert store)" in engine.notes
-    finally:
-        engine.close()
-
-
 def test_a_cache_without_a_stack_is_refused_by_the_step_and_decoded_eagerly(engines):
     """Decoder.new_cache stacks every layer's tensors (the compiled step's one cache input); a cache
     put together otherwise is run by the eager step, with the same logits."""

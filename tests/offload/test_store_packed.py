@@ -73,6 +73,23 @@ def test_bfloat16_paged_mxfp4_is_the_resident_bfloat16_run(published):
     assert _generate(folder, OffloadOptions("25%"), dtype="bfloat16")[:2] == _generate(folder, dtype="bfloat16")[:2]
 
 
+@pytest.mark.parametrize("kind", ["mxfp4", "fp8"])
+def test_paged_packed_experts_run_through_the_compiled_step_with_the_eager_reads(published, kind):
+    """The store's op (moekit.offload.graph_store) runs the packed experts' kernels as the eager step
+    does; the rest of the step (gpt_oss's sinks, DeepSeek's latent attention) is compiled."""
+    runs = []
+    for compile in (False, True):
+        engine = load_engine(published(kind), offload=OffloadOptions("50%", prefetch=True), compile=compile)
+        try:
+            assert (engine.decoder.compiled is not None) == compile, engine.notes
+            tokens = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).token_ids[0] for p in PROMPTS]
+            stats = engine.store.stats()
+            runs.append((tokens, {k: stats[k] for k in ("accesses", "loads", "disk_bytes", "prefetch_recall")}))
+        finally:
+            engine.close()
+    assert runs[1] == runs[0] and runs[0][1]["loads"] > 0
+
+
 @pytest.mark.parametrize("kind", ["mxfp4", "fp8", "fp8-partial"])
 def test_an_expert_read_by_the_store_is_the_resident_packed_expert_byte_for_byte(published, kind):
     folder = published(kind)

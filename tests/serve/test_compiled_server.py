@@ -40,3 +40,49 @@ def test_concurrent_clients_of_a_compiled_server_get_their_solo_tokens(server):
         want = engine.generate([engine.encode(prompt)], max_new_tokens=new, stop_ids=()).token_ids[0]
         assert ids == want, prompt
     assert any("compiled graph" in line for line in server.log), server.log[-5:]
+
+
+def _cache_counters(server) -> dict:
+    lines = httpx.get(server.url + "/metrics", timeout=30.0).text.splitlines()
+    return {name: float(value) for name, value in (line.rsplit(" ", 1) for line in lines)
+            if name in ("moekit:expert_cache_hits_total", "moekit:expert_cache_misses_total")}
+
+
+def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_as_the_eager_one(tiny_checkpoints):
+    """`moekit serve --expert-memory --prefetch --compile`: the store's layers and guesses run inside
+    the compiled step (moekit.offload.graph_store). The warm-up reads nothing, so a first request
+    hits and misses as on an eager server; concurrent clients (a batch's graph) get their solo tokens."""
+    openai = pytest.importorskip("openai")
+    folder = tiny_checkpoints("qwen3_moe")
+    store = ("--expert-memory", "25%", "--prefetch", "--max-batch", "4")
+    jobs = [([1, 17, 42, 9, 33], 12), ([5, 77, 3], 7), ([8, 8, 8, 8], 10), ([2], 5), ([40, 41, 42, 43], 9)]
+    engine = load_engine(folder)
+    try:
+        solo = [engine.generate([p], max_new_tokens=n, stop_ids=()).token_ids[0] for p, n in jobs]
+    finally:
+        engine.close()
+
+    def ask(client, job) -> tuple[list[int], dict]:
+        prompt, new = job
+        reply = client.completions.create(model=folder.name, prompt=prompt, max_tokens=new, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+        return reply.choices[0].model_extra["token_ids"], reply.usage.model_extra["moe"]["expert_cache"]
+
+    first = {}
+    for args in ((), ("--compile",)):
+        server = start_server(folder, *store, *args, timeout=600)  # a cold compile of both graphs
+        try:
+            client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
+            first[args] = (_cache_counters(server), ask(client, jobs[0]), _cache_counters(server))
+            if args:
+                assert any("compiled graph" in line for line in server.log), server.log[-5:]
+                with ThreadPoolExecutor(len(jobs)) as pool:
+                    got = list(pool.map(lambda job: ask(client, job)[0], jobs))
+                assert got == solo
+        finally:
+            assert server.stop() == 0, server.log[-5:]
+    eager, compiled = first[()], first[("--compile",)]
+    assert compiled[1][0] == solo[0]
+    assert compiled == eager  # nothing counted before the request; the same hits and misses for it
+    assert eager[1][1]["misses"] > 0 and eager[2]["moekit:expert_cache_misses_total"] == eager[1][1]["misses"]
+    assert set(eager[0].values()) == {0.0}

@@ -206,6 +206,24 @@ def test_the_compiled_step_sharded_gives_the_single_process_tokens(tiny_checkpoi
     assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
 
 
+def test_the_compiled_step_sharded_over_paged_experts_gives_the_single_process_tokens(tiny_checkpoints):
+    """--compile with --expert-memory at 2 ranks: each rank's experts paged by its own store, rank 0's
+    step compiled with the exchange as its opaque op (the store is attached before the step compiles)."""
+    folder = tiny_checkpoints("qwen3_moe")
+    server = start_server(folder, "--expert-parallel", "2", "--ep-timeout", "120", "--max-batch", "4",
+                          "--expert-memory", "50%", "--compile", timeout=300)
+    workers = _worker_pids(server)
+    try:
+        assert any("decode steps run as one compiled graph" in line for line in server.log), server.log
+        jobs = [(PROMPTS[i], 6 + 2 * i) for i in range(2)]
+        body = [{"prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True, "return_token_ids": True} for p, n in jobs]
+        got = [httpx.post(server.v1 + "/completions", json=b, timeout=TIMEOUT).json()["choices"][0]["token_ids"] for b in body]
+        assert got == _solo(folder, jobs)
+    finally:
+        assert server.stop() == 0, server.log
+    assert _wait_gone(workers, 15), f"ranks {workers} outlived the server"
+
+
 def _new_expert(experts, seed: int) -> dict:
     f, d = experts.in_features[1], experts.in_features[0]
     gen = torch.Generator().manual_seed(seed)

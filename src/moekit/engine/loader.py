@@ -216,8 +216,7 @@ def load_engine(
             notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
             plan = None
     decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
-    compiled = compile and plan is None
-    decoder.load_checkpoint(ckpt, kernels=not compiled)
+    decoder.load_checkpoint(ckpt, kernels=not compile)
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
     if checked is not None:
@@ -230,8 +229,6 @@ def load_engine(
         from moekit.model.huge_pages import move_to_huge_pages
 
         move_to_huge_pages(decoder)  # every decode step streams these: 2 MB pages, not 4 KB ones
-    if compile:
-        notes.append(_compile_decode(decoder))
     store = None
     if plan is not None:
         from moekit.offload.attach import attach_store
@@ -239,6 +236,8 @@ def load_engine(
         store = attach_store(decoder, folder, plan, offload, progress=progress, quantize=weights != "dtype",
                              verify=verify, manifest=gguf_manifest)
         notes.extend(store.notes)
+    if compile:  # after the store: its layers and prefetch guesses are in the step (offload.graph_store)
+        notes.append(_compile_decode(decoder))
     return Engine(
         spec=spec,
         decoder=decoder,

@@ -6,11 +6,12 @@ Two questions, asked at two times:
     server, int8 weights,
     routing policies or --no-verify; the store's flags without --expert-memory; the store off the CPU).
   - `compile_refusal(decoder)`, once a decoder is built: why its decode step cannot be compiled; the
-    engine then stays eager and says so in one note (--compile with the expert store, MXFP4/FP8 kept
-    packed, a device other than the CPU...). Each expert weight form says for itself whether the
-    compiled step reads it (moekit.model.expert_forms).
+    engine then stays eager and says so in one note (MXFP4/FP8 kept packed, a device other than the
+    CPU...). Each expert weight form says for itself whether the compiled step reads it
+    (moekit.model.expert_forms).
 What combines without a word: per-row K (tiers) with --compile (a graph of its own); routing
-policies with --compile (their steps run eager: Decoder.steps_in_form); the store with tiers,
+policies with --compile (their steps run eager: Decoder.steps_in_form); the store with --compile
+(its layers and prefetch guesses are opaque ops in the graph: moekit.offload.graph_store), tiers,
 policies and prefetch; packed experts with the store.
 """
 
@@ -79,7 +80,7 @@ def compile_refusal(decoder) -> Optional[str]:
     if decoder.device.type != "cpu":
         return "the compiled decode step is built and tested for CPU only"
     moes = [block.ffn.experts for block in decoder.layers if isinstance(block.ffn, MoE)]
-    # First: a paged decoder's projections are laid out for the eager kernels too, which is not why.
+    # First: a paged layer's own reason (no store attached yet), whatever its projections' layout.
     paged = next((reason for ex in moes if ex.offloaded and (reason := ex.held.compiles())), None)
     if paged is not None:
         return paged
@@ -89,8 +90,8 @@ def compile_refusal(decoder) -> Optional[str]:
     if any(m.kernel is not PLAIN for m in linears) and not has_gemv():
         return "int8 weights need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
     for block in decoder.layers:
-        if block.before_attn is not None or block.before_ffn is not None:
-            return "a prefetcher is attached (the expert store)"
+        if any(hook is not None and not getattr(hook, "opaque", False) for hook in (block.before_attn, block.before_ffn)):
+            return "a hook before attention or the feed-forward runs Python the step cannot call (the prefetch guesses' can)"
         attn = block.attn
         if isinstance(attn, MLAttention):
             if attn.x_proj is None:

@@ -28,9 +28,11 @@ Latent attention (MLA) runs its absorbed form, as the eager decode does; llama4'
 attention and input-weighed experts, and per-row K (expert-budget tiers: each row's K is one more
 input, MoE.decode), run as every other family's step. int8 weights (q8_0 blocks, `--weights int8` /
 `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager int8 kernel calls,
-reading the q8_0 stacks in place. What it does not run: the expert store, MXFP4 / FP8 weights kept
-packed, hooks (the decoder then takes its eager step, and `unsupported()` says why), and routing
-policies, whose state lives in Python (those steps run eager: Decoder._step_compiled).
+reading the q8_0 stacks in place. The expert store runs in it as opaque ops (each paged layer's
+experts, each prefetch guess: moekit.offload.graph_store), as expert parallelism's exchange does
+(moekit.dist.graph_exchange). What it does not run: MXFP4 / FP8 weights kept packed resident, hooks
+other than the store's (the decoder then takes its eager step, and `unsupported()` says why), and
+routing policies, whose state lives in Python (those steps run eager: Decoder.steps_in_form).
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 
@@ -39,9 +41,10 @@ from __future__ import annotations
 import time
 import types
 import weakref
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -79,6 +82,17 @@ def unsupported(decoder) -> Optional[str]:
     """Why this decoder's decode step cannot be compiled here, or None when it can: the one
     combination check's answer (moekit.model.combinations)."""
     return compile_refusal(decoder)
+
+
+@contextmanager
+def scratch_steps(decoder) -> Iterator[None]:
+    """The steps run inside are scratch ones (the warm-up's, on a scratch cache): every MoE layer's
+    experts form is told (ExpertsForm.scratch), so an expert store neither reads nor counts for them."""
+    with ExitStack() as forms:
+        for block in decoder.layers:
+            if isinstance(block.ffn, MoE):
+                forms.enter_context(block.ffn.experts.held.scratch())
+        yield
 
 
 def _mark_step(small) -> None:
@@ -245,7 +259,7 @@ class CompiledStep:
         if say is not None:
             say(start_line(self.cache_folder, batches))
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), scratch_steps(self.decoder):
             for b in batches:
                 for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
                     cache = self.decoder.new_cache(b, 4)

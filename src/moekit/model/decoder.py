@@ -62,7 +62,8 @@ class Block(nn.Module):
             self.ffn = MoE(layer.ffn, extras)
         self.residual = spec.multipliers.residual
         # Called with the residual stream before attention and before the feed-forward, when set:
-        # the expert store's prefetcher guesses a coming layer's experts from it.
+        # the expert store's prefetcher guesses a coming layer's experts from it. A hook returns the
+        # residual as given (decode goes on with it); `opaque` on it: the compiled step can call it.
         self.before_attn = None
         self.before_ffn = None
 
@@ -91,12 +92,15 @@ class Block(nn.Module):
         RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
         None, or each row's K [B] (MoE.decode)."""
         residual = self.residual
-        if self.before_attn is not None:  # eager only: a compiled decoder has no hooks (combinations)
-            self.before_attn(x)
+        # A hook hands the residual back, and the step goes on with what it returned: compiled, the
+        # hook is an opaque op (moekit.offload.graph_store), which the graph would drop, or move
+        # past what it must run ahead of, if nothing used its output.
+        if self.before_attn is not None:
+            x = self.before_attn(x)
         h = self.attn.decode(self.input_norm(x), stack, at, slot, positions, cos, sin_signed, visible)
         x = x + (h * residual if residual != 1.0 else h)
         if self.before_ffn is not None:
-            self.before_ffn(x)
+            x = self.before_ffn(x)
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):

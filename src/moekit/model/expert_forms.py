@@ -18,6 +18,7 @@ Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,6 +63,11 @@ class ExpertsForm:
 
     def compiles(self) -> Optional[str]:
         return "routed experts are laid out for the eager kernels (load with compile, which keeps the Hub layout)"
+
+    def scratch(self):
+        """A context in which the decode steps run are scratch ones, their outputs discarded (the
+        compiled step's warm-up): a form with state of its own (a store) leaves it untouched."""
+        return nullcontext()
 
 
 @dataclass
@@ -151,15 +157,22 @@ class Paged(ExpertsForm):
         return self.store.forward(experts, x, decision)
 
     def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
-        # A store with a decode of its own runs it as one opaque op the compiled step can call
-        # (expert parallelism's leader: moekit.dist.serving.LeaderStore); the others combine eagerly.
+        # A store with a decode of its own runs it as one opaque op the compiled step can call (the
+        # expert store's LayerStore: moekit.offload.graph_store; expert parallelism's leader:
+        # moekit.dist.graph_exchange); the others combine eagerly.
         opaque = getattr(self.store, "decode", None)
         return opaque(x, decision) if opaque is not None else self.apply(experts, x, decision)
 
+    def scratch(self):
+        # The store's, where it has one: a discarded step neither reads nor counts experts.
+        return getattr(self.store, "scratch", nullcontext)()
+
     def compiles(self) -> Optional[str]:
-        if getattr(self.store, "decode", None) is not None:
-            return None
-        return "routed experts are paged by the expert store"
+        if self.store is None:
+            return "routed experts are paged and the expert store is not attached yet"
+        if getattr(self.store, "decode", None) is None:
+            return f"routed experts are served by {type(self.store).__name__}, which has no opaque op for the compiled step"
+        return None
 
 
 def resident_form(kernels: tuple, gate_up, down, packed=None, int8_stacks: Optional[tuple] = None) -> ExpertsForm:

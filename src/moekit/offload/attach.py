@@ -312,7 +312,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         substitute_bytes += stand_in_bytes(ins)
         stores[i] = LayerStore(i, cache, load, disk, held, pool, clock, retain=retain,
                                slots=slots[slotted.index(i)] if slots and i in slotted else (), stand_ins=ins,
-                               read_ahead=options.read_ahead)
+                               read_ahead=options.read_ahead, experts=experts)
         # The paged form: several precisions in one layer run each expert with its own pair of kernels.
         experts.form = Paged(kernels[layer_kinds[0]], store=stores[i], packed=experts.packed_format,
                              expert_kernels=None if len(set(layer_kinds)) == 1 else tuple(kernels[k] for k in layer_kinds))

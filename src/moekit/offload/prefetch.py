@@ -13,11 +13,12 @@ early top-K 57%. Each LayerStore scores the union of its guesses against what it
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from moekit.model.moe import MoE
+from moekit.offload import graph_store
 
 
 def predict_experts(block, x: torch.Tensor, extra: int, limit: int) -> list[int]:
@@ -45,7 +46,7 @@ def install_prefetch(decoder, stores: dict, extra: int, limit: int) -> None:
     """Hook the early and the late guess for every MoE layer after the first."""
     moe_layers = [i for i, b in enumerate(decoder.layers) if isinstance(b.ffn, MoE)]
     for previous, layer in zip(moe_layers, moe_layers[1:]):
-        guess = _hook(decoder.layers[layer], stores[layer], extra, limit)
+        guess = Guess(decoder.layers[layer], stores[layer], extra, limit)
         decoder.layers[previous].before_ffn = guess  # early
         decoder.layers[layer].before_attn = guess  # late
 
@@ -55,8 +56,28 @@ def remove_prefetch(decoder) -> None:
         block.before_attn = block.before_ffn = None
 
 
-def _hook(block, store, extra: int, limit: int) -> Callable[[torch.Tensor], None]:
-    def guess(x: torch.Tensor) -> None:
-        store.prefetch(predict_experts(block, x, extra, limit))
+@dataclass(eq=False)
+class Guess:
+    """One layer's guess as a Block hook: called with the residual, it starts the reads of the
+    experts `block`'s router points to and hands the residual back. In the compiled step it is the
+    opaque op moekit::prefetch_guess (moekit.offload.graph_store), whose output the step goes on with."""
 
-    return guess
+    block: object  # the Block whose experts are guessed
+    store: object  # its moekit.offload.store.LayerStore
+    extra: int
+    limit: int
+    handle: int = field(init=False)
+    opaque = True  # compiles: the decoder's step may call it (moekit.model.combinations)
+
+    def __post_init__(self):
+        self.handle = graph_store.register(self)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.moekit.prefetch_guess(x, self.handle)
+        self.guess(x)
+        return x
+
+    def guess(self, x: torch.Tensor) -> None:
+        if not self.store.discarding:
+            self.store.prefetch(predict_experts(self.block, x, self.extra, self.limit))

@@ -23,12 +23,15 @@ from __future__ import annotations
 import itertools
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
+import torch
 from torch import Tensor
 
 from moekit.model.routing import RoutingDecision
+from moekit.offload import graph_store
 from moekit.offload.slot_cache import SlotCache
 
 Weights = tuple[Tensor, Tensor]  # prepared (gate_up, down) of one expert
@@ -104,8 +107,12 @@ class LayerStore:
         slots: Sequence[Weights] = (),  # memory for the resident experts, loads write into it
         stand_ins: Sequence = (),  # per expert: a StandIn run while its full copy is not resident
         read_ahead: int = 0,  # misses read on workers ahead of the expert running (0: serial, inline)
+        experts=None,  # the moekit.model.experts.RoutedExperts served (its combine runs the weights; decode)
     ):
         self.layer = layer
+        self.experts = experts
+        self.handle = graph_store.register(self)  # how the compiled step's opaque op finds this layer
+        self.discarding = False  # in scratch(): steps whose outputs nobody reads
         self.retain = retain
         self.cache = cache
         self._load = load
@@ -285,6 +292,24 @@ class LayerStore:
         self._prediction = None
 
     # --- the forward ---------------------------------------------------------------------------
+
+    def decode(self, x: Tensor, decision: RoutingDecision) -> Tensor:
+        """RoutedExperts.decode's form (the Paged form calls it): forward, which the compiled step
+        calls as one opaque op (moekit.offload.graph_store), x [B, D] → [B, D]."""
+        if torch.compiler.is_compiling():
+            return torch.ops.moekit.paged_experts(x, decision.topk_ids, decision.topk_weights, self.handle)
+        return self.forward(self.experts, x, decision)
+
+    @contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Steps whose outputs are discarded (the compiled step's warm-up on a scratch cache): the
+        compiled op reads nothing and counts nothing, so the cache and its statistics stay the
+        eager run's."""
+        self.discarding = True
+        try:
+            yield
+        finally:
+            self.discarding = False
 
     def forward(self, experts, x: Tensor, decision: RoutingDecision) -> Tensor:
         """What RoutedExperts.forward computes, with weights from this store. x [T, D] → [T, D]."""

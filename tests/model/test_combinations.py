@@ -80,3 +80,17 @@ def test_a_decoders_compile_refusal_comes_from_its_experts_form(tiny_checkpoints
         assert "Hub layout" in reason or "eager kernels" in reason
     assert {type(b.ffn.experts.form) for b in hub.layers if hasattr(b.ffn, "experts")} == {Stacks}
     assert compile_refusal(hub) is None
+
+
+def test_packed_experts_compile_where_their_operator_is_loaded(tmp_path, monkeypatch):
+    """MXFP4 experts kept packed are read by the compiled step (moekit::experts_mxfp4); a process
+    without that operator gets one line naming it, and the engine stays eager."""
+    from moekit import ops
+    from moekit.engine.loader import load_engine
+    from quantized_files import write_mxfp4
+
+    decoder = load_engine(write_mxfp4(tmp_path / "mxfp4"), compile=True).decoder
+    assert compile_refusal(decoder) is None
+    monkeypatch.setattr(ops, "available", lambda name="rows_gemv", namespace="moekit": name != "experts_mxfp4")
+    reason = compile_refusal(decoder)
+    assert reason is not None and "\n" not in reason and "MXFP4" in reason and "moekit::experts_mxfp4" in reason

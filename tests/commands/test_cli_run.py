@@ -190,3 +190,21 @@ def test_bench_decode_reports_ratio_and_roofline(capsys, ckpt):
 
 def test_bench_refuses_an_unknown_baseline(capsys, ckpt):
     assert "transformers, llama.cpp" in fails(capsys, "bench", "decode", ckpt, "--vs", "vllm")
+
+
+@pytest.mark.parametrize("kind", ["mxfp4", "fp8"])
+def test_run_compile_on_experts_kept_packed_gives_the_eager_tokens(capsys, tmp_path, kind):
+    """`moekit run --compile` on a checkpoint whose routed experts are MXFP4 (gpt-oss's published
+    layout) or block-scaled FP8 (DeepSeek-V3's), kept packed: one compiled graph, whose generated C++
+    calls moekit::experts_mxfp4 / experts_fp8 through their C entry points, and the eager run's tokens."""
+    from quantized_files import write_fp8, write_mxfp4
+
+    folder = (write_mxfp4 if kind == "mxfp4" else write_fp8)(tmp_path / kind)
+    runs = []
+    for flags in ((), ("--compile",)):
+        code, out, err = moekit(capsys, "run", folder, "--prompt-ids", "1,17,42,99,5,63", "--max-new-tokens", 10,
+                                "--stop", "", "--json", *flags)
+        assert code == 0, err
+        runs.append((json.loads(out)["token_ids"], err))
+    assert "decode steps run as one compiled graph" in runs[1][1], runs[1][1]
+    assert len(runs[0][0]) == 10 and runs[1][0] == runs[0][0]

@@ -102,3 +102,17 @@ def test_a_paged_decoder_compiles_once_its_store_is_attached_and_python_hooks_do
         paged.close()
     bare = Decoder(paged.spec, offload_experts=True)
     assert compile_refusal(bare) == "routed experts are paged and the expert store is not attached yet"
+
+
+def test_packed_experts_compile_where_their_operator_is_loaded(tmp_path, monkeypatch):
+    """MXFP4 experts kept packed are read by the compiled step (moekit::experts_mxfp4); a process
+    without that operator gets one line naming it, and the engine stays eager."""
+    from moekit import ops
+    from moekit.engine.loader import load_engine
+    from quantized_files import write_mxfp4
+
+    decoder = load_engine(write_mxfp4(tmp_path / "mxfp4"), compile=True).decoder
+    assert compile_refusal(decoder) is None
+    monkeypatch.setattr(ops, "available", lambda name="rows_gemv", namespace="moekit": name != "experts_mxfp4")
+    reason = compile_refusal(decoder)
+    assert reason is not None and "\n" not in reason and "MXFP4" in reason and "moekit::experts_mxfp4" in reason

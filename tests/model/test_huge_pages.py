@@ -94,6 +94,25 @@ def test_a_loaded_engine_decodes_the_same_after_a_second_move(tmp_path, family, 
     assert engine.generate(prompt, max_new_tokens=6, stop_ids=()).token_ids == want
 
 
+@pytest.mark.parametrize("held", ("hub-stacks", "mxfp4-stacks"))
+def test_the_expert_stacks_a_form_holds_move_with_their_views(tmp_path, held):
+    """The stacks a resident experts form holds, and its per-expert views of them (the Hub layout a
+    load for --compile keeps; MXFP4 kept packed), are the model's: load_engine moved them, so a
+    second move keeps nothing back, and an expert's view still views its stack."""
+    from quantized_files import write_mxfp4
+
+    wide = dict(hidden_size=256, intermediate_size=256)  # stacks past MIN_BYTES
+    folder = (write_checkpoint("qwen3_moe", tmp_path, moe_intermediate_size=256, **wide) if held == "hub-stacks"
+              else write_mxfp4(tmp_path, **wide))
+    decoder = load_engine(folder, compile=held == "hub-stacks").decoder
+    ex = next(b.ffn.experts for b in decoder.layers if hasattr(b.ffn, "experts"))
+    assert ex.form.stacks[0] is ex.gate_up
+    moved = move_to_huge_pages(decoder)
+    assert moved.kept == [] and moved.storages > 0
+    ex.form.gate_up[1].view(-1)[0] = 7
+    assert ex.gate_up[1].view(-1)[0] == 7
+
+
 def test_an_arena_starts_on_a_huge_page_and_holds_what_is_written():
     arena = huge_page_arena(3 * HUGE_PAGE + 100)
     assert arena.numel() == 3 * HUGE_PAGE + 100 and arena.dtype == torch.uint8

@@ -35,6 +35,8 @@ def _samples() -> dict:
         "experts_tiles": (randn(2, 1, 64).bfloat16(), to_tiles(randn(3, 32, 64).bfloat16()), ids),
         "mxfp4_gemv": (randn(2, 64), mxfp4_prepare(randn(8, 64))),
         "fp8_gemv": (randn(2, 160), fp8_prepare(randn(8, 160), 128), 128, FP8_VALUES),
+        "experts_mxfp4": (randn(2, 1, 64), torch.stack([mxfp4_prepare(randn(8, 64)) for _ in range(3)]), ids),
+        "experts_fp8": (randn(2, 2, 160), torch.stack([fp8_prepare(randn(8, 160), 128) for _ in range(3)]), ids, 128),
     }
 
 

@@ -15,6 +15,7 @@ from moekit.ops import (KINDS, Choice, bf16_tiles, c_shims, chosen, copy_into, f
 from moekit.ops.build import NARROW
 from moekit.ops.q8_0 import quantize_q8_0
 from moekit.ops.runtime import suffix
+from moekit.ops.shims import C_ARGS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -303,7 +304,7 @@ def test_each_built_operator_has_a_c_entry_point_the_compiled_step_can_find(mach
     """The compiled step's generated C++ calls these symbols by name (moekit.ops.c_shims): each must be
     declared for its own build's operator and be visible process-wide."""
     shims = c_shims()
-    assert len(shims) == 8 * len(namespaces())
+    assert len(shims) == len(C_ARGS) * len(namespaces())  # the products, attention and the packed experts'
     process = ctypes.CDLL(None)  # the global scope a newly loaded library resolves against
     for overload, (declaration,) in shims.items():
         name = declaration.split("(")[0].split()[-1]

@@ -1,6 +1,6 @@
-"""moekit::mxfp4_gemv / fp8_gemv (csrc/packed.cpp) of each build against moekit.ops.reference, and the
-eager helpers (moekit.ops.mxfp4_gemv / fp8_gemv) that take them for few rows: the same products in
-another summation order."""
+"""moekit::mxfp4_gemv / fp8_gemv and their stacked experts' forms experts_mxfp4 / experts_fp8
+(csrc/packed.cpp) of each build against moekit.ops.reference, and the eager helpers (moekit.ops.mxfp4_gemv /
+fp8_gemv, packed_experts) that take them: the same products in another summation order."""
 
 from __future__ import annotations
 
@@ -45,3 +45,64 @@ def test_the_eager_helpers_are_the_layouts_apply_with_a_bias(machine_builds, dty
         assert got.dtype == dtype
         _close(got, packed_layout.mxfp4_apply(x.float(), w, bias.float()), tol)
         _close(door.fp8_gemv(x, f, bias, 128), packed_layout.fp8_apply(x.float(), f, bias.float(), 128), tol)
+
+
+def _stack(prepare, experts: int, out: int, inputs: int) -> torch.Tensor:
+    """[E, out, bytes]: experts of very different scales per input, prepared one by one."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.stack([prepare(torch.randn(out, inputs, generator=gen) * torch.logspace(-2, 2, inputs)) for _ in range(experts)])
+
+
+PACKED_STACKS = {
+    "mxfp4": (lambda w: packed_layout.mxfp4_prepare(w), 160, 0),
+    "fp8": (lambda w: packed_layout.fp8_prepare(w, 128), 300, 128),  # a partial last column block
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PACKED_STACKS))
+@pytest.mark.parametrize("rows, per_choice", [(1, False), (3, False), (2, True)])
+def test_the_experts_operators_are_the_rows_operator_on_each_chosen_expert(ops, kind, rows, per_choice):
+    """Each (row, choice)'s output is, bit for bit, the rows operator's on that expert (the same dot
+    per weight row), and the reference's within summation order; x holds one row per token or one
+    per choice (llama4's input-weighed experts)."""
+    prepare, inputs, block = PACKED_STACKS[kind]
+    stack = _stack(prepare, 5, 40, inputs)
+    ids = torch.tensor([[4, 0, 2], [2, 2, 1], [0, 3, 4]])[:rows]  # a row may choose an expert twice
+    x = torch.randn(rows, 3 if per_choice else 1, inputs)
+    if kind == "mxfp4":
+        got, want = ops.experts_mxfp4(x, stack, ids), reference.experts_mxfp4(x, stack, ids)
+        one = lambda xr, e: ops.mxfp4_gemv(xr, stack[e])  # noqa: E731
+    else:
+        got, want = ops.experts_fp8(x, stack, ids, block), reference.experts_fp8(x, stack, ids, block)
+        one = lambda xr, e: ops.fp8_gemv(xr, stack[e], block, FP8_VALUES)  # noqa: E731
+    assert got.shape == (rows, 3, 40) and got.dtype == torch.float32
+    for b in range(rows):
+        for c in range(3):
+            assert torch.equal(got[b, c], one(x[b, c if per_choice else 0][None], int(ids[b, c]))[0])
+    _close(got, want, 1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(PACKED_STACKS))
+def test_the_experts_operators_refuse_an_expert_outside_the_stack(ops, kind):
+    prepare, inputs, block = PACKED_STACKS[kind]
+    stack, x = _stack(prepare, 3, 8, inputs), torch.randn(1, 1, inputs)
+    product = ops.experts_mxfp4 if kind == "mxfp4" else (lambda x, w, ids: ops.experts_fp8(x, w, ids, block))
+    with pytest.raises(RuntimeError, match="expert id out of range"):
+        product(x, stack, torch.tensor([[0, 3]]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", sorted(PACKED_STACKS))
+def test_packed_experts_is_each_experts_eager_helper_with_its_bias(machine_builds, kind, dtype):
+    """moekit.ops.packed_experts (the compiled step's product) against the eager helper on each chosen
+    expert: the same products in fp32, each expert's bias added in fp32, then cast."""
+    prepare, inputs, block = PACKED_STACKS[kind]
+    stack, bias = _stack(prepare, 4, 24, inputs), torch.randn(4, 24).to(dtype)
+    ids, x = torch.tensor([[3, 1], [0, 3]]), torch.randn(2, 1, inputs).to(dtype)
+    got = door.packed_experts(x, stack, ids, bias, block)
+    assert got.shape == (2, 2, 24) and got.dtype == dtype
+    for b in range(2):
+        for c in range(2):
+            e = int(ids[b, c])
+            want = door.mxfp4_gemv(x[b], stack[e], bias[e]) if not block else door.fp8_gemv(x[b], stack[e], bias[e], block)
+            assert torch.equal(got[b, c], want[0])

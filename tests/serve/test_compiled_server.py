@@ -86,3 +86,28 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
     assert compiled == eager  # nothing counted before the request; the same hits and misses for it
     assert eager[1][1]["misses"] > 0 and eager[2]["moekit:expert_cache_misses_total"] == eager[1][1]["misses"]
     assert set(eager[0].values()) == {0.0}
+
+
+def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_tokens(tmp_path):
+    """gpt-oss's MXFP4 experts, kept packed, in the compiled server's batches (moekit::experts_mxfp4
+    called by the generated C++): each client gets the tokens the eager engine gives its prompt alone."""
+    from quantized_files import write_mxfp4
+
+    folder = write_mxfp4(tmp_path / "mxfp4")
+    packed = start_server(folder, "--max-batch", "4", "--compile", timeout=600)
+    try:
+        engine = load_engine(folder)
+        jobs = [([1, 17, 42, 99, 5, 63], 10), ([12, 40, 41], 6), ([5, 9, 33, 7, 81, 14, 3, 60], 8)]
+
+        def ask(job):
+            prompt, new = job
+            body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            return httpx.post(packed.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(ask, jobs))
+        for (prompt, new), ids in zip(jobs, got):
+            assert ids == engine.generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0], prompt
+        assert any("compiled graph" in line for line in packed.log), packed.log[-5:]
+    finally:
+        assert packed.stop() == 0

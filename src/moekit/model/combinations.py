@@ -6,13 +6,15 @@ Two questions, asked at two times:
     server, int8 weights,
     routing policies or --no-verify; the store's flags without --expert-memory; the store off the CPU).
   - `compile_refusal(decoder)`, once a decoder is built: why its decode step cannot be compiled; the
-    engine then stays eager and says so in one note (MXFP4/FP8 kept packed, a device other than the
-    CPU...). Each expert weight form says for itself whether the compiled step reads it
-    (moekit.model.expert_forms).
+    engine then stays eager and says so in one note (MXFP4/FP8 experts kept packed without their
+    operators, a device other than the CPU...). Each expert weight form says for itself whether the
+    compiled step reads it (moekit.model.expert_forms). A quantized checkpoint's dense projections
+    are dequantized at load (moekit.weights.quantized), so they are in the Hub layout.
 What combines without a word: per-row K (tiers) with --compile (a graph of its own); routing
 policies with --compile (their steps run eager: Decoder.steps_in_form); the store with --compile
-(its layers and prefetch guesses are opaque ops in the graph: moekit.offload.graph_store), tiers,
-policies and prefetch; packed experts with the store.
+(its layers and prefetch guesses are opaque ops in the graph: moekit.offload.graph_store);
+MXFP4 / FP8 experts kept packed with --compile; the store with tiers, policies and prefetch; packed
+experts with the store.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def compile_refusal(decoder) -> Optional[str]:
         return paged
     linears = [m for m in decoder.modules() if isinstance(m, Linear)]
     if any(m.kernel not in (PLAIN, TILES, INT8, INT8_GEMV) for m in linears):
-        return "projections are not in the Hub layout (FP8 kept packed, or laid out for eager kernels)"
+        return "projections are not in the Hub layout (laid out for the eager kernels)"
     if any(m.kernel is not PLAIN for m in linears) and not has_gemv():
         return "int8 weights need the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
     for block in decoder.layers:

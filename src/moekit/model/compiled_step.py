@@ -28,11 +28,13 @@ Latent attention (MLA) runs its absorbed form, as the eager decode does; llama4'
 attention and input-weighed experts, and per-row K (expert-budget tiers: each row's K is one more
 input, MoE.decode), run as every other family's step. int8 weights (q8_0 blocks, `--weights int8` /
 `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager int8 kernel calls,
-reading the q8_0 stacks in place. The expert store runs in it as opaque ops (each paged layer's
-experts, each prefetch guess: moekit.offload.graph_store), as expert parallelism's exchange does
-(moekit.dist.graph_exchange). What it does not run: MXFP4 / FP8 weights kept packed resident, hooks
-other than the store's (the decoder then takes its eager step, and `unsupported()` says why), and
-routing policies, whose state lives in Python (those steps run eager: Decoder.steps_in_form).
+reading the q8_0 stacks in place. MXFP4 / FP8 experts kept packed (gpt-oss's, DeepSeek-V3's published
+formats) run through moekit::experts_mxfp4 / experts_fp8, reading the chosen experts' packed rows in
+place, each expert's product the eager rows operator's own (mxfp4_gemv / fp8_gemv). The expert store
+runs in it as opaque ops (each paged layer's experts, each prefetch guess: moekit.offload.graph_store),
+as expert parallelism's exchange does (moekit.dist.graph_exchange). What it does not run: hooks other
+than the store's (the decoder then takes its eager step, and `unsupported()` says why), and routing
+policies, whose state lives in Python (those steps run eager: Decoder.steps_in_form).
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 

@@ -7,7 +7,9 @@ that holds the weights and applies them, so the layer does not branch on mode fl
   Int8Stacks  resident q8_0 stacks [E, out, nb·34] (`--weights int8`), each expert's weights views
               of them: moekit::experts_q8 in the decode step.
   PerExpert   resident, each expert laid out for its eager kernel (transposed, oneDNN).
-  Packed      resident, kept as the checkpoint publishes them (MXFP4, FP8: model.packed_loading).
+  Packed      resident stacks kept as the checkpoint publishes them (MXFP4, FP8: model.packed_loading):
+              the decode step reads the chosen experts' packed rows in place (moekit::experts_mxfp4 /
+              experts_fp8).
   Paged       served by a store: moekit.offload's expert store, or expert parallelism's layer.
 Each has `apply` (eager, any T: the module's combine, or the store's forward) and `decode` (the
 T = 1 step's form, moekit.model.step_ops; the eager combine where a form has no stack to read in
@@ -76,16 +78,6 @@ class PerExpert(ExpertsForm):
 
 
 @dataclass
-class Packed(ExpertsForm):
-    """Resident experts kept as the checkpoint publishes them (MXFP4, FP8)."""
-
-    format: object = None  # moekit.model.packed_loading.PackedFormat
-
-    def compiles(self) -> Optional[str]:
-        return "routed experts are MXFP4/FP8 kept packed, which the compiled step does not read yet"
-
-
-@dataclass
 class Stacks(ExpertsForm):
     """Resident stacks [E, out, in] (Hub layout or tiles) that the decode step reads in place; the
     per-expert tuples are views of them."""
@@ -131,6 +123,39 @@ class Int8Stacks(Stacks):
 
     def compiles(self) -> Optional[str]:
         return None if step_ops.has_gemv() else "int8 experts need " + GEMV_MISSING
+
+
+@dataclass
+class Packed(Stacks):
+    """Resident experts kept as the checkpoint publishes them (MXFP4, FP8: moekit.ops.packed_layout),
+    stacked [E, out, bytes]: eagerly each chosen expert runs its kernel on its view of the stacks; the
+    compiled step reads the chosen experts' packed rows in place (moekit::experts_mxfp4 / experts_fp8,
+    each expert's product the rows operator's own). A hot swap writes into the stacks (Stacks.replace)."""
+
+    format: object = None  # moekit.model.packed_loading.PackedFormat
+
+    def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            # Eagerly the combine through each expert's kernel (the reference, or the rows operator
+            # where it measured faster for the shape), as the forward runs them.
+            return self.apply(experts, x, decision)
+        x, ids, w = _choices(experts, x, decision)
+        gate_up, down = self.stacks
+        block_in = self._block_in()
+        h = ops.packed_experts(x, gate_up, ids, experts.gate_up_bias, block_in)  # [B, K, 2F]
+        y = ops.packed_experts(experts.act(h), down, ids, experts.down_bias, block_in)  # [B, K, D]
+        return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def _block_in(self) -> int:
+        """0 for MXFP4; FP8's column block width."""
+        return 0 if self.format.method == "mxfp4" else int(self.format.block[1])
+
+    def compiles(self) -> Optional[str]:
+        name = ops.packed_experts_operator(self._block_in())
+        if ops.available(name):
+            return None
+        return (f"{self.format.method.upper()} experts kept packed need moekit::{name}, which this process has not "
+                "loaded (--kernels reference, or their build failed)")
 
 
 @dataclass
@@ -184,7 +209,7 @@ def resident_form(kernels: tuple, gate_up, down, packed=None, int8_stacks: Optio
     if int8_stacks is not None:
         return Int8Stacks(kernels, *views, stacks=int8_stacks)
     if packed is not None:
-        return Packed(kernels, *views, format=packed)
+        return Packed(kernels, *views, stacks=(gate_up, down), format=packed)
     if kernels in ((PLAIN, PLAIN), (TILES, TILES)) and isinstance(gate_up, torch.Tensor):
         return Stacks(kernels, *views, stacks=(gate_up, down))
     return PerExpert(kernels, *views)

@@ -129,9 +129,11 @@ class RoutedExperts(nn.Module):
 
     def keep_packed(self, kernels: tuple, gate_up: list[torch.Tensor], down: list[torch.Tensor], packed) -> None:
         """Experts kept as the checkpoint stores them (MXFP4, FP8: moekit.ops.packed_layout), each expert's
-        prepared bytes given, in place of the full-precision stacks, which are dropped unfilled.
-        packed: the checkpoint's format (moekit.model.packed_loading.PackedFormat)."""
-        self._hold(gate_up, down)
+        prepared bytes given, in place of the full-precision stacks, which are dropped unfilled. They
+        are held stacked [E, out, bytes] (expert e's weights views of them), the stacks the compiled
+        step reads in place. packed: the checkpoint's format (moekit.model.packed_loading.PackedFormat)."""
+        del self.gate_up, self.down
+        self.gate_up, self.down = (nn.Parameter(torch.stack(ws), requires_grad=False) for ws in (gate_up, down))
         self.form = resident_form(kernels, self.gate_up, self.down, packed=packed)
 
     def _hold(self, gate_up, down) -> None:

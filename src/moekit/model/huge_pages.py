@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from moekit.model.expert_forms import ExpertsForm, Paged
 from moekit.ops.torch_private import storage_use_count
 
 HUGE_PAGE = 2 << 20
@@ -44,8 +45,8 @@ def supported() -> bool:
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """Every distinct tensor object the module tree holds: parameters, buffers, and tensors kept as
-    plain attributes, alone or in (nested) tuples and lists (RoutedExperts' per-expert views), and
-    the bases of the views among them."""
+    plain attributes, alone or in (nested) tuples and lists, or in a resident ExpertsForm (its
+    per-expert views and stacks: RoutedExperts.form), and the bases of the views among them."""
     seen, out = set(), []
     for m in module.modules():
         found = list(m._parameters.values()) + list(m._buffers.values())
@@ -54,6 +55,8 @@ def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
             t = found.pop()
             if isinstance(t, (tuple, list)):
                 found.extend(t)
+            elif isinstance(t, ExpertsForm) and not isinstance(t, Paged):  # a store's tensors are its own
+                found.extend((t.gate_up, t.down, getattr(t, "stacks", ())))
             # oneDNN's packed weights (its bf16 kernel, where it measures fastest) have an opaque
             # layout with no storage to move: they stay in oneDNN's own allocation.
             elif isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.layout == torch.strided and id(t) not in seen:

@@ -72,6 +72,26 @@ def fp8_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor], block_in: int) -
     return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
 
 
+def packed_experts_operator(block_in: int) -> str:
+    """The operator that reads stacked packed experts: MXFP4 (block_in 0) or FP8 (column blocks block_in wide)."""
+    return "experts_fp8" if block_in else "experts_mxfp4"
+
+
+def packed_experts(x: Tensor, stack: Tensor, ids: Tensor, bias: Optional[Tensor], block_in: int) -> Tensor:
+    """x [B, 1 or K, in] through the chosen experts ids [B, K] of a stack of packed rows [E, out, bytes]
+    (MXFP4 for block_in 0, else FP8 in column blocks block_in wide) plus each one's bias [E, out]
+    → [B, K, out] in x's dtype: mxfp4_gemv / fp8_gemv on each chosen expert (the products in fp32,
+    the bias added in fp32, then cast), by moekit::experts_mxfp4 / experts_fp8 where registered, else
+    the reference."""
+    name = packed_experts_operator(block_in)
+    extra = (block_in,) if block_in else ()
+    run = op("moekit", name) if available(name) else getattr(reference, name)
+    y = run(x.float(), stack, ids, *extra)  # [B, K, out] fp32
+    if bias is not None:
+        y = y + bias[ids].float()
+    return y.to(x.dtype)
+
+
 @lru_cache(maxsize=None)
 def packed_operator_wins(in_features: int, out_features: int, dtype: torch.dtype, block_in: int = 0) -> bool:
     """Whether the MXFP4 (block_in 0) or FP8 (column blocks block_in wide) operator runs one row of

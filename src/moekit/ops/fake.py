@@ -26,6 +26,8 @@ SHAPES = {
     "experts_tiles": lambda x, w, ids: _experts(x, w, ids),
     "mxfp4_gemv": lambda x, packed: x.new_empty((x.shape[0], packed.shape[0])),
     "fp8_gemv": lambda x, packed, block, lut: x.new_empty((x.shape[0], packed.shape[0])),
+    "experts_mxfp4": lambda x, w, ids: _experts(x, w, ids),
+    "experts_fp8": lambda x, w, ids, block: _experts(x, w, ids),
     "transpose_into": lambda src, out: None,  # writes into out, returns nothing
 }
 

@@ -96,6 +96,24 @@ def fp8_gemv(x: Tensor, packed: Tensor, block: int, lut: Tensor) -> Tensor:
     return packed_layout.fp8_apply(x, packed, None, block)
 
 
+def experts_mxfp4(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
+    """x [B, X, K] fp32, MXFP4 prepared stacks [E, N, G · 17], ids [B, C] → [B, C, N] fp32: each row's
+    chosen experts, each dequantized and multiplied as mxfp4_gemv's reference does."""
+    return _packed_experts(x, w, ids, lambda rows, packed: packed_layout.mxfp4_apply(rows, packed))
+
+
+def experts_fp8(x: Tensor, w: Tensor, ids: Tensor, block: int) -> Tensor:
+    """experts_mxfp4 on FP8 prepared stacks [E, N, K + 4 · nbc] (column blocks `block` wide)."""
+    return _packed_experts(x, w, ids, lambda rows, packed: packed_layout.fp8_apply(rows, packed, None, block))
+
+
+def _packed_experts(x: Tensor, w: Tensor, ids: Tensor, apply) -> Tensor:
+    xs = _chosen_rows(x, ids)  # [B, C, K]
+    out = [[apply(xs[b, c][None], w[e])[0] for c, e in enumerate(row)] for b, row in enumerate(ids.tolist())]
+    return torch.stack([torch.stack(row) for row in out]) if out else x.new_empty((0, ids.shape[1], w.shape[1]))
+
+
 # Every operator's reference by its plain name (moekit.ops.OPERATORS).
 REFERENCES = {f.__name__: f for f in (rows_gemv, experts_gemv, rows_q8, experts_q8, rows_argmax, transpose_into, latent_attend,
-                                      attend, rows_tiles, experts_tiles, bf16_tiles, mxfp4_gemv, fp8_gemv)}
+                                      attend, rows_tiles, experts_tiles, bf16_tiles, mxfp4_gemv, fp8_gemv, experts_mxfp4,
+                                      experts_fp8)}

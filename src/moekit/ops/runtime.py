@@ -19,7 +19,7 @@ from moekit.ops.fake import register_fakes
 
 # Every operator by its plain name; a build's names end in its suffix (rows_gemv_avx2).
 OPERATORS = ("rows_gemv", "experts_gemv", "rows_q8", "experts_q8", "rows_argmax", "transpose_into", "latent_attend", "attend",
-             "rows_tiles", "experts_tiles", "bf16_tiles", "mxfp4_gemv", "fp8_gemv")
+             "rows_tiles", "experts_tiles", "bf16_tiles", "mxfp4_gemv", "fp8_gemv", "experts_mxfp4", "experts_fp8")
 KERNELS = ("auto", "reference")  # the --kernels choices
 
 

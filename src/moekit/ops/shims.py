@@ -13,6 +13,8 @@ C_ARGS = {
     "attend": "AtenTensorHandle query, AtenTensorHandle keys, AtenTensorHandle values, AtenTensorHandle allowed, double scale",
     "rows_tiles": "AtenTensorHandle x, AtenTensorHandle w",
     "experts_tiles": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids",
+    "experts_mxfp4": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids",
+    "experts_fp8": "AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, int64_t block",
 }
 
 

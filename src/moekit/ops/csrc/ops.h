@@ -32,3 +32,5 @@ torch::Tensor latent_attend(torch::Tensor query, torch::Tensor cached, torch::Te
 torch::Tensor attend(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor allowed, double scale);
 torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed);
 torch::Tensor fp8_gemv(torch::Tensor x, torch::Tensor packed, int64_t block, torch::Tensor lut);
+torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids);
+torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t block);

@@ -1,12 +1,16 @@
 // Few-row products on MXFP4 and FP8 weights read packed, without expanding them (moekit.ops.packed_layout's
-// layouts): mxfp4_gemv, fp8_gemv. Same products as the reference, another summation order.
+// layouts): mxfp4_gemv, fp8_gemv, and their stacked experts' forms (the compiled decode step's)
+// experts_mxfp4, experts_fp8. Same products as the reference, another summation order.
 #include "ops.h"
-#include "vec.h"
+#include "rows.h"
 
 // FP4 E2M1 codes → twice their value, as int8 (low 8 codes positive, high 8 negative).
 static const int8_t TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-static inline float row_dot(const uint8_t* w, const float* x, int64_t groups) {
+// Not inlined: one compiled body for the rows and the experts operators, so that an expert's outputs
+// are the rows operator's bit for bit (inlined, the compiler vectorised a tail loop in one caller and
+// not in the other: 1 ulp apart, measured).
+__attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x, int64_t groups) {
     float acc = 0.f;
 #ifdef MK_AVX2
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(TWICE));
@@ -41,8 +45,9 @@ static inline float row_dot(const uint8_t* w, const float* x, int64_t groups) {
     return acc;
 }
 
-// One FP8 row: `in` float8_e4m3fn codes, then nbc fp32 scales (one per `block` columns).
-static inline float fp8_row_dot(const uint8_t* w, const float* x, int64_t in, int64_t block, const float* lut) {
+// One FP8 row: `in` float8_e4m3fn codes, then nbc fp32 scales (one per `block` columns). Not
+// inlined, as row_dot.
+__attribute__((noinline)) static float fp8_row_dot(const uint8_t* w, const float* x, int64_t in, int64_t block, const float* lut) {
     const float* scales = reinterpret_cast<const float*>(w + in);  // may be unaligned: read by memcpy
     float acc = 0.f;
     for (int64_t c0 = 0, b = 0; c0 < in; c0 += block, ++b) {
@@ -102,4 +107,57 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
     float* yp = y.data_ptr<float>();
     each_output(yp, n, out, [&](int64_t o, int64_t r) { return row_dot(wp + o * groups * 17, xp + r * groups * 32, groups); });
     return y;
+}
+
+// Each float8_e4m3fn code's value, as torch converts it (moekit.ops.calls.FP8_VALUES): the experts'
+// form takes no table argument, so the compiled step holds no constant tensor for it.
+static const float* fp8_values() {
+    static const std::vector<float> values = [] {
+        std::vector<float> v(256);
+        for (int c = 0; c < 256; ++c) v[c] = float(c10::Float8_e4m3fn(uint8_t(c), c10::Float8_e4m3fn::from_bits()));
+        return v;
+    }();
+    return values.data();
+}
+
+// The chosen experts of a stack of packed rows w [E, N, width], each product one row dot (`dot`,
+// the rows operator's own, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
+// x fp32 [B, X, in] (X = 1: one row per token; X = C: one per choice), ids [B, C] → fp32 [B, C, N].
+template <typename Dot>
+static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
+                                    int64_t in, Dot dot) {
+    const int64_t B = x.size(0), X = x.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
+    TORCH_CHECK(X == 1 || X == C, name, ": x holds one row per token or one per choice");
+    const auto xc = x.contiguous();
+    const auto wc = w.contiguous();
+    const auto ic = ids.to(torch::kLong).contiguous();
+    auto y = torch::empty({B, C, N}, x.options());
+    const float* xp = xc.data_ptr<float>();
+    const uint8_t* wp = wc.data_ptr<uint8_t>();
+    experts_loop<0>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
+                    [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                        for (int64_t r = 0; r < R; ++r) out[r] = dot(wp + (e * N + n) * width, xs[r]);
+                    },
+                    [](int64_t, int64_t, const float*, float*) {}, [](int64_t, int64_t, const float* const*, int64_t, float*) {},
+                    false);
+    return y;
+}
+
+torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && x.scalar_type() == torch::kFloat &&
+                w.scalar_type() == torch::kByte && w.size(2) % 17 == 0 && x.size(2) == w.size(2) / 17 * 32,
+                "experts_mxfp4: x fp32 [B, X, G * 32], w uint8 [E, N, G * 17], ids [B, C]");
+    const int64_t groups = w.size(2) / 17;
+    return packed_experts("experts_mxfp4", x, w, ids, groups * 32,
+                          [groups](const uint8_t* row, const float* xr) { return row_dot(row, xr, groups); });
+}
+
+torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t block) {
+    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && x.scalar_type() == torch::kFloat && block > 0 &&
+                w.scalar_type() == torch::kByte && w.size(2) == x.size(2) + 4 * ((x.size(2) + block - 1) / block),
+                "experts_fp8: x fp32 [B, X, in], w uint8 [E, N, in + 4 * nbc], ids [B, C]");
+    const int64_t in = x.size(2);
+    const float* lut = fp8_values();
+    return packed_experts("experts_fp8", x, w, ids, in,
+                          [in, block, lut](const uint8_t* row, const float* xr) { return fp8_row_dot(row, xr, in, block, lut); });
 }

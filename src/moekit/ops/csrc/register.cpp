@@ -19,6 +19,8 @@ MK_LIBRARY(MOEKIT_NAMESPACE, m) {
     m.def(MK_NAME("experts_tiles") "(Tensor x, Tensor w, Tensor ids) -> Tensor");
     m.def(MK_NAME("mxfp4_gemv") "(Tensor x, Tensor packed) -> Tensor");
     m.def(MK_NAME("fp8_gemv") "(Tensor x, Tensor packed, int block, Tensor lut) -> Tensor");
+    m.def(MK_NAME("experts_mxfp4") "(Tensor x, Tensor w, Tensor ids) -> Tensor");
+    m.def(MK_NAME("experts_fp8") "(Tensor x, Tensor w, Tensor ids, int block) -> Tensor");
 }
 MK_LIBRARY_IMPL(MOEKIT_NAMESPACE, CPU, m) {
     m.impl(MK_NAME("rows_gemv"), &rows_gemv);
@@ -33,4 +35,6 @@ MK_LIBRARY_IMPL(MOEKIT_NAMESPACE, CPU, m) {
     m.impl(MK_NAME("experts_tiles"), &experts_tiles);
     m.impl(MK_NAME("mxfp4_gemv"), &mxfp4_gemv);
     m.impl(MK_NAME("fp8_gemv"), &fp8_gemv);
+    m.impl(MK_NAME("experts_mxfp4"), &experts_mxfp4);
+    m.impl(MK_NAME("experts_fp8"), &experts_fp8);
 }

@@ -34,4 +34,10 @@ AOTI_TORCH_EXPORT AOTITorchError MK_SHIM(rows_tiles)(AtenTensorHandle x, AtenTen
 AOTI_TORCH_EXPORT AOTITorchError MK_SHIM(experts_tiles)(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, AtenTensorHandle* ret0) {
     MK_RETURN(experts_tiles(held(x), held(w), held(ids)))
 }
+AOTI_TORCH_EXPORT AOTITorchError MK_SHIM(experts_mxfp4)(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, AtenTensorHandle* ret0) {
+    MK_RETURN(experts_mxfp4(held(x), held(w), held(ids)))
+}
+AOTI_TORCH_EXPORT AOTITorchError MK_SHIM(experts_fp8)(AtenTensorHandle x, AtenTensorHandle w, AtenTensorHandle ids, int64_t block, AtenTensorHandle* ret0) {
+    MK_RETURN(experts_fp8(held(x), held(w), held(ids), block))
+}
 }

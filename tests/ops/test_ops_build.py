@@ -57,3 +57,20 @@ def test_after_a_failed_build_a_process_runs_the_reference(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
     assert lines[-1] == "reference ok" and len(lines) == 2 and "could not be built" in lines[0] and "build.log" in lines[0]
+
+
+def test_a_killed_builds_leftover_lock_does_not_stall_the_next_build(tmp_path):
+    """torch's build lock is a file that a killed build leaves behind; the next build of that key
+    clears it (moekit holds its own lock, which dies with its holder) instead of waiting for ever."""
+    key = builds.build_key(builds.NATIVE) + "-" + builds._flags_hash(REFUSED)
+    folder = tmp_path / key / builds.NATIVE.namespace
+    folder.mkdir(parents=True)
+    (folder / "lock").write_text("")  # what a build killed mid-way leaves
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from moekit.ops import build as builds
+        print(builds.build(builds.NATIVE, Path({str(tmp_path)!r}), {REFUSED!r}).line())
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert "could not be built" in done.stdout and not (folder / "lock").exists()

@@ -12,6 +12,7 @@ output in that folder (`build.log`) and is reported in one line naming it (`Buil
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import platform
@@ -145,12 +146,20 @@ def build(variant: Variant, cache: Path = DEFAULT_CACHE, extra_flags: tuple[str,
         torch.ops.load_library(str(built))  # no ninja run and no lock file: a killed process cannot leave one
         ctypes.CDLL(str(built), mode=os.RTLD_GLOBAL | os.RTLD_NOLOAD)
         return BuildResult(variant, library=built)
-    try:
-        path = load(name=variant.namespace, sources=[str(csrc / s) for s in SOURCES], extra_cflags=flags,
-                    extra_include_paths=[str(csrc)], build_directory=str(folder), is_python_module=False, verbose=False)
-    except Exception as err:  # a missing compiler, headers, or a flag it refuses: said, with the log kept
-        log.write_text(f"flags: {' '.join(flags)}\n\n{err}\n")
-        return BuildResult(variant, log=log, error=_first_error(str(err)) or type(err).__name__)
+    # torch's own lock (a `lock` file it creates and deletes) outlives a build that was killed, and
+    # the next build of this key would wait on it for ever. This one is the kernel's: released when
+    # its holder dies. Whoever holds it is the only builder, so a `lock` file found then is stale.
+    with open(folder / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if built.exists():  # built by another process while this one waited
+            return build(variant, cache, extra_flags, csrc)
+        (folder / "lock").unlink(missing_ok=True)
+        try:
+            path = load(name=variant.namespace, sources=[str(csrc / s) for s in SOURCES], extra_cflags=flags,
+                        extra_include_paths=[str(csrc)], build_directory=str(folder), is_python_module=False, verbose=False)
+        except Exception as err:  # a missing compiler, headers, or a flag it refuses: said, with the log kept
+            log.write_text(f"flags: {' '.join(flags)}\n\n{err}\n")
+            return BuildResult(variant, log=log, error=_first_error(str(err)) or type(err).__name__)
     if log.exists():
         log.unlink()  # a stale failure's log, from before a fix
     # Loaded globally, so that the compiled step's generated library finds the C entry points.

@@ -151,6 +151,23 @@ def test_compiled_rows_match_eager(engines, family):
     assert all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(want_routes, got_routes))
 
 
+def test_a_row_k_past_the_models_runs_compiled_and_matches_eager(engines):
+    """A row wider than the model's K: the step's decisions are that wide (StepRouting.width, a
+    graph of its own), each row routed by the family's rule at its own K, as the eager step."""
+    eager, compiled = engines("qwen3_moe")
+    widest = compiled.decoder.widest_k
+    ks = [widest + 1, 1, widest]
+    (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)
+    assert any(r.width == widest + 1 for r in compiled.decoder.compiled._graphs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(want_routes, got_routes):
+        assert b.topk_ids.shape[1] == widest + 1
+        for row, k in enumerate(ks):
+            assert torch.equal(b.topk_ids[row, :k], a.topk_ids[row, :k])
+            torch.testing.assert_close(b.topk_weights[row, :k], a.topk_weights[row, :k], rtol=1e-5, atol=1e-6)
+            assert not b.topk_weights[row, k:].any()
+
+
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama4_text"))
 def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
     """Expert-budget tiers' per-row K (route_rows) in the compiled step: each row routed by the

@@ -80,3 +80,22 @@ def test_an_eager_decoders_step_is_the_decode_step(tiny_checkpoints, family):
         assert [layer for layer, _ in stepped] == [layer for layer, _ in walked]
         for (_, a), (_, b) in zip(stepped, walked):
             assert torch.equal(a.topk_ids, b.topk_ids)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_row_k_past_the_models_runs_the_step_and_leaves_the_other_rows_alone(tiny_checkpoints, family):
+    """A row asking for more experts than the model's K (the family's rule widened: routing.with_k)
+    runs the decode step, whose decisions are then that wide, and gets the modules' forward's
+    logits; a row at the model's K beside it gets what it gets without any per-row K."""
+    decoder = load_engine(tiny_checkpoints(family)).decoder
+    k = decoder.widest_k
+    ks = [k + 1, k]
+    assert decoder.step_routing(ks, None).width == k + 1
+    with torch.inference_mode():
+        want = _forward_steps(decoder, ks)
+        got = _forward_steps(decoder, ks, through=decoder.forward)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        plain = _forward_steps(decoder, through=decoder.forward)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1].argmax(-1), plain[1].argmax(-1))

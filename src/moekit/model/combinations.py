@@ -10,7 +10,7 @@ Two questions, asked at two times:
     packed, a device other than the CPU...). Each expert weight form says for itself whether the
     compiled step reads it (moekit.model.expert_forms).
 What combines without a word: per-row K (tiers) with --compile (a graph of its own); routing
-policies with --compile (their steps run eager: Decoder.steps_in_form); the store with tiers,
+policies with --compile (one opaque op per MoE layer in the graph: moekit.model.seated_policy); the store with tiers,
 policies and prefetch; packed experts with the store.
 """
 

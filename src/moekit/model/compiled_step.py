@@ -26,11 +26,12 @@ holds the two to identical greedy tokens and fp32 logits within 1e-4 for every f
 
 Latent attention (MLA) runs its absorbed form, as the eager decode does; llama4's chunked and NoPE
 attention and input-weighed experts, and per-row K (expert-budget tiers: each row's K is one more
-input, MoE.decode), run as every other family's step. int8 weights (q8_0 blocks, `--weights int8` /
+input, MoE.decode; a K past the model's is a graph of its own), routing policies (each MoE layer's
+policy one opaque op, moekit.model.seated_policy) and router health's entropy (an output of the
+graph) run as every other family's step: Decoder.step_routing's StepRouting keys the graphs. int8 weights (q8_0 blocks, `--weights int8` /
 `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager int8 kernel calls,
 reading the q8_0 stacks in place. What it does not run: the expert store, MXFP4 / FP8 weights kept
-packed, hooks (the decoder then takes its eager step, and `unsupported()` says why), and routing
-policies, whose state lives in Python (those steps run eager: Decoder._step_compiled).
+packed, and hooks (the decoder then takes its eager step, and `unsupported()` says why).
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 

@@ -298,6 +298,9 @@ class Decoder(nn.Module):
         if policy is not None:
             return StepRouting(max(policy.width(self.widest_k), 1), True, entropy)
         widest = max(top_k) if top_k is not None else 0
+        experts = min((len(self.layers[i].ffn.specs_by_k) for i in self.moe_layers), default=0)
+        if widest > experts:
+            raise ValueError(f"a row asks for {widest} experts per token; the model's MoE layers have {experts}")
         return StepRouting(widest if widest > self.widest_k else 0, False, entropy)
 
     def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None, policy=None) -> torch.Tensor:

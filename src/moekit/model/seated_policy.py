@@ -77,8 +77,8 @@ def padded(decision: RoutingDecision, width: int) -> tuple[torch.Tensor, torch.T
 
 def narrowed(decision: RoutingDecision) -> RoutingDecision:
     """An eager step's decision without its trailing columns that are padding in every row (the
-    first expert again at weight 0): the decision the modules' forward made, whose combine then
-    runs the same products. Dropping a pad drops the addition of an exact zero."""
+    first expert again at weight 0): as wide as the modules' forward's decision, so the combine
+    runs only the products the forward ran. Dropping a pad drops the addition of an exact zero."""
     ids, weights = decision.topk_ids, decision.topk_weights
     pads = (ids == ids[:, :1]) & (weights == 0)  # [B, W]
     pads[:, 0] = False

@@ -99,3 +99,9 @@ def test_a_row_k_past_the_models_runs_the_step_and_leaves_the_other_rows_alone(t
         plain = _forward_steps(decoder, through=decoder.forward)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1].argmax(-1), plain[1].argmax(-1))
+
+
+def test_a_row_k_above_the_experts_is_refused_in_one_line(tiny_checkpoints):
+    decoder = load_engine(tiny_checkpoints("qwen3_moe")).decoder
+    with pytest.raises(ValueError, match="a row asks for 9 experts per token; the model's MoE layers have 8"):
+        _forward_steps(decoder, [9, 1], through=decoder.forward)

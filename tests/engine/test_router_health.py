@@ -75,3 +75,79 @@ def test_the_scheduler_tallies_decode_entropy_by_layer_and_position(tiny_checkpo
     per_layer = sum(n for (layer, _), (_, n) in snapshot.items() if layer == scheduler.moe_layers[0])
     assert per_layer == (5 - 1) + (4 - 1)  # decode passes: one per generated token after the first
     assert all(0 < v <= 1 for v, _ in snapshot.values())
+
+
+PROMPT = [5, 9, 33, 7, 81, 14, 3, 60]
+
+
+def _entropy_by_hooks(decoder, steps: int) -> list:
+    """The old way, as the reference: forward hooks on the routers, each computing the entropy of
+    the logits of the router's input, over the modules' forward → [step][MoE layer] entropy [1]."""
+    from moekit.model.moe import Router
+
+    seen: list = []
+    hook = lambda module, args, decision: seen.append(rh.routing_entropy(module.logits(args[0]), module.spec.scoring))
+    handles = [m.register_forward_hook(hook) for m in decoder.modules() if isinstance(m, Router)]
+    cache, out = decoder.new_cache(1, 16), []
+    try:
+        decoder.forward_modules(torch.tensor([PROMPT]), cache, torch.arange(8)[None])
+        for s in range(steps):
+            seen.clear()
+            decoder.forward_modules(torch.tensor([[17 + s]]), cache, torch.tensor([[8 + s]]))
+            out.append(list(seen))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def _entropy_by_steps(decoder, steps: int) -> list:
+    """The watched decoder's T = 1 steps (decode_step, eager or compiled) → the same shape."""
+    cache, out = decoder.new_cache(1, 16), []
+    with rh.watch_entropy(decoder):
+        decoder(torch.tensor([PROMPT]), cache, torch.arange(8)[None])
+        for s in range(steps):
+            decisions: list = []
+            decoder(torch.tensor([[17 + s]]), cache, torch.tensor([[8 + s]]), decisions=decisions)
+            out.append([d.entropy for _, d in decisions])
+    return out
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_decode_steps_entropy_is_what_hooks_on_the_routers_saw(tiny_checkpoints, family):
+    """Router health reads the entropy off the step's own router logits (eager and compiled): the
+    figures the routers' forward hooks gave, on a fixed prompt (sigmoid scoring: deepseek_v3)."""
+    folder = tiny_checkpoints(family)
+    eager = load_engine(folder).decoder
+    runs = [(eager, 1e-6)]
+    if family == "deepseek_v3":  # compiled: qwen3_moe's by the scheduler's tally below
+        compiled = load_engine(folder, compile=True).decoder
+        compiled.compile_decode(cpp_wrapper=False)  # a quarter of the compile time, the same kernels
+        runs.append((compiled, 1e-4))
+    with torch.inference_mode():
+        want = _entropy_by_hooks(eager, 3)
+        for decoder, tolerance in runs:
+            got = _entropy_by_steps(decoder, 3)
+            assert [len(layers) for layers in got] == [len(layers) for layers in want] == [len(eager.moe_layers)] * 3
+            for got_step, want_step in zip(got, want):
+                for g, w in zip(got_step, want_step):
+                    torch.testing.assert_close(g, w, rtol=tolerance, atol=tolerance)
+    assert all(d.compiled.direct_steps > 0 for d, _ in runs[1:])  # the compiled graph ran the steps
+
+
+def test_a_compiled_scheduler_tallies_the_eager_ones_entropy(tiny_checkpoints):
+    """A server's router health with --compile: the same tally per layer and position as eager."""
+    folder = tiny_checkpoints("qwen3_moe")
+    compiled = load_engine(folder, compile=True).decoder
+    compiled.compile_decode(cpp_wrapper=False)
+    tallies = []
+    for decoder in (load_engine(folder).decoder, compiled):
+        scheduler = Scheduler(decoder, max_batch=2)
+        with rh.watch_entropy(decoder):
+            generate_batch(scheduler, [Request(prompt=[1, 2, 3], max_new_tokens=5), Request(prompt=[4, 5], max_new_tokens=5)])
+        tallies.append(scheduler.entropy.snapshot())
+    eager, steps = tallies
+    assert eager.keys() == steps.keys() and eager
+    for key, (value, n) in eager.items():
+        assert steps[key][1] == n == 8  # two rows, four decode passes each
+        assert steps[key][0] == pytest.approx(value, rel=1e-4)

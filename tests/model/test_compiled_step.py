@@ -98,8 +98,8 @@ def test_a_full_caches_last_step_gets_a_graph_of_its_own_and_matches_eager(engin
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
     step = compiled.decoder.compiled
     full, roomy = _full_step_inputs(compiled.decoder), _full_step_inputs(compiled.decoder, full=False)
-    takes_full = [g for g in step._graphs if g.accepts(full)]
-    takes_roomy = [g for g in step._graphs if g.accepts(roomy)]
+    takes_full = [g for g in step.graphs if g.accepts(full)]
+    takes_roomy = [g for g in step.graphs if g.accepts(roomy)]
     assert len(takes_full) == 1 and len(takes_roomy) == 1 and takes_full[0] is not takes_roomy[0]
 
 
@@ -152,21 +152,37 @@ def test_compiled_rows_match_eager(engines, family):
     assert all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(want_routes, got_routes))
 
 
+def test_a_row_k_past_the_models_runs_compiled_and_matches_eager(engines):
+    """A row wider than the model's K: the step's decisions are that wide (StepRouting.width, a
+    graph of its own), each row routed by the family's rule at its own K, as the eager step."""
+    eager, compiled = engines("qwen3_moe")
+    widest = compiled.decoder.widest_k
+    ks = [widest + 1, 1, widest]
+    (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)
+    assert any(r.width == widest + 1 for r in compiled.decoder.compiled._graphs)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(want_routes, got_routes):
+        assert b.topk_ids.shape[1] == widest + 1
+        for row, k in enumerate(ks):
+            assert torch.equal(b.topk_ids[row, :k], a.topk_ids[row, :k])
+            torch.testing.assert_close(b.topk_weights[row, :k], a.topk_weights[row, :k], rtol=1e-5, atol=1e-6)
+            assert not b.topk_weights[row, k:].any()
+
+
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama4_text"))
 def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
     """Expert-budget tiers' per-row K (route_rows) in the compiled step: each row routed by the
-    family's rule at its own K, the same experts, weights and logits as the eager step; a K wider
-    than the model's runs eager. The graph is a batch's own (each row's K one more input), which
-    warm_up(per_row_k=True) compiles before a server answers."""
+    family's rule at its own K, the same experts, weights and logits as the eager step (a K wider
+    than the model's: tests/model/test_step_routing.py). The graph is a batch's own (each row's K
+    one more input), which warm_up(per_row_k=True) compiles before a server answers."""
     eager, compiled = engines(family)
     step = compiled.decoder.compiled
-    ks = [1, step.widest, max(1, step.widest - 1)]
-    assert compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), ks, None)
-    assert not compiled.decoder.steps_in_form(compiled.decoder.new_cache(3, 4), [step.widest + 1, 1, 1], None)
+    widest = compiled.decoder.widest_k
+    ks = [1, widest, max(1, widest - 1)]
     step.warm_up((2,), per_row_k=True)
-    graphs = len(step._graphs)
+    graphs = len(step.graphs)
     (want, want_routes), (got, got_routes) = _rows_step(eager, ks), _rows_step(compiled, ks)
-    assert len(step._graphs) == graphs  # the warmed-up graph ran the rows
+    assert len(step.graphs) == graphs  # the warmed-up graph ran the rows
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for a, b in zip(want_routes, got_routes):
         for row, k in enumerate(ks):

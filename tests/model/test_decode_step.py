@@ -43,7 +43,7 @@ def _decode_steps(decoder, top_k=None) -> torch.Tensor:
     for s in range(3):
         slot = torch.full((2,), cache.length, dtype=torch.int64)
         ids = torch.tensor([17 + s, 23 + s])
-        logits, _, _ = decode_step(decoder, ids, slot, positions + s, cache.key_mask[:, : cache.length + 1],
+        logits, _, _, _ = decode_step(decoder, ids, slot, positions + s, cache.key_mask[:, : cache.length + 1],
                                    cache.stack, rope.cos_table, rope.sin_signed_table, ks)
         cache.length += 1
         out.append(logits[:, None])
@@ -65,12 +65,12 @@ def test_the_decode_step_run_eagerly_matches_the_forward(tiny_checkpoints, famil
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_an_eager_decoders_step_is_the_decode_step(tiny_checkpoints, family):
     """Decoder.forward at T = 1 without compile runs decode_step: the same logits to the bit, and
-    the same routing decisions; with a routing policy (not in the step's form) the modules' forward."""
+    the same routing decisions (routing policies and K past the model's: tests/model/test_step_routing.py)."""
     decoder = load_engine(tiny_checkpoints(family)).decoder  # the eager kernels' layouts
     with torch.inference_mode():
         assert torch.equal(_forward_steps(decoder, through=decoder.forward), _decode_steps(decoder))
         cache, positions = _prefilled(decoder)
-        assert decoder.steps_in_form(cache, None, None)
+        assert decoder.steps_in_form(cache)
         ids = torch.tensor([[17], [23]])
         stepped, walked = [], []
         logits = decoder(ids, cache, positions[:, None], decisions=stepped)
@@ -80,5 +80,28 @@ def test_an_eager_decoders_step_is_the_decode_step(tiny_checkpoints, family):
         assert [layer for layer, _ in stepped] == [layer for layer, _ in walked]
         for (_, a), (_, b) in zip(stepped, walked):
             assert torch.equal(a.topk_ids, b.topk_ids)
-        assert not decoder.steps_in_form(cache, None, policy=object())
-        assert not decoder.steps_in_form(cache, [decoder.widest_k + 1, 1], None)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_row_k_past_the_models_runs_the_step_and_leaves_the_other_rows_alone(tiny_checkpoints, family):
+    """A row asking for more experts than the model's K (the family's rule widened: routing.with_k)
+    runs the decode step, whose decisions are then that wide, and gets the modules' forward's
+    logits; a row at the model's K beside it gets what it gets without any per-row K."""
+    decoder = load_engine(tiny_checkpoints(family)).decoder
+    k = decoder.widest_k
+    ks = [k + 1, k]
+    assert decoder.step_routing(ks, None).width == k + 1
+    with torch.inference_mode():
+        want = _forward_steps(decoder, ks)
+        got = _forward_steps(decoder, ks, through=decoder.forward)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        plain = _forward_steps(decoder, through=decoder.forward)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1].argmax(-1), plain[1].argmax(-1))
+
+
+def test_a_row_k_above_the_experts_is_refused_in_one_line(tiny_checkpoints):
+    decoder = load_engine(tiny_checkpoints("qwen3_moe")).decoder
+    with pytest.raises(ValueError, match="a row asks for 9 experts per token; the model's MoE layers have 8"):
+        _forward_steps(decoder, [9, 1], through=decoder.forward)

@@ -4,7 +4,7 @@ sequence, and the inter-token-latency jitter of a request.
 Entropy is of the distribution the router scores over all E experts (softmax of the logits; for a
 sigmoid router, its scores normalised to sum 1), in nats; divided by ln E it is 1 for a uniform
 router and 0 for a one-hot one. A trace records it per token × layer when the routers are watched
-(`watch_entropy`), which costs one more router GEMM per layer (T × D × E), off the default path.
+(`watch_entropy`), which costs a log-softmax over E per token and layer, off the default path.
 
 Flags (thresholds stated, not tuned): a layer's entropy *collapses* when its mean normalised
 entropy over the last position bucket is below COLLAPSE_RATIO of its first bucket's, or its mean
@@ -26,33 +26,21 @@ POSITION_BUCKET = 64  # tokens per bucket of the drift table
 
 
 def routing_entropy(logits, scoring: str = "softmax"):
-    """logits [T, E] → [T] entropy (nats) of the router's full distribution over the E experts."""
-    import torch
+    """logits [T, E] → [T] entropy (nats): moekit.model.routing.routing_entropy, which the decoder
+    computes itself while watched (imported here only when called: this module needs no torch)."""
+    from moekit.model.routing import routing_entropy as entropy
 
-    logits = logits.float()
-    if scoring == "sigmoid":
-        scores = logits.sigmoid()
-        p = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-        logp = p.clamp_min(1e-30).log()
-    else:
-        logp = torch.log_softmax(logits, dim=-1)
-        p = logp.exp()
-    return -(p * logp).sum(dim=-1)  # [T]; a zero probability adds 0 (p × finite log)
+    return entropy(logits, scoring)
 
 
 def watch_routers(decoder) -> Callable[[], None]:
-    """From now on every router's RoutingDecision carries `entropy` [T] (eager forwards only: the
-    compiled decode step does not run the router module). Returns the function that stops it."""
-    from moekit.model.moe import Router
-
-    def hook(module, args, decision):
-        decision.entropy = routing_entropy(module.logits(args[0]), module.spec.scoring).cpu()
-
-    handles = [m.register_forward_hook(hook) for m in decoder.modules() if isinstance(m, Router)]
+    """From now on every MoE layer's RoutingDecision carries `entropy` [T], computed by the decoder
+    from the router logits its pass already has (the modules' forward and the decode step, eager or
+    compiled, alike: moekit.model.decoder.StepRouting.entropy). Returns the function that stops it."""
+    decoder.entropy_watched = True
 
     def stop() -> None:
-        for handle in handles:
-            handle.remove()
+        decoder.entropy_watched = False
 
     return stop
 

@@ -28,6 +28,11 @@ class RowRouting:
     runs: Sequence[Optional[PolicyRun]]
     top_k: Sequence[int]
 
+    def width(self, model_k: int) -> int:
+        """Experts per token the rows' decisions can hold (a decode step's width): the widest of
+        each run's policy and each exact row's K."""
+        return max((k if run is None else run.width(model_k) for run, k in zip(self.runs, self.top_k)), default=model_k)
+
     def at(self, layer: int) -> "LayerRows":
         return LayerRows(self, layer)
 

@@ -11,10 +11,10 @@ Two questions, asked at two times:
     compiled step reads it (moekit.model.expert_forms). A quantized checkpoint's dense projections
     are dequantized at load (moekit.weights.quantized), so they are in the Hub layout.
 What combines without a word: per-row K (tiers) with --compile (a graph of its own); routing
-policies with --compile (their steps run eager: Decoder.steps_in_form); the store with --compile
-(its layers and prefetch guesses are opaque ops in the graph: moekit.offload.graph_store);
-MXFP4 / FP8 experts kept packed with --compile; the store with tiers, policies and prefetch; packed
-experts with the store.
+policies with --compile (one opaque op per MoE layer in the graph: moekit.model.seated_policy); the
+store with --compile (its layers and prefetch guesses are opaque ops in the graph:
+moekit.offload.graph_store); MXFP4 / FP8 experts kept packed with --compile; the store with tiers,
+policies and prefetch; packed experts with the store.
 """
 
 from __future__ import annotations

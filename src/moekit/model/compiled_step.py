@@ -26,15 +26,17 @@ holds the two to identical greedy tokens and fp32 logits within 1e-4 for every f
 
 Latent attention (MLA) runs its absorbed form, as the eager decode does; llama4's chunked and NoPE
 attention and input-weighed experts, and per-row K (expert-budget tiers: each row's K is one more
-input, MoE.decode), run as every other family's step. int8 weights (q8_0 blocks, `--weights int8` /
+input, MoE.decode; a K past the model's is a graph of its own), routing policies (each MoE layer's
+policy one opaque op, moekit.model.seated_policy) and router health's entropy (an output of the
+graph) run as every other family's step: Decoder.step_routing's StepRouting keys the graphs. int8 weights (q8_0 blocks, `--weights int8` /
 `int8-experts`) run through moekit::rows_q8 / experts_q8, the operator the eager int8 kernel calls,
 reading the q8_0 stacks in place. MXFP4 / FP8 experts kept packed (gpt-oss's, DeepSeek-V3's published
 formats) run through moekit::experts_mxfp4 / experts_fp8, reading the chosen experts' packed rows in
 place, each expert's product the eager rows operator's own (mxfp4_gemv / fp8_gemv). The expert store
 runs in it as opaque ops (each paged layer's experts, each prefetch guess: moekit.offload.graph_store),
-as expert parallelism's exchange does (moekit.dist.graph_exchange). What it does not run: hooks other
-than the store's (the decoder then takes its eager step, and `unsupported()` says why), and routing
-policies, whose state lives in Python (those steps run eager: Decoder.steps_in_form).
+as expert parallelism's exchange does (moekit.dist.graph_exchange), and so do routing policies
+(moekit.model.seated_policy). What it does not run: hooks other than the store's (the decoder then
+takes its eager step, and `unsupported()` says why).
 Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo specialises 1).
 """
 
@@ -53,7 +55,7 @@ import torch
 from moekit import ops
 from moekit.model.combinations import compile_refusal
 from moekit.model.compile_cache import DEFAULT_CACHE, compiling_into, start_line, step_key
-from moekit.model.decoder import decode_step, step_decisions
+from moekit.model.decoder import FAMILY, StepRouting, decode_step, step_decisions
 from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import PLAIN, TILES, Linear
@@ -119,6 +121,11 @@ def _mark_held(stack, tables) -> None:
     mark(stack, 2 if stack.dim() == 4 else 3)  # the slots: MLA's [N, B, S, R+Rr], attention's [N, B, Hkv, S, hd]
 
 
+def top_k_of(inputs: tuple) -> Optional[torch.Tensor]:
+    """The per-row K among a step's per-call inputs (CompiledStep.__call__'s order), or None."""
+    return inputs[7] if len(inputs) > 7 else None
+
+
 class _Recorder:
     """The step's Dynamo backend: Inductor, as torch.compile's default, with each graph handed to the
     step to record. It holds the step weakly: Dynamo keeps every backend it was given for the life of
@@ -147,12 +154,13 @@ class StepResult:
     chosen: torch.Tensor  # [L_moe, B, K] the experts each MoE layer chose
     weights: torch.Tensor  # [L_moe, B, K] their weights
     moe_layers: list  # the decoder's index of each MoE layer
+    entropy: Optional[torch.Tensor] = None  # [L_moe, B] routing entropy, where the step was asked for it
 
     @property
     def decisions(self) -> list:
         """(layer index, RoutingDecision) per MoE layer; built only when a caller asks (the metered
         runs), so an unmetered step pays nothing for it."""
-        return step_decisions(self.moe_layers, self.chosen, self.weights)
+        return step_decisions(self.moe_layers, self.chosen, self.weights, self.entropy)
 
 
 class CompiledStep:
@@ -171,8 +179,6 @@ class CompiledStep:
         self.decoder = decoder
         lay_out_tiles(decoder)  # an AMX machine's bf16 weights, once, before tracing reads their kernels
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
-        # The widest per-row K a step takes (tiers): the model's (MoE.decode routes every row at each k up to it).
-        self.widest = min((decoder.layers[i].ffn.router.spec.top_k for i in self.moe_layers), default=0)
         for kind in ops.KINDS:  # the operators are the command's to load (moekit.ops.load); where not, the reductions
             ops.variant(kind)  # chosen now (measured once per machine), not while Dynamo traces
             ops.widen_batch(kind)
@@ -195,24 +201,34 @@ class CompiledStep:
         # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
         # graph's guards call it directly, the rest go through Dynamo.
         self.cache_folder = None if cache is None else cache / step_key(decoder, self._inductor)
-        self._graphs: list[DirectGraph] = []
-        self._tracing: Optional[tuple] = None  # the per-call inputs of the call Dynamo may be compiling
+        # Per StepRouting (the step's constants, which direct graphs' guards do not see), its graphs.
+        self._graphs: dict[StepRouting, list[DirectGraph]] = {}
+        self._tracing: Optional[tuple] = None  # (the per-call inputs, the StepRouting) of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
 
+    @property
+    def graphs(self) -> list[DirectGraph]:
+        """Every graph recorded so far, of every StepRouting."""
+        return [g for graphs in list(self._graphs.values()) for g in graphs]
+
     def _record(self, gm, example_inputs, run) -> None:
         """Keep how to call `run` (just compiled from gm) without Dynamo, where that can be done."""
         if self._tracing is not None:
-            graph = direct_graph(gm, example_inputs, run, self._tracing, held_tensors(self.decoder), outputs=3)
+            inputs, routing = self._tracing
+            graph = direct_graph(gm, example_inputs, run, inputs, held_tensors(self.decoder),
+                                 outputs=4 if routing.entropy else 3)
             if graph is not None:
-                self._graphs.append(graph)
+                self._graphs.setdefault(routing, []).append(graph)
 
-    def __call__(self, ids, cache, slot, positions, key_mask, top_k=None) -> StepResult:
+    def __call__(self, ids, cache, slot, positions, key_mask, top_k=None, routing: StepRouting = FAMILY) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
         (never past the slot, so below cache.max_len); key_mask [B, S] bool, False at padding (S =
-        the last slot written + 1); top_k: None, or each row's K [B] int64 (1..self.widest), a graph
-        of its own. The cache must be stacked (KVCache.stack; Decoder.new_cache's are)."""
+        the last slot written + 1); top_k: None, or each row's K [B] int64 (1..the model's K, or
+        routing.width), a graph of its own; routing: the step's constants (Decoder.step_routing), a
+        graph each (a seated policy is the decoder's, held for this call: Decoder._step). The cache
+        must be stacked (KVCache.stack; Decoder.new_cache's are)."""
         if cache.stack is None:
             raise ValueError("the compiled step needs a stacked cache (Decoder.new_cache makes one)")
         rope = self.decoder.rope  # its tables cover the cache: Decoder.new_cache reserved them
@@ -224,21 +240,22 @@ class CompiledStep:
             small = (ids[:, 0], slot, positions, key_mask) + (() if top_k is None else (top_k,))  # ids [B]
             small = tuple(t.clone() for t in small)
             inputs = (*small[:4], cache.stack, *tables, *small[4:])
-            graph = next((g for g in self._graphs if g.accepts(inputs)), None)
+            graphs = self._graphs.get(routing, [])
+            graph = next((g for g in graphs if g.accepts(inputs)), None)
             if graph is not None:
-                if graph is not self._graphs[0]:  # the graph of the last call is tried first
-                    self._graphs.remove(graph)
-                    self._graphs.insert(0, graph)
-                logits, chosen, weights = graph(inputs)
+                if graph is not graphs[0]:  # the graph of the last call is tried first
+                    graphs.remove(graph)
+                    graphs.insert(0, graph)
+                logits, chosen, weights, *entropy = graph(inputs)
                 self.direct_steps += 1
             else:
                 _mark_step(small)
-                self._tracing = inputs
+                self._tracing = (inputs, routing)
                 try:
-                    logits, chosen, weights = self._fn(self.decoder, *inputs)
+                    logits, chosen, weights, *entropy = self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing)
                 finally:
                     self._tracing = None
-        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers)
+        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
 
     def _held(self, stack, rope) -> tuple:
         """The rope tables, and the stack and tables marked dynamic once each (marking them on every
@@ -256,8 +273,10 @@ class CompiledStep:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
         that no request waits for a compile and no timing includes one. per_row_k: the graphs of
         steps with each row's K (expert-budget tiers) too. say: told what it is doing, before (a
-        line ending in "...") and after (its time). Returns the seconds it took."""
+        line ending in "...") and after (its time). Returns the seconds it took. The graphs carry
+        routing entropy where the decoder's routers are watched now (router health)."""
         device = self.decoder.device
+        routing = StepRouting(entropy=self.decoder.entropy_watched)
         if say is not None:
             say(start_line(self.cache_folder, batches))
         start = time.perf_counter()
@@ -266,7 +285,8 @@ class CompiledStep:
                 for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
                     cache = self.decoder.new_cache(b, 4)
                     slot = torch.ones(b, dtype=torch.int64, device=device)
-                    self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k)
+                    self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k,
+                         routing)
         seconds = time.perf_counter() - start
         if say is not None:
             say(f" {seconds:.1f} s")

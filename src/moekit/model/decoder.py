@@ -13,6 +13,8 @@ then lays every projection out for this device and dtype's fastest kernel (moeki
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -27,6 +29,7 @@ from moekit.model.moe import MoE, Router
 from moekit.model.norms import make_norm
 from moekit.model.rope import Rope, rotary_dim
 from moekit.model.routing import RoutingDecision
+from moekit.model.seated_policy import PolicySeat
 from moekit.model.step_ops import linear_rows, project
 from moekit.spec.model_spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec
 
@@ -49,6 +52,18 @@ def _rope_width(spec: ModelSpec) -> int:
     return rotary_dim(attn.head_dim, spec.rope)
 
 
+class StepRouting(NamedTuple):
+    """What a decode step's routers do besides the family's routing at the model's K: the step's
+    constants, so each combination is a compiled graph of its own (CompiledStep keys them)."""
+
+    width: int = 0  # the decisions' width K when not the model's: a row's K past it, or a policy's width
+    seated: bool = False  # the decoder's seated policy decides (moekit.model.seated_policy, one opaque op a layer)
+    entropy: bool = False  # each decision carries its rows' routing entropy (router health)
+
+
+FAMILY = StepRouting()  # the family's routing at the model's K
+
+
 class Block(nn.Module):
     def __init__(self, layer: LayerSpec, rope: Rope, spec: ModelSpec):
         super().__init__()
@@ -67,10 +82,11 @@ class Block(nn.Module):
         self.before_attn = None
         self.before_ffn = None
 
-    def forward(self, x, positions, layer_cache, start, key_mask, top_k=None, policy=None):
+    def forward(self, x, positions, layer_cache, start, key_mask, top_k=None, policy=None, entropy=False):
         """x [B, T, D] → (x [B, T, D], RoutingDecision or None). start: the first slot written, an
         int, or per row a [B] tensor (T = 1, continuous batching); top_k: one K per token or None;
-        policy: this layer's routing.LayerPolicy or None (the family's routing)."""
+        policy: this layer's routing.LayerPolicy or None (the family's routing); entropy: the
+        decision carries each token's routing entropy (router health)."""
         # x is the decoder's own running sum (never a caller's tensor): residual adds go in place.
         if self.before_attn is not None:
             self.before_attn(x)
@@ -81,16 +97,16 @@ class Block(nn.Module):
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
-            h, decision = self.ffn(h, top_k, policy)
+            h, decision = self.ffn(h, top_k, policy, entropy)
         else:
             h = self.ffn(h)
         x.add_(h * self.residual if self.residual != 1.0 else h)
         return x, decision
 
-    def decode(self, x, stack, at, slot, positions, cos, sin_signed, visible, top_k=None):
+    def decode(self, x, stack, at, slot, positions, cos, sin_signed, visible, top_k=None, routing=FAMILY):
         """The decode step's form of forward (moekit.model.step_ops): x [B, D] → (x [B, D],
         RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
-        None, or each row's K [B] (MoE.decode)."""
+        None, or each row's K [B]; routing: the step's StepRouting (MoE.decode)."""
         residual = self.residual
         # A hook hands the residual back, and the step goes on with what it returned: compiled, the
         # hook is an opaque op (moekit.offload.graph_store), which the graph would drop, or move
@@ -104,7 +120,7 @@ class Block(nn.Module):
         h = self.post_norm(x)
         decision = None
         if isinstance(self.ffn, MoE):
-            h, decision = self.ffn.decode(h, top_k)
+            h, decision = self.ffn.decode(h, top_k, routing)
         else:
             h = self.ffn.decode(h)
         return x + (h * residual if residual != 1.0 else h), decision
@@ -155,8 +171,15 @@ class Decoder(nn.Module):
         self.rope = rope
         self.requires_grad_(False)
         self.moe_layers = [i for i, block in enumerate(self.layers) if isinstance(block.ffn, MoE)]
-        # The widest per-row K a step takes (tiers): the model's (MoE.decode routes every row at each k up to it).
+        # A step's decision width unless a row or a policy asks for more (StepRouting.width): the
+        # model's K. A step takes any K up to E (MoE.specs_by_k), as the modules' forward does.
         self.widest_k = min((self.layers[i].ffn.router.spec.top_k for i in self.moe_layers), default=0)
+        # Where the decode step finds a step's routing policy (moekit.model.seated_policy).
+        self.seat = PolicySeat({i: self.layers[i].ffn.router.spec for i in self.moe_layers})
+        for i in self.moe_layers:
+            self.layers[i].ffn.seat = (self.seat.handle, i)
+        # Whether decisions carry routing entropy (router health: moekit.engine.router_health.watch_routers).
+        self.entropy_watched = False
         self.prepared = False
         self.compiled = None  # a moekit.model.compiled_step.CompiledStep once compile_decode() ran
 
@@ -196,9 +219,10 @@ class Decoder(nn.Module):
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; {start} used, {t} more asked")
-        if t == 1 and self.steps_in_form(cache, top_k, policy):
+        if t == 1 and self.steps_in_form(cache):
             slot = torch.full((input_ids.shape[0],), start, dtype=torch.int64, device=self.device)  # [B]
-            logits = self._step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions, top_k)
+            logits = self._step(input_ids, cache, slot, positions[:, 0], cache.key_mask[:, : start + 1], decisions, top_k,
+                                policy)
             cache.length = start + 1
             return logits
         return self.forward_modules(input_ids, cache, positions, decisions, last_only, top_k, policy)
@@ -219,7 +243,7 @@ class Decoder(nn.Module):
         with self.rope.shared_for(positions, self.dtype):
             for i, block in enumerate(self.layers):
                 x, decision = block(x, positions, cache.layers[i], start, key_mask, top_k,
-                                    None if policy is None else policy.at(i))
+                                    None if policy is None else policy.at(i), self.entropy_watched)
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         cache.length = start + t
@@ -243,9 +267,9 @@ class Decoder(nn.Module):
         end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
-        if self.steps_in_form(cache, top_k, policy):
+        if self.steps_in_form(cache):
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
-            return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k)
+            return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k, policy)
         if b == 1 or bool((lengths == lengths[0]).all()):
             key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
         else:
@@ -257,43 +281,53 @@ class Decoder(nn.Module):
         with self.rope.shared_for(positions, self.dtype):
             for i, block in enumerate(self.layers):
                 x, decision = block(x, positions, cache.layers[i], lengths, key_mask, top_k,
-                                    None if policy is None else policy.at(i))
+                                    None if policy is None else policy.at(i), self.entropy_watched)
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         return self.head(self.norm(x))
 
-    def steps_in_form(self, cache: KVCache, top_k, policy) -> bool:
+    def steps_in_form(self, cache: KVCache) -> bool:
         """Whether a T = 1 step over `cache` runs decode_step (each module's `decode`; compiled when
         compile_decode() ran, else eagerly, the same code), or the modules' forward. The one place
-        that says what the step's form does not hold yet: routing policies (their state lives in
-        Python), per-row Ks past the model's K, an unstacked cache (training's), a decoder not
-        prepared (the step reads the fused projections prepare() makes), and, eagerly, forward
-        hooks on the routers (router health's entropy, carried on the forward's decisions), which
-        the step does not call (a compiled decoder skips them). The expert store's prefetch hooks
-        are the step's own (Block.decode)."""
-        if not self.prepared or cache.stack is None or policy is not None or (top_k is not None and max(top_k) > self.widest_k):
-            return False
-        if self.compiled is not None:
-            return True
-        return not any(isinstance(b.ffn, MoE) and b.ffn.router._forward_hooks for b in self.layers)
+        that says what the step's form does not hold: an unstacked cache (training's) and a decoder
+        not prepared (the step reads the fused projections prepare() makes). Everything else is the
+        step's: per-row K up to E, routing policies (one opaque op a layer, seated_policy), router
+        health's entropy (StepRouting.entropy), the expert store's prefetch hooks (Block.decode)."""
+        return self.prepared and cache.stack is not None
 
-    def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None) -> torch.Tensor:
-        """decode_step (compiled where compile_decode() ran) → logits [B, 1, V] fp32."""
-        if top_k is not None:
-            top_k = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
-        if self.compiled is not None:
-            result = self.compiled(input_ids, cache, slot, positions, key_mask, top_k)
-            logits, chosen, weights = result.logits[:, 0], result.chosen, result.weights
-        else:
-            logits, chosen, weights = decode_step(self, input_ids[:, 0], slot, positions, key_mask, cache.stack,
-                                                  self.rope.cos_table, self.rope.sin_signed_table, top_k)
+    def step_routing(self, top_k, policy) -> StepRouting:
+        """The StepRouting of a step with per-row Ks `top_k` (a list, or None) and `policy` (a
+        PolicyRun or a RowRouting, or None): a policy's width is the widest it can choose."""
+        entropy = self.entropy_watched
+        if policy is not None:
+            return StepRouting(max(policy.width(self.widest_k), 1), True, entropy)
+        widest = max(top_k) if top_k is not None else 0
+        experts = min((len(self.layers[i].ffn.specs_by_k) for i in self.moe_layers), default=0)
+        if widest > experts:
+            raise ValueError(f"a row asks for {widest} experts per token; the model's MoE layers have {experts}")
+        return StepRouting(widest if widest > self.widest_k else 0, False, entropy)
+
+    def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None, policy=None) -> torch.Tensor:
+        """decode_step (compiled where compile_decode() ran) → logits [B, 1, V] fp32. A policy
+        decides the routing over top_k (as the modules' forward lets it)."""
+        routing = self.step_routing(top_k, policy)
+        ks = None
+        if top_k is not None and policy is None:
+            ks = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
+        with self.seat.holding(policy):
+            if self.compiled is not None:
+                result = self.compiled(input_ids, cache, slot, positions, key_mask, ks, routing)
+                logits, chosen, weights, entropy = result.logits[:, 0], result.chosen, result.weights, result.entropy
+            else:
+                logits, chosen, weights, entropy = decode_step(self, input_ids[:, 0], slot, positions, key_mask, cache.stack,
+                                                               self.rope.cos_table, self.rope.sin_signed_table, ks, routing)
         if decisions is not None:
-            decisions.extend(step_decisions(self.moe_layers, chosen, weights))
+            decisions.extend(step_decisions(self.moe_layers, chosen, weights, entropy))
         return logits[:, None, :]
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
-        """Run every later T = 1 step (generate's decode, continuous batching) as one compiled graph
-        (moekit.model.compiled_step), where it applies; prefill and routing policies stay eager.
+        """Run every later T = 1 step (generate's decode, continuous batching, routing policies) as one
+        compiled graph (moekit.model.compiled_step), where it applies; prefill stays eager.
         Needs a decoder prepared with kernels=False (the Hub layout the compiled step reads).
         cpp_wrapper: see CompiledStep (False compiles faster and runs the same kernels slower)."""
         from moekit.model.compiled_step import CompiledStep
@@ -334,13 +368,15 @@ class Decoder(nn.Module):
         self.prepared = True
 
 
-def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_table, top_k=None):
+def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_table, top_k=None, routing=FAMILY):
     """The decoder's T = 1 step as plain tensor algebra (each module's `decode`), what
     moekit.model.compiled_step captures as one graph. ids, slot, positions [B] int64; key_mask
     [B, S] (False at padding; S = the last slot + 1); stack: the cache's tensors as one
     (KVCache.stack: k, v per attention layer, one per MLA layer); cos_table / sin_table: the rope's;
-    top_k: None for the model's K, else each row's K [B] int64 (expert-budget tiers)
-    → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K])."""
+    top_k: None for the model's K, else each row's K [B] int64 (expert-budget tiers), up to
+    routing.width where that is set; routing: the step's StepRouting (a seated policy decides over
+    top_k) → (logits [B, V] fp32, topk_ids [L_moe, B, K], topk_weights [L_moe, B, K], and the
+    routing entropy [L_moe, B] where routing.entropy, else None)."""
     spec = decoder.spec
     end = key_mask.shape[1]
     visible = key_mask & (torch.arange(end, device=ids.device)[None, :] <= slot[:, None])  # [B, S]
@@ -350,26 +386,31 @@ def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_t
     turn = torch.float32 if decoder.rope.fp32 else x.dtype  # the dtype RoPE rotates in
     cos = cos_table[positions][:, None, :].to(turn)  # [B, 1, rot]
     sin_signed = sin_table[positions][:, None, :].to(turn)
-    chosen, weights = [], []
+    chosen, weights, entropy = [], [], []
     at = 0  # the layer's first tensor in the stack
     for block in decoder.layers:
-        x, decision = block.decode(x, stack, at, slot, positions, cos, sin_signed, visible, top_k)
+        x, decision = block.decode(x, stack, at, slot, positions, cos, sin_signed, visible, top_k, routing)
         at += block.attn.cache_tensors
         if decision is not None:
             chosen.append(decision.topk_ids)
             weights.append(decision.topk_weights)
+            entropy.append(decision.entropy)
     x = decoder.norm(x)
     if not chosen:  # a dense model: no routing to report
         chosen = weights = [torch.zeros((x.shape[0], 0), dtype=torch.int64, device=x.device)]
+        entropy = [torch.zeros((x.shape[0],), device=x.device)]
     if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
         logits = linear_rows(x, decoder.embed.weight, decoder.head_bias)
     else:
         logits = project(decoder.lm_head, x)
     if spec.multipliers.logits_scaling != 1.0:
         logits = logits / spec.multipliers.logits_scaling
-    return logits.float(), torch.stack(chosen), torch.stack(weights)
+    return logits.float(), torch.stack(chosen), torch.stack(weights), torch.stack(entropy) if routing.entropy else None
 
 
-def step_decisions(moe_layers: list, chosen: torch.Tensor, weights: torch.Tensor) -> list:
-    """decode_step's chosen / weights [L_moe, B, K] → (layer index, RoutingDecision) per MoE layer."""
-    return [(layer, RoutingDecision(ids, w)) for layer, ids, w in zip(moe_layers, chosen.unbind(0), weights.unbind(0))]
+def step_decisions(moe_layers: list, chosen: torch.Tensor, weights: torch.Tensor, entropy=None) -> list:
+    """decode_step's chosen / weights [L_moe, B, K] (and entropy [L_moe, B] or None) → (layer index,
+    RoutingDecision) per MoE layer."""
+    each = entropy.unbind(0) if entropy is not None else [None] * len(moe_layers)
+    return [(layer, RoutingDecision(ids, w, h))
+            for layer, ids, w, h in zip(moe_layers, chosen.unbind(0), weights.unbind(0), each)]

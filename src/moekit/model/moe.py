@@ -8,7 +8,8 @@ from torch import nn
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import Linear
 from moekit.model.mlp import MLP, activation_for
-from moekit.model.routing import RoutingDecision, route, route_rows, with_k
+from moekit.model.routing import RoutingDecision, route, route_rows, routing_entropy, with_k
+from moekit.model.seated_policy import narrowed, seated_route
 from moekit.model.step_ops import project
 from moekit.spec.model_spec import MoESpec, RouterSpec
 
@@ -26,23 +27,29 @@ class Router(Linear):
         bias = self.bias.to(self.weight.dtype) if self.bias is not None else None
         return self.kernel.apply(x.to(self.weight.dtype), self.weight, bias).float()
 
-    def forward(self, x: torch.Tensor, top_k=None, policy=None) -> RoutingDecision:
+    def forward(self, x: torch.Tensor, top_k=None, policy=None, entropy: bool = False) -> RoutingDecision:
         """top_k: None for the model's K, else one K per token (moekit.model.routing.route_rows).
-        policy: None for the family's routing, else a routing.LayerPolicy (its state is the caller's)."""
+        policy: None for the family's routing, else a routing.LayerPolicy (its state is the caller's).
+        entropy: the decision carries each token's routing entropy (router health)."""
         bias = self.selection_bias.float() if self.selection_bias is not None else None
+        logits = self.logits(x)
         if policy is not None:
-            return policy.route(self.logits(x), self.spec, bias, x)
-        if top_k is None:
-            return route(self.logits(x), self.spec, bias)
-        return route_rows(self.logits(x), self.spec, bias, top_k)
+            decision = policy.route(logits, self.spec, bias, x)
+        elif top_k is None:
+            decision = route(logits, self.spec, bias)
+        else:
+            decision = route_rows(logits, self.spec, bias, top_k)
+        if entropy:
+            decision.entropy = routing_entropy(logits, self.spec.scoring)
+        return decision
 
 
 def route_each_k(logits: torch.Tensor, specs_by_k: tuple, selection_bias, top_k: torch.Tensor) -> RoutingDecision:
-    """route_rows with each row's K a tensor, top_k [T] (1 <= k <= len(specs_by_k), the model's K),
-    and no data-dependent Python, so that the compiled step runs it: every row is routed at each k
-    (specs_by_k[k - 1], the family's rule with k experts) and keeps its own k's choice. Rows narrower
-    than the model's K repeat their first expert at weight 0, as route_rows pads: the combine adds
-    exactly nothing for them. Routing is row-wise, so each row's choice is route_rows'."""
+    """route_rows with each row's K a tensor, top_k [T] (1 <= k <= len(specs_by_k), the step's
+    width), and no data-dependent Python, so that the compiled step runs it: every row is routed at
+    each k (specs_by_k[k - 1], the family's rule with k experts) and keeps its own k's choice. Rows
+    narrower than the width repeat their first expert at weight 0, as route_rows pads: the combine
+    adds exactly nothing for them. Routing is row-wise, so each row's choice is route_rows'."""
     tokens, widest = logits.shape[0], len(specs_by_k)
     ids = torch.zeros((tokens, widest), dtype=torch.int64, device=logits.device)  # [T, K]
     weights = torch.zeros((tokens, widest), dtype=torch.float32, device=logits.device)  # [T, K]
@@ -66,16 +73,19 @@ class MoE(nn.Module):
         self.shared = MLP(spec.shared, activation_for(spec.shared, extras)) if spec.shared is not None else None
         self.shared_gate = Linear(d, 1, bias=False) if spec.shared_gate else None
         self.experts.weigh_input = spec.weigh_input
-        # The family's rule at each K from 1 to the model's (decode's per-row K, route_each_k).
-        self.specs_by_k = tuple(with_k(spec.router, k) for k in range(1, spec.router.top_k + 1))
+        # The family's rule at each K from 1 to E (decode's per-row K, route_each_k: a step routes at
+        # each k up to its width, the model's K unless a row asks for more).
+        self.specs_by_k = tuple(with_k(spec.router, k) for k in range(1, spec.router.num_experts + 1))
+        self.seat = (0, 0)  # (the decoder's PolicySeat handle, this layer's index): set by the Decoder
 
-    def forward(self, x: torch.Tensor, top_k=None, policy=None) -> tuple[torch.Tensor, RoutingDecision]:
+    def forward(self, x: torch.Tensor, top_k=None, policy=None, entropy: bool = False) -> tuple[torch.Tensor, RoutingDecision]:
         """x [B, T, D] → (out [B, T, D], the decision for the B*T tokens row-major).
 
-        top_k: None for the model's K, else one K per token of the B*T (expert-budget tiers)."""
+        top_k: None for the model's K, else one K per token of the B*T (expert-budget tiers);
+        entropy: the decision carries each token's routing entropy (router health)."""
         b, t, d = x.shape
         flat = x.reshape(b * t, d)  # [T, D] in the routing legend
-        decision = self.router(flat, top_k, policy)
+        decision = self.router(flat, top_k, policy, entropy)
         out = self.experts(flat, decision)
         if self.shared is not None:
             shared = self.shared(flat)
@@ -84,18 +94,29 @@ class MoE(nn.Module):
             out = out + shared
         return out.view(b, t, d), decision
 
-    def decode(self, x: torch.Tensor, top_k: torch.Tensor | None = None) -> tuple[torch.Tensor, RoutingDecision]:
+    def decode(self, x: torch.Tensor, top_k: torch.Tensor | None = None, routing=None) -> tuple[torch.Tensor, RoutingDecision]:
         """The decode step's form (moekit.model.step_ops), the family's routing through the shared
-        route(): x [B, D] → (out [B, D], the decision for the B rows). top_k: None for the model's
-        K, else each row's K [B] int64, 1 <= k <= the model's K (expert-budget tiers)."""
+        route(): x [B, D] → (out [B, D], the decision for the B rows, [B, W]). top_k: None for the
+        model's K, else each row's K [B] int64, 1 <= k <= W (expert-budget tiers). routing: the
+        step's moekit.model.decoder.StepRouting (None: the family's, at the model's K): its width W
+        (0: the model's K), whether the decoder's seated policy decides (moekit.model.seated_policy),
+        whether the decision carries each row's routing entropy."""
         router = self.router
         logits = project(router, x.to(router.weight.dtype)).float()  # [B, E]
         bias = router.selection_bias.float() if router.selection_bias is not None else None
-        if top_k is None:
+        width = routing.width if routing is not None and routing.width else router.spec.top_k
+        if routing is not None and routing.seated:
+            ids, weights = seated_route(logits, x, bias, width, *self.seat)
+            decision = RoutingDecision(ids, weights)
+        elif top_k is None:
             decision = route(logits, router.spec, bias)
         else:
-            decision = route_each_k(logits, self.specs_by_k, bias, top_k)
-        out = self.experts.decode(x, decision)
+            decision = route_each_k(logits, self.specs_by_k[:width], bias, top_k)
+        if routing is not None and routing.entropy:
+            decision.entropy = routing_entropy(logits, router.spec.scoring)  # [B]
+        # Eagerly, a policy's narrower decision runs only the forward's products (no zero-weight pads).
+        combined = decision if torch.compiler.is_compiling() or routing is None or not routing.seated else narrowed(decision)
+        out = self.experts.decode(x, combined)
         if self.shared is not None:
             shared = self.shared.decode(x)
             if self.shared_gate is not None:

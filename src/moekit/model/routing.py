@@ -119,6 +119,20 @@ def route(logits: Tensor, spec: RouterSpec, selection_bias: Tensor | None = None
     return RoutingDecision(topk_ids=topk_ids, topk_weights=weights)
 
 
+def routing_entropy(logits: Tensor, scoring: str = "softmax") -> Tensor:
+    """logits [T, E] → [T] entropy (nats) of the router's full distribution over the E experts: a
+    softmax's, or a sigmoid router's scores normalised to sum 1 (moekit.engine.router_health)."""
+    logits = logits.float()
+    if scoring == "sigmoid":
+        scores = logits.sigmoid()
+        p = scores / scores.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+        logp = p.clamp_min(1e-30).log()
+    else:
+        logp = torch.log_softmax(logits, dim=-1)
+        p = logp.exp()
+    return -(p * logp).sum(dim=-1)  # [T]; a zero probability adds 0 (p × finite log)
+
+
 def with_k(spec: RouterSpec, k: int) -> RouterSpec:
     """The family's rule with k experts per token; k above what DeepSeek's group limit leaves
     (topk_group groups of E/n_group) widens the limit to the fewest groups that hold k."""
@@ -425,6 +439,12 @@ class PolicyRun:
             for name, value in vars(layer).items():
                 setattr(total, name, getattr(total, name) + value)
         return total
+
+    def width(self, model_k: int) -> int:
+        """Experts per token this run's decisions can hold (a decode step's width)."""
+        from moekit.model.routing_policies import policy_width
+
+        return policy_width(self.policy, model_k)
 
     def at(self, layer: int, rows: Optional[int] = None) -> "LayerPolicy":
         """rows: the rows this call routes together, when not the run's (a batch-level policy's run

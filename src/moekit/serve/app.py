@@ -119,11 +119,10 @@ class ServerState:
         else:
             engine = load_engine(cfg.checkpoint, dtype=cfg.dtype, device=cfg.device, offload=cfg.offload, verify=cfg.verify,
                                  compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
+        watch_routers(engine.decoder)  # routing entropy for /metrics (router health), eager or compiled
         if engine.decoder.compiled is not None:
             # Compiled before /health says ready, not on a request; tiers' per-row K graphs too.
             engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress)
-        else:
-            watch_routers(engine.decoder)  # routing entropy for /metrics (router health)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,

@@ -1,8 +1,7 @@
 """Router health on /metrics: routing entropy per MoE layer over position, ITL jitter per request.
 
 The entropy is what the scheduler tallies from its decode steps while the routers are watched
-(engine/router_health.py; every eager server watches them, a `--compile` server's compiled steps
-do not run the router module and report none). The jitter index is std / mean of one request's
+(engine/router_health.py; every server watches them, its decode step eager or compiled). The jitter index is std / mean of one request's
 inter-token latencies; a request above JITTER_HIGH is counted as jittery.
 """
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -26,17 +27,32 @@ from moekit.errors import CheckpointError
 from moekit.weights.gguf_file import GGUFTensor
 
 ROW_BLOCK = 17  # bytes per 32 inputs: the scale, then 16 bytes of codes (either layout)
+_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_4, _32 = np.uint64(4), np.uint64(32)  # numpy shifts a uint64 only by a uint64
 
 
 def hub_nibbles_(rows: Tensor) -> Tensor:
-    """rows uint8 [R, G · 17] with ggml's code bytes → the same rows with the Hub's, in place."""
-    codes = rows.view(rows.shape[0], -1, ROW_BLOCK)[..., 1:]  # [R, G, 16]
-    even, odd = codes[..., 0::2], codes[..., 1::2]  # [R, G, 8]: ggml bytes 2i and 2i+1
-    low = (even & 0x0F) | ((odd & 0x0F) << 4)  # Hub bytes 0-7: values 2i, 2i+1 (ggml's low nibbles)
-    high = (even >> 4) | (odd & 0xF0)  # Hub bytes 8-15: values 16+2i, 17+2i (ggml's high nibbles)
-    codes[..., :8] = low
-    codes[..., 8:] = high
+    """rows uint8 [R, G · 17] with ggml's code bytes → the same rows with the Hub's, in place.
+
+    Each block's 16 code bytes are two little-endian words (unaligned: after the scale byte); a
+    word's low nibbles are 8 consecutive values, 4 Hub bytes once packed two to a byte, and its high
+    nibbles 8 more. Whole-word arithmetic is several times faster than byte-wise gathers here."""
+    r, width = rows.shape
+    words = np.ndarray((r, width // ROW_BLOCK, 2), dtype="<u8", buffer=rows.numpy(), offset=1,
+                       strides=(width, ROW_BLOCK, 8))  # [R, G, 2]: ggml code bytes 0-7, 8-15
+    first, second = words[..., 0].copy(), words[..., 1].copy()  # [R, G]
+    low = _pack(first & _NIBBLES) | (_pack(second & _NIBBLES) << _32)  # values 0-15: Hub bytes 0-7
+    high = _pack((first >> _4) & _NIBBLES) | (_pack((second >> _4) & _NIBBLES) << _32)  # values 16-31
+    words[..., 0], words[..., 1] = low, high
     return rows
+
+
+def _pack(m):
+    """uint64 words holding one nibble in each byte's low half → those 8 nibbles packed into the
+    low 4 bytes, first nibble lowest (byte i of the result: nibble 2i low, nibble 2i+1 high)."""
+    m = (m | (m >> _4)) & np.uint64(0x00FF00FF00FF00FF)  # nibble pairs in each 16-bit lane's low byte
+    m = (m | (m >> np.uint64(8))) & np.uint64(0x0000FFFF0000FFFF)
+    return (m | (m >> np.uint64(16))) & np.uint64(0xFFFFFFFF)
 
 
 def read_into(fd: int, offset: int, out: Tensor, where: Path) -> None:

@@ -46,8 +46,9 @@ def test_rows_read_from_the_gguf_are_the_hub_conversions_rows(pair):
         gate_up, down = _names(layer)
         old = [gguf.read(n) for n in (gate_up, down)]  # the GGUF in the Hub's layout, whole tensors
         hub = [safetensors.read(n) for n in (gate_up, down)]  # the published safetensors of the same weights
-        for j in range(GPT_OSS["num_local_experts"]):
-            rows = gguf.mxfp4_expert_rows(gate_up, down, j)
+        read = gguf.mxfp4_expert_rows(gate_up, down)
+        assert len(read) == GPT_OSS["num_local_experts"]
+        for j, rows in enumerate(read):
             for source in (old, hub):
                 (ub, us), (db, ds) = source
                 want = mxfp4_expert(ub[j], us[j], db[j], ds[j])

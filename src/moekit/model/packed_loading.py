@@ -80,7 +80,7 @@ def mxfp4_experts(ckpt, gate_up: str, down: str, e: int) -> list[tuple[torch.Ten
     its ggml blocks (moekit.weights.gguf_mxfp4), the Hub's from its stored blocks and scales."""
     from_file = getattr(ckpt, "mxfp4_expert_rows", None)
     if from_file is not None:
-        return [from_file(gate_up, down, j) for j in range(e)]
+        return from_file(gate_up, down)
     up_blocks, up_scales = ckpt.read(gate_up)  # [E, 2F, D/32, 16], [E, 2F, D/32]
     down_blocks, down_scales = ckpt.read(down)  # [E, D, F/32, 16], [E, D, F/32]
     return [mxfp4_expert(up_blocks[j], up_scales[j], down_blocks[j], down_scales[j]) for j in range(e)]

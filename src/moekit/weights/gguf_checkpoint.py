@@ -121,16 +121,18 @@ class GGUFCheckpoint:
         self._check(self.gguf.tensors[source.interleave])
         return torch.stack((first, one(source.interleave)), dim=2).flatten(1, 2)  # [E, 2R, ...] gate, up, ...
 
-    def mxfp4_expert_rows(self, gate_up: str, down: str, j: int):
-        """Expert j of gpt-oss's MXFP4 experts (gate_up, down: the Hub names of their blocks) as the
-        kernels' prepared (gate_up, down) rows, read straight from ggml's blocks (moekit.weights.gguf_mxfp4)."""
-        from moekit.weights.gguf_mxfp4 import expert_rows
+    def mxfp4_expert_rows(self, gate_up: str, down: str) -> list:
+        """gpt-oss's MXFP4 experts of one layer (gate_up, down: the Hub names of their blocks) as the
+        kernels' prepared (gate_up, down) rows of each expert, read straight from ggml's blocks
+        (moekit.weights.gguf_mxfp4): views of one tensor per layer."""
+        from moekit.weights.gguf_mxfp4 import layer_rows
 
         pair, single = self._source(gate_up), self._source(down)
         gate, up, dn = (self.gguf.tensors[n] for n in (pair.tensor, pair.interleave, single.tensor))
         for t in (gate, up, dn):
             self._check(t)
-        return expert_rows(self.folder, gate, up, dn, j)
+        ups, downs = layer_rows(self.folder, gate, up, dn)
+        return list(zip(ups.unbind(0), downs.unbind(0)))
 
     def spec(self):
         from moekit.spec.loading import spec_from_config
@@ -254,9 +256,9 @@ def packed_view(ckpt: GGUFCheckpoint):
 class GGUFPackedView(QuantizedCheckpoint):
     """A gpt-oss GGUF's packed view, which reads an expert's prepared rows from the file directly."""
 
-    def mxfp4_expert_rows(self, gate_up: str, down: str, j: int):
-        """Expert j's prepared (gate_up, down) rows (gate_up, down: the view's names of its experts)."""
-        return self.inner.mxfp4_expert_rows(self.packed_tensors[gate_up].data, self.packed_tensors[down].data, j)
+    def mxfp4_expert_rows(self, gate_up: str, down: str) -> list:
+        """Each expert's prepared (gate_up, down) rows (gate_up, down: the view's names of a layer's experts)."""
+        return self.inner.mxfp4_expert_rows(self.packed_tensors[gate_up].data, self.packed_tensors[down].data)
 
 
 def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Optional[object], Optional[object], list[str]]:

@@ -66,22 +66,32 @@ def read_into(fd: int, offset: int, out: Tensor, where: Path) -> None:
         done += n
 
 
-def _slice(t: GGUFTensor, j: int) -> tuple[int, int, int]:
-    """(offset, rows, bytes per row) of expert j in a stacked ggml MXFP4 tensor [E, R, G · 17]."""
+def _slice(t: GGUFTensor, j: int) -> int:
+    """Where expert j's bytes start in a stacked ggml MXFP4 tensor [E, R, G · 17]."""
     experts, rows, row_bytes = t.data.shape
-    return t.offset + j * rows * row_bytes, rows, row_bytes
+    return t.offset + j * rows * row_bytes
 
 
-def expert_rows(path: Path, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor, j: int) -> tuple[Tensor, Tensor]:
-    """Expert j's prepared (gate_up uint8 [2F, G · 17]: gate's rows, then up's; down [D, G' · 17])."""
-    (g_at, f, g_bytes), (u_at, _, _), (d_at, d, d_bytes) = (_slice(t, j) for t in (gate, up, down))
-    gate_up = torch.empty((2 * f, g_bytes), dtype=torch.uint8)
-    dn = torch.empty((d, d_bytes), dtype=torch.uint8)
+def layer_rows(path: Path, gate: GGUFTensor, up: GGUFTensor, down: GGUFTensor) -> tuple[Tensor, Tensor]:
+    """A layer's experts as prepared rows (gate_up uint8 [E, 2F, G · 17]: each expert's gate rows,
+    then its up rows; down [E, D, G' · 17]), read and reordered one expert at a time.
+
+    One tensor per layer, not one per expert: allocations this large are memory maps of their own,
+    which free() gives back to the system when the loader moves the weights on (into huge pages),
+    while a few MB each would come from the heap, which keeps the freed space: a second copy of
+    the experts in RSS."""
+    experts, f, g_bytes = gate.data.shape
+    _, d, d_bytes = down.data.shape
+    gate_up = torch.empty((experts, 2 * f, g_bytes), dtype=torch.uint8)
+    dn = torch.empty((experts, d, d_bytes), dtype=torch.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        read_into(fd, g_at, gate_up[:f], path)
-        read_into(fd, u_at, gate_up[f:], path)
-        read_into(fd, d_at, dn, path)
+        for j in range(experts):
+            read_into(fd, _slice(gate, j), gate_up[j, :f], path)
+            read_into(fd, _slice(up, j), gate_up[j, f:], path)
+            read_into(fd, _slice(down, j), dn[j], path)
+            hub_nibbles_(gate_up[j])
+            hub_nibbles_(dn[j])
     finally:
         os.close(fd)
-    return hub_nibbles_(gate_up), hub_nibbles_(dn)
+    return gate_up, dn

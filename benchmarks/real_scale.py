@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LLAMA_BENCH = Path("/work/main/bench-out/llama.cpp/server-build/bin/llama-bench")
+LLAMA_BENCH = REPO / "bench-out" / "llama.cpp" / "server-build" / "bin" / "llama-bench"
 PROMPT = [17, 42, 99, 5, 7, 150, 3, 88, 23, 61, 200, 11, 64, 31, 250, 9]
 
 
@@ -83,6 +83,8 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
 
 def run_llama_bench(path: str, prompt_len: int, tokens: int, threads: int, extra: list[str]) -> dict:
     """One llama-bench run: prefill (-p) and decode (-n) tokens/s, peak RSS, bytes read."""
+    if not LLAMA_BENCH.is_file():
+        raise SystemExit(f"{LLAMA_BENCH} not found: build it with benchmarks/build_llama_cpp.sh (or pass --only moekit)")
     cmd = ["/usr/bin/time", "-f", "TIME %M %I %e", str(LLAMA_BENCH), "-m", path, "-p", str(prompt_len), "-n", str(tokens),
            "-t", str(threads), "-r", "1", "-o", "json", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)

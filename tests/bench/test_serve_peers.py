@@ -177,3 +177,18 @@ def test_an_engine_that_failed_keeps_its_column_with_no_figures():
     failed = EngineRun("vllm", float("nan"), failed="vllm: the server exited with -9 before it was ready")
     (row,) = ratio_rows([{"moekit": _run("moekit", c_1=_level(120)), "vllm": failed}])
     assert row.figures["vllm"] == "— (—, —/—)" and row.ratios == {"moekit ÷ vllm": "—×"}
+
+
+def test_a_gguf_checkpoint_is_served_by_llama_server_as_it_is(tmp_path):
+    from moekit.bench.llama_cpp import LlamaCppBuild
+
+    build = LlamaCppBuild(tmp_path / "llama.cpp")
+    for path in (build.python, build.vendor / "convert_hf_to_gguf.py", build.server):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    argv = engine_command(EngineChoice("llama-server"), ServeSetup(gguf, "bfloat16"), Workload(), 8080,
+                          roots={"llama-server": build.root}).argv
+    assert argv[argv.index("-m") + 1] == str(gguf)  # no conversion: moekit serves this same file
+    assert not (build.root / "gguf").exists()

@@ -133,13 +133,17 @@ def moekit_command(setup: ServeSetup, workload: Workload, flags: tuple[str, ...]
 
 
 def llama_server_command(setup: ServeSetup, workload: Workload, port: int, llama_root: Optional[Path] = None) -> ServerCommand:
-    """llama-server with one slot per row (-np), each of the workload's context; the GGUF is made once."""
+    """llama-server with one slot per row (-np), each of the workload's context; the GGUF is made once
+    (a checkpoint that is a GGUF already is served as it is: moekit serves the same file)."""
     from moekit.bench.llama_cpp import ensure_gguf, find_build, gguf_type
 
     build = find_build(llama_root)
     if not build.server.exists():
         raise MoekitError(f"--vs llama-server needs {build.server}: run benchmarks/build_llama_cpp.sh server")
-    gguf = ensure_gguf(build, setup.checkpoint, gguf_type(_long_dtype(setup.dtype), setup.weights))
+    if setup.checkpoint.suffix == ".gguf" and setup.checkpoint.is_file():
+        gguf = setup.checkpoint
+    else:
+        gguf = ensure_gguf(build, setup.checkpoint, gguf_type(_long_dtype(setup.dtype), setup.weights))
     threads = str(setup.threads)
     argv = (str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(setup.max_batch), "-c", str(setup.max_batch * workload.context), "-t", threads, "-tb", threads,

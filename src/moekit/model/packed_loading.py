@@ -75,6 +75,17 @@ def mxfp4_expert(up_blocks: torch.Tensor, up_scales: torch.Tensor, down_blocks: 
     return kernels.mxfp4_rows(up_blocks[order], up_scales[order]), kernels.mxfp4_rows(down_blocks, down_scales)
 
 
+def mxfp4_experts(ckpt, gate_up: str, down: str, e: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every expert's prepared (gate_up, down) rows: a GGUF's read one expert at a time straight from
+    its ggml blocks (moekit.weights.gguf_mxfp4), the Hub's from its stored blocks and scales."""
+    from_file = getattr(ckpt, "mxfp4_expert_rows", None)
+    if from_file is not None:
+        return from_file(gate_up, down)
+    up_blocks, up_scales = ckpt.read(gate_up)  # [E, 2F, D/32, 16], [E, 2F, D/32]
+    down_blocks, down_scales = ckpt.read(down)  # [E, D, F/32, 16], [E, D, F/32]
+    return [mxfp4_expert(up_blocks[j], up_scales[j], down_blocks[j], down_scales[j]) for j in range(e)]
+
+
 def packed_kernels(method: str, block_in: int, shape: tuple[int, int, int], dtype: torch.dtype, device) -> tuple:
     """(gate_up's, down's) kernel for experts of shape (rows, D, F) kept packed, measured on CPU for
     the engine's activation dtype (moekit.ops.packed_operator_wins, measured once per machine and kept)."""
@@ -138,9 +149,7 @@ def kept_experts(ckpt, block: str, experts, names: HubNames) -> Optional[KeptExp
         gate_up, down = wanted
 
         def fill_mxfp4(ckpt) -> None:
-            up_blocks, up_scales = ckpt.read(gate_up)  # [E, 2F, D/32, 16], [E, 2F, D/32]
-            down_blocks, down_scales = ckpt.read(down)  # [E, D, F/32, 16], [E, D, F/32]
-            pairs = [mxfp4_expert(up_blocks[j], up_scales[j], down_blocks[j], down_scales[j]) for j in range(e)]
+            pairs = mxfp4_experts(ckpt, gate_up, down, e)
             experts.keep_packed(fmt.kernels, [up.to(device) for up, _ in pairs], [dn.to(device) for _, dn in pairs], fmt)
 
         return KeptExperts(fmt.method, tuple(wanted), fill_mxfp4)

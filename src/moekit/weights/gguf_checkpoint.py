@@ -25,6 +25,7 @@ from moekit.weights.gguf_config import gguf_family, hf_config
 from moekit.weights.gguf_families import SUPPORTED_TYPES
 from moekit.weights.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from moekit.weights.gguf_names import Source, hub_sources
+from moekit.weights.quantized import QuantizedCheckpoint
 
 
 def _unpermute(w, heads: int):
@@ -120,6 +121,19 @@ class GGUFCheckpoint:
         self._check(self.gguf.tensors[source.interleave])
         return torch.stack((first, one(source.interleave)), dim=2).flatten(1, 2)  # [E, 2R, ...] gate, up, ...
 
+    def mxfp4_expert_rows(self, gate_up: str, down: str) -> list:
+        """gpt-oss's MXFP4 experts of one layer (gate_up, down: the Hub names of their blocks) as the
+        kernels' prepared (gate_up, down) rows of each expert, read straight from ggml's blocks
+        (moekit.weights.gguf_mxfp4): views of one tensor per layer."""
+        from moekit.weights.gguf_mxfp4 import layer_rows
+
+        pair, single = self._source(gate_up), self._source(down)
+        gate, up, dn = (self.gguf.tensors[n] for n in (pair.tensor, pair.interleave, single.tensor))
+        for t in (gate, up, dn):
+            self._check(t)
+        ups, downs = layer_rows(self.folder, gate, up, dn)
+        return list(zip(ups.unbind(0), downs.unbind(0)))
+
     def spec(self):
         from moekit.spec.loading import spec_from_config
 
@@ -178,9 +192,10 @@ class GGUFCheckpoint:
         return iter(self.tensor_names)
 
     def close(self) -> None:
-        """Wait for pending checks and raise the first mismatch. The reader's mmap lives as long as
-        this object (get reads through it): nothing to drop."""
+        """Wait for pending checks and raise the first mismatch, then let go of the pages read
+        through the memory map (they count in RSS until then; a later get maps them again)."""
         self.wait_verified()
+        self.gguf.drop_pages()
 
     def types(self) -> Counter:
         """Tensor type → how many GGUF tensors hold it: what loading dequantized."""
@@ -223,7 +238,7 @@ def packed_view(ckpt: GGUFCheckpoint):
     """gpt-oss's MXFP4 experts as the published safetensors hold them (moekit.weights.quantized):
     the loader keeps them packed, exactly as it does for the Hub's files."""
     from moekit.weights import mxfp4
-    from moekit.weights.quantized import Packed, QuantizedCheckpoint
+    from moekit.weights.quantized import Packed
 
     packed = {}
     for name in ckpt.files:
@@ -234,7 +249,16 @@ def packed_view(ckpt: GGUFCheckpoint):
     hidden = {p.data for p in packed.values()} | {p.scales for p in packed.values()}
     files = {name: s for name, s in ckpt.files.items() if name not in hidden}
     files.update({name: ckpt.files[p.data] for name, p in packed.items()})
-    return QuantizedCheckpoint(inner=ckpt, method="mxfp4", packed_tensors=packed, files=files)
+    return GGUFPackedView(inner=ckpt, method="mxfp4", packed_tensors=packed, files=files)
+
+
+@dataclass
+class GGUFPackedView(QuantizedCheckpoint):
+    """A gpt-oss GGUF's packed view, which reads an expert's prepared rows from the file directly."""
+
+    def mxfp4_expert_rows(self, gate_up: str, down: str) -> list:
+        """Each expert's prepared (gate_up, down) rows (gate_up, down: the view's names of a layer's experts)."""
+        return self.inner.mxfp4_expert_rows(self.packed_tensors[gate_up].data, self.packed_tensors[down].data)
 
 
 def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Optional[object], Optional[object], list[str]]:

@@ -47,6 +47,15 @@ class GGUFFile:
     metadata: dict[str, Any]  # key → plain Python value (str, int, float, bool or list)
     tensors: dict[str, GGUFTensor]
     data_start: int = 0  # where tensor data begins: everything before it is the header (metadata, tensor table)
+    mapping: Any = None  # the mmap.mmap every tensor's data views (None for an empty file)
+
+    def drop_pages(self) -> None:
+        """Unmap the pages read so far (they stay in the page cache, and a later read maps them
+        again): a mapping's pages count in the process's RSS, on top of the copies made of them."""
+        if self.mapping is not None:
+            import mmap
+
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class _Header:
@@ -133,7 +142,8 @@ def read_gguf(path: str | Path) -> GGUFFile:
         from gguf import GGMLQuantizationType
     except ImportError:
         raise CheckpointError(f"{path}: reading GGUF needs the gguf package (pip install gguf)") from None
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    mapping = _map(path) if size else None
+    mm = np.frombuffer(mapping, dtype=np.uint8) if size else np.zeros(0, np.uint8)
     h = _Header(mm, path)
     h.pos = 4
     version = h.scalar("<I")
@@ -164,4 +174,13 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for name, qtype, shape, offset in infos:
         data, n_bytes = _tensor_view(mm, name, qtype, shape, data_start + offset, path)
         tensors[name] = GGUFTensor(name, qtype.name, shape, data, data_start + offset, n_bytes)
-    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data_start=data_start)
+    return GGUFFile(path=path, version=version, metadata=metadata, tensors=tensors, data_start=data_start,
+                    mapping=mapping)
+
+
+def _map(path: Path):
+    """The whole file, mapped read-only (the mapping outlives the descriptor)."""
+    import mmap
+
+    with path.open("rb") as fh:
+        return mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)

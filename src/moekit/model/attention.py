@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit import ops
 from moekit.model import step_ops
 from moekit.model.linear import Linear
 from moekit.model.norms import RMSNorm, rms_normalize
@@ -294,33 +293,25 @@ class Attention(nn.Module):
         if self.spec.query_temperature is not None:
             scale = query_temperature(positions, *self.spec.query_temperature)  # [B] fp32
             q = (q * scale[:, None, None]).to(q.dtype)
-        rows = torch.arange(b, device=x.device)[:, None]
-        heads = torch.arange(hkv, device=x.device)[None, :]
-        # In place on the whole stack (a write through a view of it makes the graph copy the cache).
-        stack.index_put_((torch.full_like(rows, at), rows, heads, slot[:, None]), k)
-        stack.index_put_((torch.full_like(rows, at + 1), rows, heads, slot[:, None]), v)
+        step_ops.write_slots(stack, at, slot, k)  # [B, Hkv, hd] at each row's slot
+        step_ops.write_slots(stack, at + 1, slot, v)
         end = visible.shape[1]
         allowed = visible
-        back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
-        if self.window is not None:
-            allowed = allowed & (back < self.window)
-        if self.chunk is not None:  # llama4: only the query's own chunk of positions (chunk_mask)
-            allowed = allowed & (back <= (positions % self.chunk)[:, None])
+        if self.window is not None or self.chunk is not None:
+            back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
+            if self.window is not None:
+                allowed = allowed & (back < self.window)
+            if self.chunk is not None:  # llama4: only the query's own chunk of positions (chunk_mask)
+                allowed = allowed & (back <= (positions % self.chunk)[:, None])
         keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
-        grouped = q.reshape(b, hkv, h // hkv, hd).float()  # [B, Hkv, G, hd]
-        # Compiled only: eagerly the step must not sum differently by whether this process happens to
-        # have the operators registered (tests/dist/test_expert_parallel.py caught it).
-        if self.sinks is None and torch.compiler.is_compiling() and step_ops.has_attend():
-            # The cache read in place; the graph's own attention widened it to fp32 copies every layer.
-            out = ops.op("moekit", "attend")(grouped, keys, values, allowed, self.scale).to(x.dtype)  # [B, Hkv, G, hd]
+        grouped = q.reshape(b, hkv, h // hkv, hd)  # [B, Hkv, G, hd]
+        if self.sinks is None:
+            out = step_ops.attend(grouped, keys, values, allowed, self.scale)  # [B, Hkv, G, hd]
             return step_ops.project(self.o_proj, out.reshape(b, h * hd))
-        product = step_ops.contract if b == 1 else torch.einsum
-        logits = product("bkgd,bksd->bkgs", grouped, keys.float()) * self.scale  # [B, Hkv, G, S]
+        product = step_ops.contract if b == 1 else step_ops.einsum
+        logits = product("bkgd,bksd->bkgs", grouped.float(), keys.float()) * self.scale  # [B, Hkv, G, S]
         logits = logits.masked_fill(~allowed[:, None, None, :], float("-inf"))
-        if self.sinks is not None:
-            sink = self.sinks.float().view(1, hkv, h // hkv, 1).expand(b, hkv, h // hkv, 1)
-            probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(logits, dim=-1)
+        sink = self.sinks.float().view(1, hkv, h // hkv, 1).expand(b, hkv, h // hkv, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
         out = product("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
         return step_ops.project(self.o_proj, out.reshape(b, h * hd))

@@ -12,14 +12,18 @@ the whole step as one graph (moekit.model.compiled_step) and the same code runs 
   - a uint8 weight is q8_0 blocks (`--weights int8`): moekit::rows_q8 / experts_q8, the eager int8
     kernel's own operators; a bf16 weight in the tiles layout (model.linear.TILES) rows_tiles.
 Run eagerly (Decoder.forward's T = 1 step without --compile), the products the compiled graph fuses
-are torch's own (F.linear), and a weight laid out for an
-eager kernel (transposed, oneDNN, int4, MXFP4/FP8) runs that kernel, as the modules' forward does;
-moekit.model.combinations refuses to compile such a decoder.
+are torch's own (F.linear; attention over the cache SDPA, `attend`; the small products one matmul
+each, `einsum`), and a weight laid out for an eager kernel (transposed, oneDNN, int4, MXFP4/FP8)
+runs that kernel, as the modules' forward does; moekit.model.combinations refuses to compile such a
+decoder. Eagerly each op costs a few µs of dispatch whatever its size, so the eager forms are the
+ones with the fewest ops per layer (issue 34: the eager step had been 7-13% slower than the
+modules' forward, measured).
 Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -72,16 +76,90 @@ def contract(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     the contracted letters, which Inductor fuses with the ops around it into one loop nest.
     The batch-1 graph's attention uses it: at batch 1 the bmm calls einsum becomes cost ~10 µs each
     for a few thousand FMAs (measured). A batch keeps einsum, whose bmm is faster on a long cache.
-    Eagerly at fp32 it is einsum (the broadcast product is a temporary of every pair's product:
-    a batch-1 eager step 25% slower, measured); at bf16 it stays the broadcast sum, whose products
-    round as the compiled graph's do (einsum's bmm flipped a near-tied expert on the tiny deepseek_v3)."""
+    Eagerly at fp32 it is einsum's bmm (the broadcast product is a temporary of every pair's product:
+    a batch-1 eager step 25% slower, measured), called as one matmul (`einsum` below); at bf16 it
+    stays the broadcast sum, whose products round as the compiled graph's do (einsum's bmm flipped a
+    near-tied expert on the tiny deepseek_v3)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32 and not torch.compiler.is_compiling():
-        return torch.einsum(equation, a, b)
+        return einsum(equation, a, b)
     inputs, out = equation.replace(" ", "").split("->")
     left, right = inputs.split(",")
     letters = out + "".join(sorted(set(left + right) - set(out)))  # kept letters first, then summed
     a, b = _lift(a, left, letters), _lift(b, right, letters)
     return (a * b).sum(dim=tuple(range(len(out), len(letters))))
+
+
+def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.einsum(equation, a, b) for two operands; eagerly, where each kind of letter (batch, a's
+    rows, the summed one, b's columns) is at most one dim, as the one matmul einsum itself reduces
+    it to: the same bmm on the same operands, so the same floats, at half einsum's per-call cost
+    (its planning and views: ~6 µs of ~13 for the step's small products, measured). Compiled,
+    einsum (the graph's own plan)."""
+    plan = None if torch.compiler.is_compiling() else _matmul_plan(equation)
+    if plan is None:
+        return torch.einsum(equation, a, b)
+    a_order, b_order, out_order = plan
+    y = a.permute(a_order) @ b.permute(b_order)  # [batch.., rows, columns]
+    return y.permute(out_order)
+
+
+@lru_cache(maxsize=None)
+def _matmul_plan(equation: str) -> Optional[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+    """How `einsum` runs equation as one matmul: (a's permutation to [batch.., rows, summed],
+    b's to [batch.., summed, columns], the product's to the output's letters), or None where it
+    does not reduce to one (a letter summed on one side only, a repeated letter, two letters of
+    a kind other than batch)."""
+    inputs, out = equation.replace(" ", "").split("->")
+    left, right = inputs.split(",")
+    if len(set(left)) != len(left) or len(set(right)) != len(right):
+        return None
+    batch = [c for c in out if c in left and c in right]
+    rows = [c for c in out if c in left and c not in right]
+    columns = [c for c in out if c in right and c not in left]
+    summed = [c for c in left if c in right and c not in out]
+    if len(rows) != 1 or len(columns) != 1 or len(summed) != 1 or set(left + right) != set(out + summed[0]):
+        return None
+    if set(left) != set(batch + rows + summed) or set(right) != set(batch + summed + columns):
+        return None  # a batch letter on one side only: einsum broadcasts it, a matmul would need a view
+    made = batch + rows + columns
+    return (tuple(left.index(c) for c in batch + rows + summed), tuple(right.index(c) for c in batch + summed + columns),
+            tuple(made.index(c) for c in out))
+
+
+def write_slots(stack: torch.Tensor, at: int, slot: torch.Tensor, values: torch.Tensor) -> None:
+    """The cache write of one token per row: stack[at, r, .., slot[r], :] ← values[r] for each row r
+    of values [B, .., W] (stack: the cache's tensors as one, KVCache.stack; stack[at] is a layer's
+    [B_max, .., S, W]). Compiled, one index_put_ on the whole stack (a write through a view of it
+    makes the graph copy the cache); eagerly through the layer's view, half the cost (~12 µs of ~24
+    per layer for k and v, measured: no index tensors for `at` and the heads)."""
+    rows = torch.arange(values.shape[0], device=values.device)  # [B]
+    if not torch.compiler.is_compiling():
+        stack[at][(rows,) + (slice(None),) * (values.dim() - 2) + (slot,)] = values
+        return
+    middle = [torch.arange(n, device=values.device).view((1, n) + (1,) * (values.dim() - 3 - i))
+              for i, n in enumerate(values.shape[1:-1])]  # [1, n, 1..]: the dims between the row and the slot
+    rows = rows.view((-1,) + (1,) * (values.dim() - 2))  # [B, 1..]
+    stack.index_put_((torch.full_like(rows, at), rows, *middle, slot.view(rows.shape)), values)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of each row's one new token over the cache: q [B, Hkv, G, hd] (each
+    kv head's G query heads), keys / values [B, Hkv, S, hd] (views of the cache), allowed [B, S]
+    bool (the slots each row may see; its own always) → [B, Hkv, G, hd] in q's dtype.
+    Compiled: moekit::attend where the operators are loaded (the cache read in place; the graph's
+    own attention widened it to fp32 copies every layer), else the products, mask and softmax in
+    fp32 as `contract` / einsum, which Inductor fuses. Eagerly: torch's SDPA, the modules' forward's
+    attention, whether or not the operators are loaded (an eager step must not sum differently by
+    that: tests/dist/test_expert_parallel.py caught it): one fused kernel where the products, mask
+    and softmax were ~12 ops (~40 µs a layer, measured at batch 1)."""
+    if not torch.compiler.is_compiling():
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=allowed[:, None, None, :], scale=scale)
+    if has_attend():
+        return ops.op("moekit", "attend")(q.float(), keys, values, allowed, scale).to(q.dtype)
+    product = contract if q.shape[0] == 1 else torch.einsum
+    logits = product("bkgd,bksd->bkgs", q.float(), keys.float()) * scale  # [B, Hkv, G, S]
+    probs = torch.softmax(logits.masked_fill(~allowed[:, None, None, :], float("-inf")), dim=-1)
+    return product("bkgs,bksd->bkgd", probs, values.float()).to(q.dtype)
 
 
 def _lift(t: torch.Tensor, have: str, letters: str) -> torch.Tensor:

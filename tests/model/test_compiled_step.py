@@ -283,10 +283,9 @@ def test_packed_experts_compiled_match_eager(packed_engines, kind):
     assert all(torch.equal(a.topk_ids, b.topk_ids) for a, b in zip(want_routes, got_routes))
 
 
-def test_a_hot_swap_reaches_the_packed_stacks_the_compiled_step_reads(tmp_path):
-    """replace_expert writes into the packed stacks: the compiled step reads the new expert."""
-    folder = write_mxfp4(tmp_path / "mxfp4")
-    engines = [load_engine(folder, compile=c) for c in (False, True)]
+def _swap_reaches_the_compiled_step(engines) -> None:
+    """engines: (eager, compiled) of one checkpoint. Every expert of the first MoE layer becomes
+    expert 0 in both: the compiled step's logits change, and equal the eager ones'."""
     engines[1].decoder.compile_decode(cpp_wrapper=False)
     prompt = [5, 9, 33, 7]
     before = _step_logits(engines[1], prompt)
@@ -298,23 +297,20 @@ def test_a_hot_swap_reaches_the_packed_stacks_the_compiled_step_reads(tmp_path):
     after = [_step_logits(engine, prompt) for engine in engines]
     assert not torch.allclose(after[1], before)
     torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_hot_swap_reaches_the_packed_stacks_the_compiled_step_reads(tmp_path):
+    """replace_expert writes into the packed stacks: the compiled step reads the new expert."""
+    folder = write_mxfp4(tmp_path / "mxfp4")
+    engines = [load_engine(folder, compile=c) for c in (False, True)]
+    _swap_reaches_the_compiled_step(engines)
 
 
 def test_int8_hot_swap_reaches_the_compiled_step(tmp_path):
     """replace_expert writes into the q8_0 stacks the compiled step reads."""
     folder = write_checkpoint("qwen3_moe", tmp_path / "q")
     engines = [load_engine(folder, weights="int8-experts", compile=c) for c in (False, True)]
-    engines[1].decoder.compile_decode(cpp_wrapper=False)
-    prompt = [5, 9, 33, 7]
-    before = _step_logits(engines[1], prompt)
-    for engine in engines:
-        ex = next(b.ffn.experts for b in engine.decoder.layers if hasattr(b.ffn, "experts"))
-        gate_up, down = ex.resident_weights(0)
-        for e in range(ex.num_experts):  # every expert of the layer becomes expert 0
-            ex.replace_expert(e, (gate_up.clone(), down.clone()))
-    after = [_step_logits(engine, prompt) for engine in engines]
-    assert not torch.allclose(after[1], before)
-    torch.testing.assert_close(after[1], after[0], rtol=1e-4, atol=1e-4)
+    _swap_reaches_the_compiled_step(engines)
 
 
 # Widths that fit the tiles layout (16 | out, 32 | in) in every projection and expert stack but the

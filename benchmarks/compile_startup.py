@@ -1,6 +1,7 @@
 """Where the compiled decode step's start-up goes, in one process: load, then the first (compiling)
 step, with torch's own compile-phase timers (Dynamo tracing, AOTAutograd, Inductor codegen and
-C++ compile, loading cached code) and its cache hit/miss counters. Run it twice: the first run
+C++ compile, loading cached code) and its cache hit/miss counters. `--no-saved` traces with Dynamo
+even where an earlier process saved the graph (moekit.model.saved_graphs), for the A/B. Run it twice: the first run
 with the model's folder under ~/.cache/moekit/compile removed is "cold" (a fresh HOME would also
 rebuild moekit's operators, minutes more), the second "warm".
 
@@ -21,6 +22,8 @@ def main() -> None:
     parser.add_argument("--weights", default="dtype")
     parser.add_argument("--batches", default="1", help="comma-separated batch sizes to warm up")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--no-saved", action="store_true",
+                        help="trace the step with Dynamo even where a saved graph exists (moekit.model.saved_graphs)")
     args = parser.parse_args()
     t0 = time.perf_counter()
     import torch
@@ -36,6 +39,8 @@ def main() -> None:
     t2 = time.perf_counter()
     batches = tuple(int(b) for b in args.batches.split(","))
     if engine.decoder.compiled is not None:
+        if args.no_saved:
+            engine.decoder.compiled._saved = []
         engine.decoder.compiled.warm_up(batches)
     t_first = time.perf_counter() - t2
     from torch._dynamo.utils import calculate_time_spent, compile_times, counters
@@ -45,6 +50,7 @@ def main() -> None:
         "import_s": round(t_import, 2), "load_s": round(t_load, 2), "first_steps_s": round(t_first, 2),
         "notes": engine.notes,
         "cache_folder": str(getattr(engine.decoder.compiled, "cache_folder", None)),
+        "graphs_loaded_from_disk": getattr(engine.decoder.compiled, "loaded_graphs", None),
         "phases_s": {k: round(v, 2) for k, v in calculate_time_spent().items()},
         "counters": {group: dict(counters[group]) for group in ("inductor", "aot_autograd", "stats")},
     }, indent=1, default=str))

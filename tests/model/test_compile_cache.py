@@ -15,8 +15,9 @@ from moekit.model.compiled_step import CompiledStep
 
 
 def _generated(folder):
-    """The FX-graph cache's entries under folder (one per graph Inductor compiled)."""
-    return sorted(p.relative_to(folder) for p in (folder / "fxgraph").rglob("*") if p.is_file())
+    """Every file the compiles wrote under folder (the caches' entries, generated code, libraries),
+    but the locks."""
+    return sorted(p.relative_to(folder) for p in folder.rglob("*") if p.is_file() and p.parent.name != "locks")
 
 
 def _step_logits(decoder, step) -> torch.Tensor:

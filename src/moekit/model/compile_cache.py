@@ -71,8 +71,10 @@ def step_key(decoder: torch.nn.Module, options: dict) -> str:
 
 
 def is_cached(folder: Path) -> bool:
-    """Whether a compile has written into folder before (the next one then loads, not compiles)."""
-    return (folder / "fxgraph").is_dir() and any((folder / "fxgraph").iterdir())
+    """Whether a compile has written into folder before (the next one then loads, not compiles):
+    Inductor's FX-graph cache, or AOTAutograd's with the compiled code bundled into it (the compiled
+    step's own compiles: moekit.model.saved_graphs), or saved graphs."""
+    return any((folder / sub).is_dir() and any((folder / sub).iterdir()) for sub in ("fxgraph", "aotautograd", "direct"))
 
 
 @contextmanager

@@ -56,12 +56,14 @@ from moekit import ops
 from moekit.model.combinations import compile_refusal
 from moekit.model.compile_cache import DEFAULT_CACHE, compiling_into, start_line, step_key
 from moekit.model.decoder import FAMILY, StepRouting, decode_step, step_decisions
-from moekit.model.direct_graph import DirectGraph, direct_graph, held_tensors
+from moekit.model.direct_graph import DirectGraph, direct_graph, named_held
 from moekit.model.experts import RoutedExperts
 from moekit.model.linear import PLAIN, TILES, Linear
 from moekit.model.moe import MoE
-from moekit.model.step_ops import CONSTANT_WHILE_TRACING
-from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic
+from moekit.model import saved_graphs
+from moekit.model.step_ops import (CONSTANT_WHILE_TRACING, _namespace, _widen_batch, grouped, has_attend, has_gemv,
+                                   has_latent_attend)
+from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic, serializable_compile
 
 for _fn in CONSTANT_WHILE_TRACING:  # the kernel choices: constants in the graph (step_ops says why here)
     assume_constant_result(_fn)
@@ -121,6 +123,18 @@ def _mark_held(stack, tables) -> None:
     mark(stack, 2 if stack.dim() == 4 else 3)  # the slots: MLA's [N, B, S, R+Rr], attention's [N, B, Hkv, S, hd]
 
 
+def trace_constants(cpp_wrapper: bool) -> dict:
+    """What a trace of the step reads as constants (step_ops' kernel choices, which operators are
+    loaded) and the Inductor option that changes the generated code: a saved graph is used only
+    under the same (moekit.model.saved_graphs)."""
+    values = {"cpp_wrapper": cpp_wrapper, "gemv": has_gemv(), "attend": has_attend(),
+              "latent_attend": has_latent_attend()}
+    for kind in ops.KINDS:
+        values.update({f"namespace:{kind}": _namespace(kind), f"grouped:{kind}": grouped(kind),
+                       f"widen:{kind}": _widen_batch(kind)})
+    return values
+
+
 def top_k_of(inputs: tuple) -> Optional[torch.Tensor]:
     """The per-row K among a step's per-call inputs (CompiledStep.__call__'s order), or None."""
     return inputs[7] if len(inputs) > 7 else None
@@ -140,8 +154,8 @@ class _Recorder:
         folder = step.cache_folder if step is not None else None
         if folder is None:
             run = compile_fx(gm, example_inputs, config_patches=self._inductor)
-        else:
-            with compiling_into(folder):
+        else:  # serialisable, for moekit.model.saved_graphs
+            with compiling_into(folder), serializable_compile():
                 run = compile_fx(gm, example_inputs, config_patches=self._inductor)
         if step is not None:
             step._record(gm, example_inputs, run)
@@ -205,6 +219,11 @@ class CompiledStep:
         self._graphs: dict[StepRouting, list[DirectGraph]] = {}
         self._tracing: Optional[tuple] = None  # (the per-call inputs, the StepRouting) of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
+        # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
+        # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
+        self._constants = saved_graphs.step_constants(trace_constants(cpp_wrapper))
+        self._saved = saved_graphs.saved(self.cache_folder, self._constants)
+        self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
 
@@ -217,10 +236,40 @@ class CompiledStep:
         """Keep how to call `run` (just compiled from gm) without Dynamo, where that can be done."""
         if self._tracing is not None:
             inputs, routing = self._tracing
-            graph = direct_graph(gm, example_inputs, run, inputs, held_tensors(self.decoder),
+            named = named_held(self.decoder)
+            graph = direct_graph(gm, example_inputs, run, inputs, {id(t): t for t in named.values()},
                                  outputs=4 if routing.entropy else 3)
             if graph is not None:
                 self._graphs.setdefault(routing, []).append(graph)
+                if self.cache_folder is not None and not saved_graphs.keeps_process_objects(gm):
+                    self._save(graph, routing, named)
+
+    def _save(self, graph: DirectGraph, routing: StepRouting, named: dict) -> None:
+        """Keep graph for later processes. A cache that cannot be written costs only their start-up,
+        so nothing here stops the step (a full disk, a read-only home, a graph torch cannot serialise)."""
+        try:
+            saved_graphs.save(self.cache_folder, graph, tuple(routing), self._constants,
+                              {id(t): name for name, t in named.items()})
+        except Exception:  # noqa: BLE001 — see the docstring
+            pass
+
+    def _load_saved(self, inputs: tuple, routing: StepRouting) -> Optional[DirectGraph]:
+        """A graph an earlier process saved that accepts inputs, loaded, or None. A record that fails
+        to load is dropped for this process, and the step traces instead."""
+        named = None
+        for record in [r for r in self._saved if r.routing == tuple(routing) and r.accepts(inputs)]:
+            self._saved.remove(record)
+            named = named_held(self.decoder) if named is None else named
+            try:
+                with compiling_into(self.cache_folder):
+                    graph = saved_graphs.load(record, named)
+            except Exception:  # noqa: BLE001 — a stale or damaged cache entry: trace instead
+                graph = None
+            if graph is not None:
+                self._graphs.setdefault(routing, []).append(graph)
+                self.loaded_graphs += 1
+                return graph
+        return None
 
     def __call__(self, ids, cache, slot, positions, key_mask, top_k=None, routing: StepRouting = FAMILY) -> StepResult:
         """ids [B, 1]; slot, positions [B] int64: where each row's token goes and its RoPE position
@@ -242,6 +291,9 @@ class CompiledStep:
             inputs = (*small[:4], cache.stack, *tables, *small[4:])
             graphs = self._graphs.get(routing, [])
             graph = next((g for g in graphs if g.accepts(inputs)), None)
+            if graph is None and self._saved:
+                graph = self._load_saved(inputs, routing)
+                graphs = self._graphs.get(routing, [])
             if graph is not None:
                 if graph is not graphs[0]:  # the graph of the last call is tried first
                     graphs.remove(graph)

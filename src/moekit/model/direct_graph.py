@@ -53,6 +53,7 @@ class DirectGraph:
     sources: tuple[Source, ...]
     guards: Optional[CodeType]  # the shape guards over inputs t0, t1, ...; None: there are none
     kinds: tuple  # _kind() of each per-call input
+    guard_source: Optional[str] = None  # the text `guards` was compiled from (moekit.model.saved_graphs keeps it)
 
     def __post_init__(self):
         # A call copies the held tensors' list and fills in the rest (~80 arguments, ~10 per call).
@@ -76,16 +77,23 @@ class DirectGraph:
         return self.run(*args)
 
 
-def held_tensors(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+def named_held(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor the module tree holds (parameters, buffers, plain tensor attributes and tuples or
-    lists of them), by id: the only tensors a direct graph may keep between calls."""
-    held = {}
-    for m in module.modules():
-        for value in list(m.__dict__.values()) + list(m._parameters.values()) + list(m._buffers.values()):
-            for t in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    held[id(t)] = t
-    return held
+    lists of them) under a name that is the same in every process building the same decoder
+    ("module path:attribute:index"); a tensor held twice keeps its first name."""
+    named, seen = {}, set()
+    for prefix, m in module.named_modules():
+        for key, value in [*m.__dict__.items(), *m._parameters.items(), *m._buffers.items()]:
+            for i, t in enumerate(value if isinstance(value, (tuple, list)) else (value,)):
+                if isinstance(t, torch.Tensor) and id(t) not in seen:
+                    seen.add(id(t))
+                    named[f"{prefix}:{key}:{i}"] = t
+    return named
+
+
+def held_tensors(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """named_held's tensors by id: the only tensors a direct graph may keep between calls."""
+    return {id(t): t for t in named_held(module).values()}
 
 
 def direct_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, run: Callable,
@@ -119,10 +127,10 @@ def direct_graph(gm: torch.fx.GraphModule, example_inputs: Sequence, run: Callab
             if found is None:
                 return None
             sources.append(found)
-    guards = _guards([fakes[i] for i in range(len(inputs))])
-    if guards is False:
+    guard_source = _guards([fakes[i] for i in range(len(inputs))])
+    if guard_source is False:
         return None
-    return DirectGraph(run, tuple(sources), guards, tuple(_kind(t) for t in inputs))
+    return DirectGraph(run, tuple(sources), compile_guards(guard_source), tuple(_kind(t) for t in inputs), guard_source)
 
 
 def _returns(gm: torch.fx.GraphModule, outputs: int) -> bool:
@@ -147,11 +155,16 @@ def _symbol_source(value, fakes: dict[int, object]) -> Optional[Source]:
     return None
 
 
-def _guards(fakes: list) -> CodeType | None | bool:
-    """The shape guards over the inputs' fake tensors, compiled; None where there are none; False
-    where no shape environment can be found (then the graph is not called directly)."""
+def _guards(fakes: list) -> str | None | bool:
+    """The shape guards over the inputs' fake tensors, as an expression over L["t0"], L["t1"], ...;
+    None where there are none; False where no shape environment can be found (then the graph is not
+    called directly)."""
     mode = detect_fake_mode()
     if mode is None or mode.shape_env is None:
         return False
-    code = mode.shape_env.produce_guards_expression(fakes, ignore_static=False)
-    return None if code is None else compile(code, "<direct graph guards>", "eval")
+    return mode.shape_env.produce_guards_expression(fakes, ignore_static=False)
+
+
+def compile_guards(source: Optional[str]) -> Optional[CodeType]:
+    """A guard expression (as _guards writes it) ready for DirectGraph.accepts; None stays None."""
+    return None if source is None else compile(source, "<direct graph guards>", "eval")

@@ -86,3 +86,31 @@ def grouped_mm(x: torch.Tensor, weights_t: torch.Tensor, offsets: torch.Tensor) 
     runs each group's product as the one-expert GEMM (bit for bit F.linear's, tested), in one op
     instead of one per expert. Replace with: torch's public grouped GEMM once it has one."""
     return torch._grouped_mm(x, weights_t, offs=offsets)
+
+
+def serializable_compile():
+    """A context in which Inductor's compiled graphs can be serialised whole (serialize_compiled):
+    AOTAutograd bundles the compiled code into its cache entry instead of a key to Inductor's.
+    Why private: torch's own precompile (torch.compile(...).aot_compile) serialises Dynamo's guards
+    and bytecode too and needs its own backend, but the step keeps its own guards
+    (moekit.model.direct_graph). Replace with: a public option of torch.compile to return
+    serialisable compiled graphs from a custom backend."""
+    return torch._functorch.config.patch(bundled_autograd_cache=True)
+
+
+def serialize_compiled(run) -> bytes | None:
+    """The bytes of a graph compile_fx returned under serializable_compile (None where it cannot be
+    serialised). Replace with: as serializable_compile."""
+    if getattr(run, "serialize", None) is None:
+        return None
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    return Bundled.serialize_compile_artifacts(Bundled(run))
+
+
+def deserialize_compiled(data: bytes):
+    """The callable serialize_compiled's bytes hold (flat arguments, as compile_fx's). Replace with:
+    as serializable_compile."""
+    from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
+
+    return Bundled.deserialize_compile_artifacts(data)

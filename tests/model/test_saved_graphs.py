@@ -1,0 +1,138 @@
+"""The compiled step's graphs kept on disk and called by a later process without Dynamo
+(moekit.model.saved_graphs).
+
+A step that finds a graph an earlier one saved under the same constants must load it, not trace,
+and give bit-identical logits; a record made under other constants, a damaged one, or one whose
+held tensors differ must be passed over (the step then traces, with the same result); a graph that
+calls an operator holding a process's object by handle must never be saved.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moekit.engine.loader import load_engine
+from moekit.model import saved_graphs
+from moekit.model.compiled_step import CompiledStep
+from moekit.model.direct_graph import named_held
+
+
+def _logits(decoder, step) -> torch.Tensor:
+    """Prefill 3 tokens eagerly, then 2 compiled steps: their logits [1, 2, V]."""
+    decoder.compiled = step
+    cache = decoder.new_cache(1, 8)
+    with torch.inference_mode():
+        decoder(torch.tensor([[5, 9, 33]]), cache, torch.tensor([[0, 1, 2]]))
+        return torch.cat([decoder(torch.tensor([[t]]), cache, torch.tensor([[3 + s]])) for s, t in enumerate((7, 81))], 1)
+
+
+def _records(step) -> list:
+    return sorted((step.cache_folder / saved_graphs.FOLDER).glob("*.json"))
+
+
+@pytest.fixture
+def compiled_once(tiny_checkpoints, tmp_path):
+    """A decoder, the first step compiled into tmp_path (its graph saved there), and its logits."""
+    decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    want = _logits(decoder, first)
+    assert first.loaded_graphs == 0 and len(_records(first)) == 1
+    return decoder, first, want
+
+
+def test_a_later_step_loads_the_saved_graph_instead_of_tracing(compiled_once, tmp_path):
+    decoder, first, want = compiled_once
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    got = _logits(decoder, second)
+    assert second.loaded_graphs == 1 and second.direct_steps == 2  # no step went through Dynamo
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    decoder.compiled = None
+    torch.testing.assert_close(_logits(decoder, None), want, rtol=0, atol=1e-4)  # the eager reference
+
+
+def test_another_process_runs_the_saved_graph_with_the_same_logits(compiled_once, tiny_checkpoints, tmp_path):
+    decoder, first, want = compiled_once
+    save_file({"want": want.contiguous()}, tmp_path / "want.safetensors")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from safetensors.torch import load_file
+        sys.path.insert(0, {str(__import__("pathlib").Path(__file__).parent)!r})
+        from test_saved_graphs import _logits
+        from moekit.engine.loader import load_engine
+        from moekit.model.compiled_step import CompiledStep
+        torch.set_num_threads({torch.get_num_threads()})
+        decoder = load_engine({str(tiny_checkpoints("qwen3_moe"))!r}, compile=True).decoder
+        step = CompiledStep(decoder, cpp_wrapper=False, cache=__import__("pathlib").Path({str(tmp_path)!r}))
+        got = _logits(decoder, step)
+        torch.testing.assert_close(got, load_file({str(tmp_path / "want.safetensors")!r})["want"], rtol=0, atol=0)
+        print("loaded", step.loaded_graphs, "direct", step.direct_steps)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["loaded", "1", "direct", "2"], done.stdout
+
+
+def test_a_record_made_under_other_constants_is_not_used(compiled_once, tmp_path):
+    decoder, first, want = compiled_once
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # Inductor's generated loops were written for the first count
+    try:
+        second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+        got = _logits(decoder, second)
+    finally:
+        torch.set_num_threads(threads)
+    assert second.loaded_graphs == 0 and len(_records(second)) == 2  # traced, and saved under its own
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_a_damaged_record_is_passed_over_and_the_step_traces(compiled_once, tmp_path):
+    decoder, first, want = compiled_once
+    record = _records(first)[0]
+    artefact = record.with_suffix(".bin")
+    artefact.write_bytes(artefact.read_bytes()[:100])  # cut short
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    torch.testing.assert_close(_logits(decoder, second), want, rtol=0, atol=0)
+    assert second.loaded_graphs == 0
+    record.write_text("{not json")
+    third = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    assert third._saved == [] and torch.equal(_logits(decoder, third), want)
+
+
+def test_a_held_tensor_that_differs_keeps_the_record_from_loading(compiled_once, tmp_path):
+    decoder, first, _ = compiled_once
+    [record] = saved_graphs.saved(first.cache_folder, first._constants)
+    named = named_held(decoder)
+    held = [row for row in record.sources if row[0] == "held"]
+    assert held and saved_graphs.load(record, named) is not None
+    name = held[0][1]
+    assert saved_graphs.load(record, {**named, name: named[name].t()}) is None  # another stride
+    assert saved_graphs.load(record, {k: v for k, v in named.items() if k != name}) is None  # missing
+
+
+def test_a_graph_that_finds_process_objects_by_handle_is_not_saved():
+    import moekit.offload.graph_store  # noqa: F401 — registers moekit::prefetch_guess
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(torch.ops.moekit.prefetch_guess.default, (x, 0)))
+    assert saved_graphs.keeps_process_objects(torch.fx.GraphModule(torch.nn.Module(), graph))
+    plain = torch.fx.Graph()
+    y = plain.placeholder("y")
+    plain.output(plain.call_function(torch.ops.aten.relu.default, (y,)))
+    assert not saved_graphs.keeps_process_objects(torch.fx.GraphModule(torch.nn.Module(), plain))
+
+
+def test_records_are_json_that_names_what_they_were_made_under(compiled_once):
+    _, first, _ = compiled_once
+    record = json.loads(_records(first)[0].read_text())
+    assert record["constants"]["threads"] == torch.get_num_threads()
+    assert record["constants"]["cpp_wrapper"] is False
+    assert record["routing"] == [0, False, False]
+    assert all(row[0] in ("held", "input", "size", "stride") for row in record["sources"])

@@ -10,6 +10,7 @@ calls an operator holding a process's object by handle must never be saved.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -136,3 +137,21 @@ def test_records_are_json_that_names_what_they_were_made_under(compiled_once):
     assert record["constants"]["cpp_wrapper"] is False
     assert record["routing"] == [0, False, False]
     assert all(row[0] in ("held", "input", "size", "stride") for row in record["sources"])
+
+
+def test_a_model_of_the_same_shape_with_other_constants_does_not_get_the_graph(compiled_once, tiny_checkpoints,
+                                                                                tmp_path):
+    decoder, first, want = compiled_once
+    other = tmp_path / "other-eps"
+    shutil.copytree(tiny_checkpoints("qwen3_moe"), other)
+    config = json.loads((other / "config.json").read_text())
+    config["rms_norm_eps"] = 0.25  # the same tensors; the norms' eps is a constant in the traced graph
+    (other / "config.json").write_text(json.dumps(config))
+    decoder2 = load_engine(other, compile=True).decoder
+    second = CompiledStep(decoder2, cpp_wrapper=False, cache=tmp_path)
+    assert second.cache_folder == first.cache_folder  # the key sees shapes: the records must tell them apart
+    got = _logits(decoder2, second)
+    assert second.loaded_graphs == 0
+    decoder2.compiled = None
+    torch.testing.assert_close(got, _logits(decoder2, None), rtol=0, atol=1e-4)
+    assert not torch.allclose(got, want, atol=1e-3)

@@ -221,7 +221,7 @@ class CompiledStep:
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
-        self._constants = saved_graphs.step_constants(trace_constants(cpp_wrapper))
+        self._constants = saved_graphs.step_constants(trace_constants(cpp_wrapper), decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}

@@ -28,6 +28,8 @@ from there; moekit never reads a pickle from a checkpoint or a download.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -63,10 +65,47 @@ class SavedGraph:
         return probe.accepts(inputs)
 
 
-def step_constants(values: dict) -> dict:
-    """The constants a trace baked in (CompiledStep names them), with the thread count, as JSON."""
+def step_constants(values: dict, decoder: torch.nn.Module) -> dict:
+    """The constants a trace baked in (CompiledStep names them), the thread count, and a digest of
+    every value the decoder's modules hold besides tensors (decoder_state), as JSON."""
     return {**{k: v if isinstance(v, (bool, int, str)) else repr(v) for k, v in values.items()},
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "decoder": decoder_state(decoder)}
+
+
+def decoder_state(decoder: torch.nn.Module) -> str:
+    """A hash of what the decoder's modules hold besides tensors and modules: the family's constants
+    (rope theta, norms' eps, scalings, each router's spec and K), routing knobs, kernel choices.
+    Dynamo reads them while tracing and bakes them into the graph, but the compiled step does not
+    guard on modules (CompiledStep says why), and a saved graph is not traced again: two decoders of
+    one shape that differ in one of these must not share a graph. Tensors are checked apart (save)."""
+    digest = hashlib.sha256()
+    for name, module in decoder.named_modules():
+        for key, value in sorted(vars(module).items()):
+            if not key.startswith("_") and not isinstance(value, torch.nn.Module):
+                digest.update(f"{name}.{key}={_state(value)}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def _state(value, depth: int = 0) -> str:
+    """value written so that equal states read alike in every process (no addresses, no tensor data)."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype}, {tuple(value.shape)})"
+    if depth > 4:
+        return type(value).__qualname__
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_state(v, depth + 1) for v in value) + ")"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k!r}: {_state(v, depth + 1)}" for k, v in sorted(value.items(), key=repr)) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={_state(getattr(value, f.name), depth + 1)}" for f in dataclasses.fields(value))
+        return f"{type(value).__qualname__}({fields})"
+    if isinstance(value, enum.Enum):
+        return repr(value)
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    return type(value).__qualname__  # an object of the process (a policy's seat, the compiled step)
 
 
 def keeps_process_objects(gm: torch.fx.GraphModule) -> bool:

@@ -168,7 +168,7 @@ def test_bad_requests_are_refused(capsys, ckpt, args, message):
 
 def test_bench_decode_reports_ratio_and_roofline(capsys, ckpt):
     code, out, _ = moekit(
-        capsys, "bench", "decode", ckpt, "--vs", "transformers", "--batch", "1,2", "--tokens", "4",
+        capsys, "bench", "decode", "--eager", ckpt, "--vs", "transformers", "--batch", "1,2", "--tokens", "4",
         "--prompt-len", "4", "--repeats", "1", "--warmup", "0", "--json",
     )
     assert code == 0

@@ -73,7 +73,7 @@ def sharded(request, tiny_checkpoints, tmp_path_factory):
     """(family, its checkpoint, a 2-rank server of it); the server must drain, exit 0 and take its ranks along."""
     family = request.param
     folder = tiny_checkpoints(family)
-    args = [folder, "--expert-parallel", "2", "--ep-timeout", "30", "--max-batch", "8"]
+    args = [folder, "--eager", "--expert-parallel", "2", "--ep-timeout", "30", "--max-batch", "8"]
     if family == "qwen3_moe":
         placement = tmp_path_factory.mktemp("placement") / "replicas.json"
         placement.write_text(json.dumps({"format": "moekit-placement", "version": 1, "ranks": 2,
@@ -372,7 +372,7 @@ def _torchrun_agents(folders: list, logs: list) -> list:
             agents.append(subprocess.Popen(
                 [torchrun, "--nnodes", str(len(folders)), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder,
-                 "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
+                 "--eager", "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
                 stdout=subprocess.DEVNULL, stderr=err))
     return agents
 

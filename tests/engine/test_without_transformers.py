@@ -26,8 +26,8 @@ from moekit.calc.params import count_params
 from moekit.spec import load_spec
 
 folder, prompt = sys.argv[1], [int(t) for t in sys.argv[2].split(",")]
-resident = moekit.load(folder)
-paged = moekit.load(folder, expert_memory="25%", policy="lfu", prefetch=True)
+resident = moekit.load(folder, compile=False)
+paged = moekit.load(folder, expert_memory="25%", policy="lfu", prefetch=True, compile=False)
 out = {
     "resident": resident.generate(prompt, max_new_tokens=12, stop_ids=()).token_ids[0],
     "paged": paged.generate(prompt, max_new_tokens=12, stop_ids=()).token_ids[0],

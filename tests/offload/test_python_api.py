@@ -1,6 +1,7 @@
-"""The README's Python example, as written, on the bundled demo model: `moekit.load(...,
-expert_memory="25%", policy="lfu")` generates the resident engine's tokens, `store.stats()` reports
-the store, `decode()` gives the text and `close()` stops the reader threads."""
+"""The README's Python example, as written but on the eager step (compile=False: the suite does not
+compile the bundled model here), on the bundled demo model: `moekit.load(..., expert_memory="25%",
+policy="lfu")` generates the resident engine's tokens, `store.stats()` reports the store, `decode()`
+gives the text and `close()` stops the reader threads."""
 
 from __future__ import annotations
 

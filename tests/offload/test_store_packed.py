@@ -116,10 +116,10 @@ def test_a_slot_a_miss_and_the_meter_cost_the_packed_bytes(published, kind, bits
     d, f = expert.hidden_size, expert.width
     assert each * 8 / (3 * d * f) == pytest.approx(bits)  # these shapes are whole blocks
 
-    resident = moekit_load(folder)
+    resident = moekit_load(folder, compile=False)
     held = sum(w.numel() for w in resident.decoder.layers[spec.moe_layers[0]].ffn.experts.resident_weights(0))
     assert held == each  # a slot holds what a resident packed expert holds
-    engine = moekit_load(folder, expert_memory="25%", policy="none")
+    engine = moekit_load(folder, expert_memory="25%", policy="none", compile=False)
     try:
         gen = engine.generate(PROMPTS[0], max_new_tokens=4, stop_ids=())
         stats = engine.store.stats()
@@ -166,7 +166,7 @@ def test_a_flipped_byte_in_a_packed_expert_is_one_line_exit_2(capsys, published,
     extent = {"scales of gate_up": ex.gate_up[1], "blocks of down": ex.down[0], "scale_inv of down": ex.down[1]}[part]
     flip_byte(folder / extent.file, extent.offset + extent.length // 2)
 
-    err = refused(capsys, "run", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
+    err = refused(capsys, "run", "--eager", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
     assert "Traceback" not in err
     assert f"layer {layer} expert {expert}: checksum mismatch in {extent.file}" in err
     with pytest.raises(ExpertIntegrityError):

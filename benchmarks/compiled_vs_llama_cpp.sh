@@ -31,7 +31,7 @@ for family in qwen3_moe deepseek_v3; do
     ckpt="bench-out/ckpt/$family-$size"
     for dtype in float32 bfloat16; do
         run "$family-$size-$dtype-compile-t$threads" "$ckpt" --compile --dtype "$dtype" --batch "$batches"
-        if [ -n "$eager" ]; then run "$family-$size-$dtype-eager-t$threads" "$ckpt" --dtype "$dtype" --batch 1; fi
+        if [ -n "$eager" ]; then run "$family-$size-$dtype-eager-t$threads" "$ckpt" --eager --dtype "$dtype" --batch 1; fi
     done
     if [ "$size" != 1b ]; then
         run "$family-$size-int8-compile-t$threads" "$ckpt" --compile --weights int8 --dtype float32 --batch "$batches"

@@ -1,4 +1,4 @@
-"""Decode tokens/s of two trees' `moekit bench decode --compile` (or, --eager, without it) on one checkpoint, alternating
+"""Decode tokens/s of two trees' `moekit bench decode --compile` (or, --eager, their eager step) on one checkpoint, alternating
 (A B B A per round) in one run, each run a fresh process with that tree's sources first on the path;
 prints each side's median and the ratio after / before.
 
@@ -20,9 +20,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parents[1]
 
 
+def eager_flag(tree: Path) -> list[str]:
+    """How `tree`'s bench decode is told to run eager: --eager since the compiled step became the
+    default (issue 35); before, no flag."""
+    options = tree / "src" / "moekit" / "commands" / "options.py"
+    return ["--eager"] if options.is_file() and "--compile/--eager" in options.read_text() else []
+
+
 def tok_s(tree: Path, args) -> dict[int, float]:
     """batch → moekit tokens/s of one `bench decode` process run from tree."""
-    compile_flag = [] if args.eager else ["--compile"]
+    compile_flag = eager_flag(tree) if args.eager else ["--compile"]
     command = [sys.executable, "-m", "moekit", "bench", "decode", str(Path(args.checkpoint).resolve()), *compile_flag, "--dtype", args.dtype,
                "--weights", args.weights, "--batch", args.batch, "--tokens", str(args.tokens), "--repeats", str(args.repeats),
                "--threads", str(args.threads), "--json"]
@@ -44,7 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--eager", action="store_true", help="the default flags: no --compile")
+    parser.add_argument("--eager", action="store_true", help="the eager step (--eager, or no flag on a tree from before it)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of --order")
     parser.add_argument("--order", default="ABBA", help="one round's sides in turn, A after and B before (default ABBA)")
     args = parser.parse_args()

@@ -42,7 +42,7 @@ def one(checkpoint: str, world: int, new: int, trace: str) -> dict:
     if world <= 0:  # the single-process engine, at -world threads (0: torch's default)
         if world < 0:
             torch.set_num_threads(-world)
-        engine = load_engine(checkpoint)
+        engine = load_engine(checkpoint, compile=False)
         rss = _rss()
         from moekit.engine.sampling import SamplingParams
 

@@ -65,7 +65,7 @@ def main() -> None:
     model = Path(args.model)
     spec = load_spec(str(model))
 
-    base = load_engine(model, dtype="bfloat16")
+    base = load_engine(model, dtype="bfloat16", compile=False)
     work = Path(tempfile.mkdtemp(prefix="moekit-precision-"))
     train = read_split(Path(args.profile_corpus), "train")
     texts = [doc[:400] for docs in train.values() for doc in docs[: args.profile_docs]]
@@ -87,7 +87,7 @@ def main() -> None:
             precisions = by_frequency(counts, how[0], how[1], how[2] if len(how) > 2 else args.hot_share)
         start = time.perf_counter()
         packed = pack_experts(model, work / name.replace(" ", "-").replace("%", ""), precisions=precisions)
-        engine = load_engine(packed.folder, dtype="bfloat16")
+        engine = load_engine(packed.folder, dtype="bfloat16", compile=False)
         load_s = time.perf_counter() - start
         nll, argmax = 0.0, []
         for cs in chunks.values():

@@ -37,7 +37,7 @@ def load(source: Path, dtype: str, weights: str, loads: int):
     times = []
     for _ in range(loads):
         start = time.perf_counter()
-        engine = load_engine(source, dtype=dtype, weights=weights)
+        engine = load_engine(source, dtype=dtype, weights=weights, compile=False)
         times.append(time.perf_counter() - start)
     return engine, times
 

@@ -8,9 +8,9 @@ from moekit.offload.options import OffloadOptions
 
 PROMPT, NEW = [1, 17, 42, 99, 5, 7, 150, 3], 32
 for src in map(Path, sys.argv[1:]):
-    engines = {"resident": load_engine(src), "paged 50%": load_engine(src, offload=OffloadOptions("50%"))}
+    engines = {"resident": load_engine(src, compile=False), "paged 50%": load_engine(src, offload=OffloadOptions("50%"), compile=False)}
     if "q8_0" in src.name:
-        engines["resident --weights int8-experts"] = load_engine(src, weights="int8-experts")
+        engines["resident --weights int8-experts"] = load_engine(src, weights="int8-experts", compile=False)
     speeds = {k: [] for k in engines}
     tokens = {}
     for _ in range(3):

@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    base = load_engine(args.model, dtype="bfloat16")
+    base = load_engine(args.model, dtype="bfloat16", compile=False)
     held = tokenize_domains(base.tokenizer, read_split(args.corpus, "heldout"))
     # Whole windows only, so every batch is rectangular and the bytes counted are the bytes scored.
     chunks = {d: [c for c in windows(s[: args.max_tokens].tolist(), args.window) if len(c) == args.window]
@@ -49,7 +49,7 @@ def main() -> None:
     results, reference = {}, {}
     for dtype, weights in FORMATS:
         start = time.perf_counter()
-        engine = base if (dtype, weights) == ("bfloat16", "dtype") else load_engine(args.model, dtype=dtype, weights=weights)
+        engine = base if (dtype, weights) == ("bfloat16", "dtype") else load_engine(args.model, dtype=dtype, weights=weights, compile=False)
         load_s = time.perf_counter() - start
         name = f"{dtype}/{weights}"
         row = {"load_s": load_s, "domains": {}}

@@ -33,7 +33,7 @@ def engine_rounds(args) -> None:
     from moekit.engine.scheduler import Request, Scheduler, generate_batch
 
     torch.set_num_threads(args.threads)
-    engine = load_engine(args.checkpoint or bundled_model_path())
+    engine = load_engine(args.checkpoint or bundled_model_path(), compile=False)
     prompts = [[(7 * i + 3 * j) % 1000 + 1 for j in range(16)] for i in range(args.requests)]
     seen: dict[str, list[float]] = {"without": [], "with": []}
     for r in range(args.rounds + 1):  # round 0 warms up

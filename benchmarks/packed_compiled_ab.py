@@ -40,7 +40,7 @@ def decode_tok_s(ckpt: Path, compile_step: bool, args) -> float:
     """moekit's batch-1 decode tok/s (the median of its --repeats runs) in a process of its own."""
     cmd = [sys.executable, "-m", "moekit", "bench", "decode", str(ckpt), "--batch", "1", "--threads", str(args.threads),
            "--dtype", args.dtype, "--tokens", str(args.tokens), "--repeats", str(args.repeats), "--json"]
-    run = subprocess.run(cmd + (["--compile"] if compile_step else []), capture_output=True, text=True, cwd=ROOT)
+    run = subprocess.run(cmd + (["--compile"] if compile_step else ["--eager"]), capture_output=True, text=True, cwd=ROOT)
     if run.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)}: exit {run.returncode}\n{run.stderr[-2000:]}")
     compiled = "decode steps run as one compiled graph" in run.stderr

@@ -48,11 +48,11 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.names:
         folder = linked(name)
-        resident = load_engine(folder, dtype=args.dtype)
+        resident = load_engine(folder, dtype=args.dtype, compile=False)
         r, want = tok_s(resident, args.new, args.repeats)
         spec = resident.spec
         del resident
-        paged = load_engine(folder, dtype=args.dtype, offload=OffloadOptions(args.budget))
+        paged = load_engine(folder, dtype=args.dtype, offload=OffloadOptions(args.budget), compile=False)
         try:
             p, got = tok_s(paged, args.new, args.repeats)
             stats = paged.store.stats()

@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    eager = load_engine(args.checkpoint)
+    eager = load_engine(args.checkpoint, compile=False)
     compiled = load_engine(args.checkpoint, compile=True)
     if compiled.decoder.compiled is None:
         raise SystemExit(f"the compiled engine stayed eager: {compiled.notes}")

@@ -93,7 +93,7 @@ def make_fp8(src: Path, dst: Path) -> None:
 def _engine(folder: Path, dtype: str):
     from moekit.engine.loader import load_engine
 
-    return load_engine(folder, dtype=dtype)
+    return load_engine(folder, dtype=dtype, compile=False)
 
 
 def _row(folder: Path, engine, tok_s: float) -> dict:

@@ -62,7 +62,7 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
                               read_ahead=int(opts.get("--read-ahead", 2)))
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
-    engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload)
+    engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)
     load_s = time.perf_counter() - t0
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
     before = _io_read()

@@ -36,7 +36,7 @@ def static_batching(checkpoint: Path, dtype: str, prompts, args) -> list[dict]:
     from moekit.engine.loader import load_engine
 
     torch.set_num_threads(args.threads)
-    engine = load_engine(checkpoint, dtype=dtype)
+    engine = load_engine(checkpoint, dtype=dtype, compile=False)
     engine.generate([prompts[0]], max_new_tokens=4, stop_ids=())  # warm-up
     out = []
     for c in args.concurrency:

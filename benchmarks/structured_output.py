@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = load_engine(args.checkpoint or bundled_model_path())
+    engine = load_engine(args.checkpoint or bundled_model_path(), compile=False)
     grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
     schema = {"type": "array", "items": {"type": "boolean"}, "minItems": args.items, "maxItems": args.items}
 

@@ -47,7 +47,7 @@ def main() -> None:
     out = {}
     for name, offload in (("resident", None), ("stall", OffloadOptions(args.budget)),
                           ("int4", OffloadOptions(args.budget, substitute="int4"))):
-        engine = load_engine(folder, dtype="float32", offload=offload)
+        engine = load_engine(folder, dtype="float32", offload=offload, compile=False)
         try:
             nbytes = token_bytes(engine.tokenizer, engine.spec.vocab_size)
             prompts = [engine.encode(t)[:128] for docs in held.values() for t in docs[: args.prompts]]

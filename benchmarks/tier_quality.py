@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    engine = load_engine(args.checkpoint)
+    engine = load_engine(args.checkpoint, compile=False)
     held_texts = read_split(args.corpus, "heldout")
     held = tokenize_domains(engine.tokenizer, held_texts)
     model_k = max(engine.decoder.spec.layers[i].ffn.top_k for i in engine.decoder.spec.moe_layers)

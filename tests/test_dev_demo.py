@@ -1,6 +1,8 @@
 """`./dev demo`'s own setting (issue 15): the bundled model's text must not loop, and the output
 states how it was sampled. The arguments are read from the dev script itself, then run in-process
-(running ./dev could start a pip install)."""
+(running ./dev could start a pip install). The demo runs the default, compiled decode step; these
+tests add --eager, the reference, so that the suite does not compile the bundled model (that the
+default run gives the eager run's tokens is tests/commands/test_cli_compile_default.py's)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,12 @@ def repeated_lines(text: str, at_least: int = 20) -> list[str]:
 def test_the_loop_check_catches_greedy_decoding_of_the_bundled_model(capsys):
     args = [a for a in demo_args() if a != "--show-activation"]
     greedy = args[: args.index("--temperature")]
-    code, out, _ = moekit(capsys, *greedy)
+    code, out, _ = moekit(capsys, *greedy, "--eager")
     assert code == 0 and repeated_lines(out)  # "The default value is a string to the given string." twice
 
 
 def test_the_demo_does_not_loop_and_states_its_setting(capsys):
-    code, out, err = moekit(capsys, *demo_args())
+    code, out, err = moekit(capsys, *demo_args(), "--eager")
     assert code == 0, err
     text = out.split("activation per generated token")[0]
     assert not repeated_lines(text), text

@@ -4,11 +4,13 @@
 specs in `moekit.spec` import without torch.
 """
 
+from typing import Optional
+
 __version__ = "0.1.0"
 
 
 def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, weights: str = "dtype",
-         verify: bool = True, compile: bool = False, kernels: str = "auto", **offload):
+         verify: bool = True, compile: Optional[bool] = None, kernels: str = "auto", **offload):
     """Load a Hugging Face MoE checkpoint folder into the native engine.
 
     expert_memory ("25%", "2GiB", or bytes) pages routed experts from disk under that budget;
@@ -17,8 +19,11 @@ def load(path, dtype: str = "float32", device: str = "cpu", expert_memory=None, 
     weights="int8" quantizes every projection to int8 (one scale per 32 inputs) once at load;
     "int8-experts" the routed experts only. verify=False skips checking the weights against the
     checksums of moekit-experts.json (checked on every load when one lies beside the checkpoint).
-    compile=True runs the decode steps as one compiled graph (engine.notes says when it cannot).
-    kernels="reference" never loads moekit's C++ operators: every product the plain PyTorch way."""
+    The decode steps run as one compiled graph (moekit.model.compiled_step; the first step of a
+    model on this machine compiles it, minutes, later processes load it from ~/.cache/moekit/compile),
+    or eagerly where the model or options do not compile (engine.notes says why). compile=False runs
+    them eagerly, the reference path; so does kernels="reference" (never loading moekit's C++
+    operators: every product the plain PyTorch way) unless compile=True."""
     from moekit.engine.loader import load_engine
 
     options = None

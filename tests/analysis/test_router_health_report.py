@@ -12,7 +12,7 @@ from moekit.engine.router_health import POSITION_BUCKET
 
 
 def test_the_router_health_figure_has_every_layer_and_each_prompts_jitter():
-    engine = load_engine(bundled_model_path())
+    engine = load_engine(bundled_model_path(), compile=False)
     prompts = [Prompt("def parse_args(argv):\n    " * 8, "python"), Prompt("NAME\n    ls - list directory", "manpages")]
     table = trace_prompts(engine, prompts, prompt_tokens=80, max_new_tokens=6)
     assert table["entropy"].null_count == 0

@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_batch_one_step_bytes_are_the_meters_bytes_per_token(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("deepseek_v3"))
+    engine = load_engine(tiny_checkpoints("deepseek_v3"), compile=False)
     gen = engine.generate([1, 17, 42, 99], max_new_tokens=8, stop_ids=())
     per_token = [a.params_touched for a in engine.meter(gen)[1:]]  # tokens made by decode steps
     assert decode_step_params(engine.spec, gen) == per_token
@@ -26,7 +26,7 @@ def test_batch_one_step_bytes_are_the_meters_bytes_per_token(tiny_checkpoints):
 
 def test_int8_experts_make_the_step_bytes_the_meters_int8_bytes(tiny_checkpoints):
     folder = tiny_checkpoints("qwen3_moe")
-    int8, fp32 = load_engine(folder, weights="int8-experts"), load_engine(folder)
+    int8, fp32 = load_engine(folder, weights="int8-experts", compile=False), load_engine(folder, compile=False)
     settings = BenchSettings(batches=(1,), tokens=6, prompt_len=5, repeats=1, warmup=0)
     (ours,), (plain,) = (bench_decode(e, settings, baseline=None, bandwidth_bytes_s=20e9) for e in (int8, fp32))
     prompt = bench_prompts(int8.spec.vocab_size, 1, settings.prompt_len, settings.seed + 1).tolist()
@@ -76,7 +76,7 @@ def test_a_batch_reads_each_chosen_expert_once(tiny_checkpoints):
 
 
 def test_bench_compares_with_transformers_on_identical_tokens(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     settings = BenchSettings(batches=(1, 3), tokens=6, prompt_len=5, repeats=1, warmup=0)
     results = bench_decode(engine, settings, baseline=decode_baseline("transformers", engine), bandwidth_bytes_s=20e9)
     assert [r.batch for r in results] == [1, 3]
@@ -103,7 +103,7 @@ def test_a_baseline_that_runs_batch_one_only_leaves_the_other_batches_unmeasured
         def info(self):
             return {}
 
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     settings = BenchSettings(batches=(1, 2), tokens=4, prompt_len=3, repeats=1, warmup=0)
     one, two = bench_decode(engine, settings, baseline=OnlyBatchOne(), bandwidth_bytes_s=None)
     assert (one.baseline, one.baseline_tok_s, one.same_tokens) == ("batch-one", 1.0, True)

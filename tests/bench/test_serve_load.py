@@ -68,7 +68,7 @@ def _metric(url: str, name: str) -> float:
 @pytest.mark.processes  # a server process and the load generator's clients
 def test_a_load_run_matches_what_the_server_counted(tmp_path, capsys):
     folder = write_checkpoint("qwen3_moe", tmp_path / "tiny", seed=2)
-    server = start_server(folder, "--max-batch", "4")
+    server = start_server("--eager", folder, "--max-batch", "4")
     try:
         code, out, err = moekit(
             capsys, "bench", "serve", server.url, "--concurrency", "1,3", "--requests", "6", "--max-tokens", "5",

@@ -160,13 +160,13 @@ def test_bad_peer_arguments_are_one_line(args, message, tmp_path, capsys):
 @pytest.mark.processes  # the harness starts a real moekit serve
 def test_the_harness_starts_moekit_and_runs_the_whole_workload(tiny_checkpoints, capsys):
     folder = tiny_checkpoints("qwen3_moe")
-    code, out, err = moekit(capsys, "bench", "serve", str(folder), "--concurrency", "1,2", "--max-tokens", "4",
+    code, out, err = moekit(capsys, "bench", "serve", str(folder), "--moekit-args", "--eager", "--concurrency", "1,2", "--max-tokens", "4",
                             "--arrivals", "1", "--arrival-tokens", "16", "--warmup", "0", "--threads", "1",
                             "--max-batch", "4", "--json")
     assert code == 0, err
     report = json.loads(out)
     (run,) = report["rounds"][0].values()
-    assert run["engine"] == "moekit" and list(run["levels"]) == ["c=1", "c=2", "c=2 + 1x16-token arrivals"]
+    assert run["engine"] == "moekit --eager" and list(run["levels"]) == ["c=1", "c=2", "c=2 + 1x16-token arrivals"]
     for name, level in run["levels"].items():
         clients = 1 if name == "c=1" else 2
         assert (level["requests"], level["errors"], level["output_tokens"]) == (4 * clients, 0, 4 * 4 * clients)

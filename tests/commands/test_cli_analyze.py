@@ -30,7 +30,7 @@ def test_tables_and_json_of_a_collapsed_trace(capsys, tmp_path):
 
 def test_a_real_trace_of_the_bundled_model(capsys, tmp_path):
     trace = tmp_path / "run.parquet"
-    code, _, err = moekit(capsys, "run", "def parse_args(argv):", "--max-new-tokens", "8", "--trace", trace)
+    code, _, err = moekit(capsys, "run", "--eager", "def parse_args(argv):", "--max-new-tokens", "8", "--trace", trace)
     assert code == 0, err
     code, out, _ = moekit(capsys, "analyze", trace, "--json")
     doc = json.loads(out)

@@ -111,7 +111,7 @@ def test_a_bound_that_cannot_hold_on_a_tiny_model_says_why():
 
 
 def test_bench_decode_shows_progress_batch_by_batch(capsys, ckpt):
-    code, out, err = moekit(capsys, "bench", "decode", ckpt, "--batch", "1,2", "--tokens", "4", "--prompt-len", "4",
+    code, out, err = moekit(capsys, "bench", "decode", "--eager", ckpt, "--batch", "1,2", "--tokens", "4", "--prompt-len", "4",
                             "--repeats", "1", "--warmup", "0", "--json")
     assert code == 0, err
     assert [r["batch"] for r in json.loads(out)["results"]] == [1, 2]

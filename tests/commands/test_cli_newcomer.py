@@ -66,7 +66,7 @@ def test_pack_of_the_bundled_model_leaves_it_as_shipped_and_says_where(capsys, t
     packed = next((tmp_path / "cache" / "moekit" / "packed").iterdir())
     assert f"packed checkpoint: {packed}" in out and f"moekit run {packed}" in out
     assert (packed / "experts.packed.safetensors").is_file()
-    code, out, err = moekit(capsys, "run", packed, "def f(x):", "--max-new-tokens", "3", "--expert-memory", "25%",
+    code, out, err = moekit(capsys, "run", "--eager", packed, "def f(x):", "--max-new-tokens", "3", "--expert-memory", "25%",
                             "--json")
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 3

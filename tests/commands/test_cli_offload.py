@@ -19,10 +19,10 @@ def ckpt(tmp_path_factory) -> Path:
 
 
 def test_run_with_an_expert_budget_reports_the_store_and_matches_resident(capsys, ckpt):
-    code, out, _ = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "12", "--json", "--stop", "")
+    code, out, _ = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "12", "--json", "--stop", "")
     assert code == 0
     resident = json.loads(out)
-    code, out, err = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "12", "--json", "--stop", "",
+    code, out, err = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "12", "--json", "--stop", "",
                             "--expert-memory", "25%", "--cache", "lfu")
     assert code == 0, err
     paged = json.loads(out)
@@ -35,7 +35,7 @@ def test_run_with_an_expert_budget_reports_the_store_and_matches_resident(capsys
 
 
 def test_show_activation_prints_the_store_table(capsys, ckpt):
-    code, out, _ = moekit(capsys, "run", ckpt, "x = 1", "--max-new-tokens", "4", "--expert-memory", "50%",
+    code, out, _ = moekit(capsys, "run", "--eager", ckpt, "x = 1", "--max-new-tokens", "4", "--expert-memory", "50%",
                           "--show-activation")
     assert code == 0 and "expert store" in out and "prefetch precision / recall" in out
 
@@ -52,7 +52,7 @@ def test_profile_writes_pins_that_run_accepts(capsys, ckpt, tmp_path):
     assert all(len(v) == 1 for v in doc["pins"].values())
     counts = doc["counts"]["0"]
     assert doc["pins"]["0"][0] == max(range(len(counts)), key=lambda e: (counts[e], -e))
-    code, out, err = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "4", "--json",
+    code, out, err = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "4", "--json",
                             "--expert-memory", "50%", "--pin", profile)
     assert code == 0, err
     assert json.loads(out)["offload"]["pinned"] == 2
@@ -70,7 +70,7 @@ def test_profile_writes_pins_that_run_accepts(capsys, ckpt, tmp_path):
     ],
 )
 def test_bad_offload_options_are_one_line_errors(capsys, ckpt, args, message):
-    code, _, err = moekit(capsys, "run", ckpt, "x", "--max-new-tokens", "2", *args)
+    code, _, err = moekit(capsys, "run", "--eager", ckpt, "x", "--max-new-tokens", "2", *args)
     assert code == 2 and message in err and "Traceback" not in err
 
 
@@ -78,10 +78,10 @@ def test_a_missing_packed_file_is_named(capsys, ckpt, tmp_path):
     folder = tmp_path / "packed"
     code, _, err = moekit(capsys, "pack", ckpt, "--out", folder)
     assert code == 0, err
-    code, out, _ = moekit(capsys, "run", folder, "def f(x):", "--max-new-tokens", "6", "--json", "--expert-memory", "25%")
+    code, out, _ = moekit(capsys, "run", "--eager", folder, "def f(x):", "--max-new-tokens", "6", "--json", "--expert-memory", "25%")
     assert code == 0
     (folder / "experts.packed.safetensors").unlink()
-    code, _, err = moekit(capsys, "run", folder, "def f(x):", "--max-new-tokens", "6", "--expert-memory", "25%")
+    code, _, err = moekit(capsys, "run", "--eager", folder, "def f(x):", "--max-new-tokens", "6", "--expert-memory", "25%")
     assert code == 2 and "experts.packed.safetensors" in err and "moekit pack" in err
 
 

@@ -37,5 +37,5 @@ def test_a_new_machine_is_told_of_the_build_before_it_starts(capsys, new_machine
 def test_an_eager_run_says_nothing_of_a_build(capsys, tmp_path):
     folder = write_checkpoint("qwen3_moe", tmp_path / "ckpt", vocab_size=300)
     train_tokenizer(folder / "tokenizer.json", vocab_size=300)
-    code, _, err = moekit(capsys, "run", str(folder), "hello", "--max-new-tokens", "1")
+    code, _, err = moekit(capsys, "run", "--eager", str(folder), "hello", "--max-new-tokens", "1")
     assert code == 0 and "building moekit's CPU operators" not in err

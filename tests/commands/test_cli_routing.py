@@ -17,7 +17,7 @@ def fails(capsys, *args) -> str:
 
 
 def test_run_with_a_policy_that_keeps_every_expert_is_exact(capsys):
-    args = ("run", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
+    args = ("run", "--eager", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
     _, exact, _ = moekit(capsys, *args)
     for policy in ("topk:2", "adaptive:1.5", "topp:1", "ema:0"):
         code, out, err = moekit(capsys, *args, "--routing", policy)
@@ -26,7 +26,7 @@ def test_run_with_a_policy_that_keeps_every_expert_is_exact(capsys):
 
 
 def test_run_with_top1_touches_fewer_parameters(capsys):
-    code, out, err = moekit(capsys, "run", "def parse_args(argv):", "--max-new-tokens", "6", "--json", "--routing", "topk:1")
+    code, out, err = moekit(capsys, "run", "--eager", "def parse_args(argv):", "--max-new-tokens", "6", "--json", "--routing", "topk:1")
     assert code == 0, err
     acts = json.loads(out)["activation"]
     assert all(len(set(ids)) == 1 for a in acts for ids in a["experts"].values())
@@ -57,7 +57,7 @@ def test_eval_routing_on_the_bundled_model(capsys, tmp_path):
 @pytest.mark.parametrize("policy,says", [("adaptive:2x", "not a number"), ("topk:0", "1..128"), ("topk:129", "1..128"),
                                          ("fastest", "unknown routing policy")])
 def test_bad_policies(capsys, policy, says):
-    assert says in fails(capsys, "run", "hello", "--max-new-tokens", "2", "--routing", policy)
+    assert says in fails(capsys, "run", "--eager", "hello", "--max-new-tokens", "2", "--routing", policy)
     assert says in fails(capsys, "eval-routing", "--policies", policy, "--max-tokens", "10")
 
 
@@ -70,8 +70,8 @@ def test_empty_prompts_file(capsys, tmp_path):
 
 
 def test_run_with_gumbel_noise_takes_the_runs_seed(capsys):
-    args = ("run", "def parse_args(argv):", "--max-new-tokens", "12", "--json", "--routing", "gumbel:2")
+    args = ("run", "--eager", "def parse_args(argv):", "--max-new-tokens", "12", "--json", "--routing", "gumbel:2")
     runs = [json.loads(moekit(capsys, *args, "--seed", seed)[1])["token_ids"] for seed in ("3", "3", "4")]
-    _, exact, _ = moekit(capsys, "run", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
+    _, exact, _ = moekit(capsys, "run", "--eager", "def parse_args(argv):", "--max-new-tokens", "12", "--json")
     assert runs[0] == runs[1] and runs[0] != runs[2]
     assert runs[0] != json.loads(exact)["token_ids"]

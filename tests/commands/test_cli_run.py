@@ -41,10 +41,10 @@ def fails(capsys, *args: str) -> str:
 def test_json_gives_the_engines_greedy_tokens_and_activation(capsys, ckpt):
     from moekit.engine.loader import load_engine
 
-    code, out, _ = moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "12", "--temperature", "0", "--stop", "", "--json")
+    code, out, _ = moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "12", "--temperature", "0", "--stop", "", "--json")
     assert code == 0
     data = json.loads(out)
-    expected = load_engine(ckpt).generate([1, 17, 42], max_new_tokens=12, stop_ids=()).token_ids[0]
+    expected = load_engine(ckpt, compile=False).generate([1, 17, 42], max_new_tokens=12, stop_ids=()).token_ids[0]
     assert data["token_ids"] == expected
     assert len(data["activation"]) == 12
     first = data["activation"][0]
@@ -57,9 +57,9 @@ def test_json_gives_the_engines_greedy_tokens_and_activation(capsys, ckpt):
 def test_text_prompt_streams_text(capsys, ckpt_with_tokenizer):
     from tokenizers import Tokenizer
 
-    code, out, err = moekit(capsys, "run", ckpt_with_tokenizer, "def fibonacci(n):", "--max-new-tokens", "16", "--stop", "")
+    code, out, err = moekit(capsys, "run", "--eager", ckpt_with_tokenizer, "def fibonacci(n):", "--max-new-tokens", "16", "--stop", "")
     assert code == 0
-    code, js, _ = moekit(capsys, "run", ckpt_with_tokenizer, "def fibonacci(n):", "--max-new-tokens", "16", "--stop", "", "--json")
+    code, js, _ = moekit(capsys, "run", "--eager", ckpt_with_tokenizer, "def fibonacci(n):", "--max-new-tokens", "16", "--stop", "", "--json")
     data = json.loads(js)
     tok = Tokenizer.from_file(str(ckpt_with_tokenizer / "tokenizer.json"))
     assert data["text"] == tok.decode(data["token_ids"])
@@ -68,7 +68,7 @@ def test_text_prompt_streams_text(capsys, ckpt_with_tokenizer):
 
 
 def test_show_activation_prints_a_row_per_token(capsys, ckpt):
-    code, out, _ = moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "5", "--stop", "", "--show-activation")
+    code, out, _ = moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "5", "--stop", "", "--show-activation")
     assert code == 0
     lines = out.splitlines()
     assert len(lines[0].split()) == 5  # the streamed ids
@@ -80,21 +80,21 @@ def test_trace_is_written(capsys, ckpt, tmp_path):
     import pyarrow.parquet as pq
 
     path = tmp_path / "t.parquet"
-    code, _, err = moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "4", "--stop", "", "--trace", path)
+    code, _, err = moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "4", "--stop", "", "--trace", path)
     assert code == 0 and "trace" in err
     assert pq.read_table(path).num_rows == (3 + 4 - 1) * 2  # fed tokens x MoE layers
 
 
 def test_a_seed_makes_sampling_repeat(capsys, ckpt):
-    args = ("run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "12", "--stop", "", "--temperature", "1.0", "--json")
+    args = ("run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "12", "--stop", "", "--temperature", "1.0", "--json")
     runs = [json.loads(moekit(capsys, *args, "--seed", str(s))[1])["token_ids"] for s in (3, 3, 4)]
     assert runs[0] == runs[1] != runs[2]
 
 
 def test_stop_ids_end_generation(capsys, ckpt):
-    free = json.loads(moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "10", "--stop", "", "--json")[1])
+    free = json.loads(moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "10", "--stop", "", "--json")[1])
     stop = free["token_ids"][3]
-    data = json.loads(moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "10", "--stop", str(stop), "--json")[1])
+    data = json.loads(moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "10", "--stop", str(stop), "--json")[1])
     assert data["token_ids"] == free["token_ids"][: free["token_ids"].index(stop) + 1]
     assert data["stopped"]
 
@@ -106,7 +106,7 @@ def test_help_names_the_bundled_default():
 
 
 def test_an_error_is_one_line_without_traceback(tmp_path):
-    result = subprocess.run([str(MOEKIT), "run", str(tmp_path), "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([str(MOEKIT), "run", "--eager", str(tmp_path), "--prompt-ids", "1"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and "config.json" in result.stderr
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
@@ -120,24 +120,24 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_bad_checkpoints_are_refused(capsys, ckpt, tmp_path):
-    assert "config.json" in fails(capsys, "run", tmp_path, "--prompt-ids", "1")
-    assert "no such" in fails(capsys, "run", tmp_path / "nope", "--prompt-ids", "1")
+    assert "config.json" in fails(capsys, "run", "--eager", tmp_path, "--prompt-ids", "1")
+    assert "no such" in fails(capsys, "run", "--eager", tmp_path / "nope", "--prompt-ids", "1")
 
     truncated = _copy(ckpt, tmp_path / "truncated")
     data = (truncated / "model.safetensors").read_bytes()
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert "truncated" in fails(capsys, "run", truncated, "--prompt-ids", "1")
+    assert "truncated" in fails(capsys, "run", "--eager", truncated, "--prompt-ids", "1")
 
     wrong = _copy(ckpt, tmp_path / "wrong_shape")
     cfg = json.loads((wrong / "config.json").read_text())
     cfg["moe_intermediate_size"] = 40
     (wrong / "config.json").write_text(json.dumps(cfg))
-    assert "shape" in fails(capsys, "run", wrong, "--prompt-ids", "1")
+    assert "shape" in fails(capsys, "run", "--eager", wrong, "--prompt-ids", "1")
 
     unknown = _copy(ckpt, tmp_path / "unknown")
     cfg["model_type"] = "not_a_model"
     (unknown / "config.json").write_text(json.dumps(cfg))
-    assert "not_a_model" in fails(capsys, "run", unknown, "--prompt-ids", "1")
+    assert "not_a_model" in fails(capsys, "run", "--eager", unknown, "--prompt-ids", "1")
 
 
 def test_a_missing_shard_is_named(capsys, tmp_path):
@@ -145,7 +145,7 @@ def test_a_missing_shard_is_named(capsys, tmp_path):
     shards = sorted(folder.glob("model-*.safetensors"))
     assert len(shards) > 1
     shards[-1].unlink()
-    assert shards[-1].name in fails(capsys, "run", folder, "--prompt-ids", "1")
+    assert shards[-1].name in fails(capsys, "run", "--eager", folder, "--prompt-ids", "1")
 
 
 @pytest.mark.parametrize(
@@ -163,12 +163,12 @@ def test_a_missing_shard_is_named(capsys, tmp_path):
     ],
 )
 def test_bad_requests_are_refused(capsys, ckpt, args, message):
-    assert message in fails(capsys, "run", ckpt, *args)
+    assert message in fails(capsys, "run", "--eager", ckpt, *args)
 
 
 def test_bench_decode_reports_ratio_and_roofline(capsys, ckpt):
     code, out, _ = moekit(
-        capsys, "bench", "decode", ckpt, "--vs", "transformers", "--batch", "1,2", "--tokens", "4",
+        capsys, "bench", "decode", "--eager", ckpt, "--vs", "transformers", "--batch", "1,2", "--tokens", "4",
         "--prompt-len", "4", "--repeats", "1", "--warmup", "0", "--json",
     )
     assert code == 0
@@ -189,19 +189,20 @@ def test_bench_decode_reports_ratio_and_roofline(capsys, ckpt):
 
 
 def test_bench_refuses_an_unknown_baseline(capsys, ckpt):
-    assert "transformers, llama.cpp" in fails(capsys, "bench", "decode", ckpt, "--vs", "vllm")
+    assert "transformers, llama.cpp" in fails(capsys, "bench", "decode", "--eager", ckpt, "--vs", "vllm")
 
 
 @pytest.mark.parametrize("kind", ["mxfp4", "fp8"])
-def test_run_compile_on_experts_kept_packed_gives_the_eager_tokens(capsys, tmp_path, kind):
-    """`moekit run --compile` on a checkpoint whose routed experts are MXFP4 (gpt-oss's published
-    layout) or block-scaled FP8 (DeepSeek-V3's), kept packed: one compiled graph, whose generated C++
-    calls moekit::experts_mxfp4 / experts_fp8 through their C entry points, and the eager run's tokens."""
+def test_the_default_run_compiles_experts_kept_packed_and_gives_the_eager_tokens(capsys, tmp_path, kind):
+    """`moekit run` (compiled by default) on a checkpoint whose routed experts are MXFP4 (gpt-oss's
+    published layout) or block-scaled FP8 (DeepSeek-V3's), kept packed: one compiled graph, whose
+    generated C++ calls moekit::experts_mxfp4 / experts_fp8 through their C entry points, and the
+    `--eager` run's tokens."""
     from quantized_files import write_fp8, write_mxfp4
 
     folder = (write_mxfp4 if kind == "mxfp4" else write_fp8)(tmp_path / kind)
     runs = []
-    for flags in ((), ("--compile",)):
+    for flags in (("--eager",), ()):
         code, out, err = moekit(capsys, "run", folder, "--prompt-ids", "1,17,42,99,5,63", "--max-new-tokens", 10,
                                 "--stop", "", "--json", *flags)
         assert code == 0, err

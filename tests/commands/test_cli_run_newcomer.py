@@ -31,13 +31,13 @@ def test_a_lone_path_like_argument_is_said_to_be_the_bundled_models_prompt(capsy
     if kind == "file":
         (tmp_path / "notes.txt").write_text("hello")
     arg = "notes.txt" if kind == "file" else "./mymodel"
-    code, out, err = moekit(capsys, "run", arg, "--max-new-tokens", "1", "--json")
+    code, out, err = moekit(capsys, "run", "--eager", arg, "--max-new-tokens", "1", "--json")
     assert code == 0 and BUNDLED_NOTE in err and repr(arg) in err
     assert len(json.loads(out)["token_ids"]) == 1
 
 
 def test_a_plain_prompt_gets_no_note(capsys):
-    code, _, err = moekit(capsys, "run", "def f(x):", "--max-new-tokens", "1", "--json")
+    code, _, err = moekit(capsys, "run", "--eager", "def f(x):", "--max-new-tokens", "1", "--json")
     assert code == 0 and BUNDLED_NOTE not in err
 
 
@@ -46,12 +46,12 @@ def test_a_sampling_option_samples_at_temperature_one(capsys, ckpt, option):
     from moekit.engine.loader import load_engine
     from moekit.engine.sampling import SamplingParams
 
-    base = ("run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "16", "--stop", "", "--json")
+    base = ("run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "16", "--stop", "", "--json")
     code, out, _ = moekit(capsys, *base, *option, "--seed", "3")
     assert code == 0
     name = option[0][2:].replace("-", "_")
     want = SamplingParams(temperature=1.0, seed=3, **{name: type(1 if name == "top_k" else 0.5)(option[1])})
-    expected = load_engine(ckpt).generate([1, 17, 42], max_new_tokens=16, sampling=want, stop_ids=()).token_ids[0]
+    expected = load_engine(ckpt, compile=False).generate([1, 17, 42], max_new_tokens=16, sampling=want, stop_ids=()).token_ids[0]
     greedy = json.loads(moekit(capsys, *base)[1])["token_ids"]
     assert json.loads(out)["token_ids"] == expected != greedy
 
@@ -68,10 +68,10 @@ def test_a_trace_named_for_another_format_is_refused_before_running(capsys, ckpt
 
 
 def test_text_mode_with_an_expert_budget_prints_one_paging_line(capsys, ckpt):
-    code, out, err = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "8", "--stop", "",
+    code, out, err = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "8", "--stop", "",
                             "--expert-memory", "50%")
     assert code == 0
-    code, js, _ = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "8", "--stop", "",
+    code, js, _ = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "8", "--stop", "",
                          "--expert-memory", "50%", "--json")
     decode = json.loads(js)["offload"]["decode"]
     lines = [line for line in err.splitlines() if line.startswith("[expert store")]
@@ -81,16 +81,16 @@ def test_text_mode_with_an_expert_budget_prints_one_paging_line(capsys, ckpt):
 
 
 def test_text_mode_states_the_prompt_and_the_sampling(capsys, ckpt):
-    code, _, err = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "2", "--temperature", "0.7",
+    code, _, err = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "2", "--temperature", "0.7",
                           "--top-p", "0.9", "--seed", "0")
     assert code == 0
     assert "sampling at temperature 0.7, top-p 0.9, seed 0 · prompt 'def f(x):'" in err
-    code, _, err = moekit(capsys, "run", ckpt, "def f(x):", "--max-new-tokens", "2")
+    code, _, err = moekit(capsys, "run", "--eager", ckpt, "def f(x):", "--max-new-tokens", "2")
     assert "greedy · prompt 'def f(x):'" in err
 
 
 def test_activation_table_says_a_constant_parameter_count_once_and_explains_distinct_experts(capsys, ckpt):
-    code, out, _ = moekit(capsys, "run", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "5", "--stop", "",
+    code, out, _ = moekit(capsys, "run", "--eager", ckpt, "--prompt-ids", "1,17,42", "--max-new-tokens", "5", "--stop", "",
                           "--show-activation")
     assert code == 0
     flat = " ".join(out.split())

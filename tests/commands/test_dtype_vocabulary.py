@@ -11,7 +11,7 @@ import pytest
 from cli_runner import moekit, refused
 from moekit.calc.dtypes import ALIASES, canonical_dtype, dtype_choice, engine_dtype
 
-RUN = ("run", "def f(x):", "--max-new-tokens", "3", "--json")
+RUN = ("run", "--eager", "def f(x):", "--max-new-tokens", "3", "--json")
 
 
 def test_every_alias_names_a_dtype_of_the_vocabulary():
@@ -50,7 +50,7 @@ def test_serve_takes_bf16_before_it_opens_a_port(capsys):
 
 
 def test_bench_decode_takes_bf16(capsys):
-    code, out, err = moekit(capsys, "bench", "decode", "--dtype", "bf16", "--batch", "1", "--tokens", "2",
+    code, out, err = moekit(capsys, "bench", "decode", "--eager", "--dtype", "bf16", "--batch", "1", "--tokens", "2",
                             "--prompt-len", "4", "--repeats", "1", "--warmup", "0", "--json")
     assert code == 0, err
     assert json.loads(out)["dtype"] == "bfloat16"

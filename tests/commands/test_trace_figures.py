@@ -25,7 +25,7 @@ def traces(tmp_path_factory):
     from moekit.engine.trace import trace_model, write_trace
 
     folder = tmp_path_factory.mktemp("traces")
-    engine = load_engine(bundled_model_path())
+    engine = load_engine(bundled_model_path(), compile=False)
     paths = {}
     for name, prompt in (("short", "def parse_args(argv):"), ("long", (PROSE * 20)[:2000])):
         paths[name] = folder / f"{name}.parquet"

@@ -40,7 +40,7 @@ def recorded_steps(decoder) -> list:
 
 
 def test_rows_sharing_a_capacity_policy_never_overload_an_expert_and_free_rows_keep_their_tokens(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     policy = parse_policy("capacity:0.5:drop", 2, 8)
     scheduler = Scheduler(engine.decoder, max_batch=8)
     steps = recorded_steps(engine.decoder)
@@ -68,7 +68,7 @@ def test_rows_sharing_a_capacity_policy_never_overload_an_expert_and_free_rows_k
 
 
 def test_a_lone_batch_level_request_equals_the_solo_run(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     for text in ("capacity:0.5:reroute", "loadaware:0.8:0.5"):
         policy = parse_policy(text, 2, 8)
         for prompt in PROMPTS[:2]:  # one after another: the second starts a fresh shared run
@@ -77,7 +77,7 @@ def test_a_lone_batch_level_request_equals_the_solo_run(tiny_checkpoints):
 
 
 def test_topk_wider_than_the_models_k_in_the_scheduler_equals_the_engines(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     dense = parse_policy("topk:8", 2, 8)
     scheduler = Scheduler(engine.decoder, max_batch=4)
     requests = [Request(prompt=PROMPTS[0], max_new_tokens=NEW, routing=dense), Request(prompt=PROMPTS[1], max_new_tokens=NEW)]

@@ -35,7 +35,7 @@ def whole_logprobs(engine, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_a_prompt_prefilled_in_chunks_gets_its_whole_prefill_tokens(family, tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints(family))
+    engine = load_engine(tiny_checkpoints(family), compile=False)
     # 5 prompt tokens a step: the 23-token prompt takes 5 steps, the 4-token one fits in one; the
     # long one arrives while the short one decodes, then a second long one while both decode.
     scheduler = Scheduler(engine.decoder, max_batch=4, prefill_tokens=5)
@@ -57,7 +57,7 @@ def test_a_prompt_prefilled_in_chunks_gets_its_whole_prefill_tokens(family, tiny
 
 
 def test_running_rows_decode_every_step_while_a_long_prompt_is_prefilled(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     steps: list = []
     scheduler = Scheduler(engine.decoder, max_batch=4, prefill_tokens=4, on_step=steps.append)
     got: list[int] = []
@@ -81,7 +81,7 @@ def test_running_rows_decode_every_step_while_a_long_prompt_is_prefilled(tiny_ch
 
 @pytest.mark.parametrize("new", [0, 2])
 def test_prompt_logprobs_across_chunks_are_the_whole_forwards(tiny_checkpoints, new):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     scored: list = []
     request = Request(prompt=LONG, max_new_tokens=new, prompt_logprobs=2, on_prompt_logprobs=scored.append)
     [outcome] = generate_batch(Scheduler(engine.decoder, max_batch=2, prefill_tokens=6), [request])
@@ -95,7 +95,7 @@ def test_prompt_logprobs_across_chunks_are_the_whole_forwards(tiny_checkpoints, 
 
 
 def test_chunks_after_a_cached_prefix_give_the_cold_tokens_and_usage(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("olmoe"))
+    engine = load_engine(tiny_checkpoints("olmoe"), compile=False)
     shared = list(range(3, 35))  # two 16-token blocks
     prompts = [shared + [40, 41, 42], shared + list(range(50, 63))]  # the second: 13 tokens after its cached 32
     cold = [generate_batch(Scheduler(engine.decoder, max_batch=2), [Request(prompt=p, max_new_tokens=6)])[0]
@@ -110,7 +110,7 @@ def test_chunks_after_a_cached_prefix_give_the_cold_tokens_and_usage(tiny_checkp
 
 
 def test_a_request_cancelled_while_its_prompt_is_prefilled_leaves(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=2, prefill_tokens=4)
     long = Request(prompt=LONG, max_new_tokens=4)
     other = Request(prompt=SHORT, max_new_tokens=4)
@@ -128,6 +128,6 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_leaves(tiny_checkpoin
 
 
 def test_a_prefill_budget_below_one_token_is_refused(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     with pytest.raises(MoekitError, match="max-prefill-tokens must be at least 1, got 0"):
         Scheduler(engine.decoder, prefill_tokens=0)

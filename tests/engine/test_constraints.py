@@ -47,7 +47,7 @@ PERSON = {
 def engine(tmp_path_factory):
     folder = write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("constrained"), seed=3, vocab_size=MODEL_VOCAB)
     train_tokenizer(folder / "tokenizer.json", vocab_size=TOKENIZER_VOCAB)
-    return load_engine(folder)
+    return load_engine(folder, compile=False)
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,7 @@ def test_one_argument_is_a_prompt_unless_it_is_a_folder(tmp_path):
 
 def test_run_with_no_checkpoint_uses_the_bundled_model():
     done = subprocess.run(
-        [str(MOEKIT), "run", PROMPT, "--max-new-tokens", "12", "--json"],
+        [str(MOEKIT), "run", "--eager", PROMPT, "--max-new-tokens", "12", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr

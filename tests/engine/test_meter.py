@@ -26,7 +26,7 @@ def hand_count_mixtral() -> tuple[int, int, int]:
 
 
 def test_params_per_token_equal_a_hand_count(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     gen = engine.generate([1, 17, 42, 99], max_new_tokens=6, stop_ids=())
     acts = engine.meter(gen)
     touched, active, total = hand_count_mixtral()
@@ -42,14 +42,14 @@ def test_params_per_token_equal_a_hand_count(tiny_checkpoints):
 
 
 def test_a_dense_model_touches_all_of_itself(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("llama"))
+    engine = load_engine(tiny_checkpoints("llama"), compile=False)
     acts = engine.meter(engine.generate([1, 17, 42], max_new_tokens=4, stop_ids=()))
     assert len(acts) == 4
     assert all(a.share == 1.0 and a.experts == {} for a in acts)
 
 
 def test_bytes_follow_the_engine_dtype(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), dtype="bfloat16")
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), dtype="bfloat16", compile=False)
     acts = engine.meter(engine.generate([1, 17, 42], max_new_tokens=3, stop_ids=()))
     assert all(a.bytes_touched == 2 * a.params_touched for a in acts)
 
@@ -57,7 +57,7 @@ def test_bytes_follow_the_engine_dtype(tiny_checkpoints):
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_metered_experts_are_the_ones_transformers_chooses(family, tiny_checkpoints):
     folder = tiny_checkpoints(family)
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     prompt = [1, 17, 42, 99, 5]
     gen = engine.generate(prompt, max_new_tokens=10, stop_ids=())
     acts = engine.meter(gen)
@@ -71,7 +71,7 @@ def test_metered_experts_are_the_ones_transformers_chooses(family, tiny_checkpoi
 
 
 def test_distinct_experts_grow_and_stay_within_the_layer(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     acts = engine.meter(engine.generate([1, 17, 42, 99, 5, 6], max_new_tokens=12, stop_ids=()))
     totals = [a.distinct_experts_total for a in acts]
     assert totals == sorted(totals)
@@ -87,6 +87,6 @@ def test_a_token_using_k_experts_is_the_calculators_active_count(family, tiny_ch
     from moekit.calc.params import count_params
     from moekit.engine.meter import params_per_token
 
-    spec = load_engine(tiny_checkpoints(family)).spec
+    spec = load_engine(tiny_checkpoints(family), compile=False).spec
     counts = params_per_token(spec)
     assert counts.active(counts.typical()) == count_params(spec).active_params

@@ -31,7 +31,7 @@ def expert_q8_0_bytes(spec) -> int:
 
 
 def test_pass_bytes_swaps_each_distinct_expert_for_the_bytes_it_holds(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     counts = params_per_token(engine.spec)
     layers = sorted(counts.top_k)
     chosen = {layers[0]: [3, 5, 5], layers[1]: [0]}  # a repeat reads its expert once: 3 distinct
@@ -46,7 +46,7 @@ def test_pass_bytes_swaps_each_distinct_expert_for_the_bytes_it_holds(tiny_check
 
 @pytest.mark.parametrize("weights", ["int8-experts", "int8"])
 def test_a_scheduled_request_meters_int8_experts_as_moekit_run_does(tiny_checkpoints, weights):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), weights=weights)
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), weights=weights, compile=False)
     metered = engine.meter(engine.generate([PROMPT], max_new_tokens=6, stop_ids=()))
     scheduler = Scheduler(engine.decoder, max_batch=2, bytes_per_param=engine.bytes_per_param,
                           expert_bytes=engine.expert_bytes, dense_saving=engine.dense_saving)
@@ -59,7 +59,7 @@ def test_a_scheduled_request_meters_int8_experts_as_moekit_run_does(tiny_checkpo
     fp32 = counts.touched(counts.typical()) * 4
     saved = pairs * (counts.expert_each[min(counts.top_k)] * 4 - expert_q8_0_bytes(engine.spec))
     if weights == "int8":
-        plain = load_engine(tiny_checkpoints("qwen3_moe")).decoder
+        plain = load_engine(tiny_checkpoints("qwen3_moe"), compile=False).decoder
         linears = [m for m in plain.modules() if isinstance(m, Linear) and not isinstance(m, Router) and m.out_features > 1]
         assert linears
         saved += sum(m.in_features * m.out_features * 4 - q8_0_bytes(m.out_features, m.in_features) for m in linears)
@@ -67,7 +67,7 @@ def test_a_scheduled_request_meters_int8_experts_as_moekit_run_does(tiny_checkpo
 
 
 def test_a_tier_b_row_pays_for_its_one_expert_at_int8(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8-experts")
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8-experts", compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=2, bytes_per_param=4, expert_bytes=engine.expert_bytes)
     full, one = generate_batch(scheduler, [Request(prompt=PROMPT, max_new_tokens=4),
                                            Request(prompt=PROMPT, max_new_tokens=4, tier="B")])

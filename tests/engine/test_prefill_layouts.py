@@ -41,7 +41,7 @@ def prefill_logits(decoder, ids: list[int], split: int | None = None) -> torch.T
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_the_hub_layouts_prefill_gives_the_eager_layouts_tokens(family, tiny_checkpoints):
     folder = tiny_checkpoints(family)
-    eager = load_engine(folder).decoder
+    eager = load_engine(folder, compile=False).decoder
     hub = hub_layout(folder)
     grouped = [m for m in hub.modules() if isinstance(m, RoutedExperts) and m._stacks_grouped(torch.zeros(2, 1))]
     assert grouped or family in ("gpt_oss", "llama4_text"), "the grouped GEMMs should run here"  # biases / weighed inputs

@@ -76,7 +76,7 @@ def assert_same(cold_out, warm_out):
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_cached_prefix_gives_the_cold_tokens(family, tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints(family))
+    engine = load_engine(tiny_checkpoints(family), compile=False)
     prompts = [SHARED + s for s in SUFFIXES] + [SHARED + SUFFIXES[0]]  # the last one repeats the first
     cold_out, warm_out = run_cold_and_cached(engine, prompts)
     assert_same(cold_out, warm_out)
@@ -84,7 +84,7 @@ def test_cached_prefix_gives_the_cold_tokens(family, tiny_checkpoints):
 
 
 def test_cached_prefix_gives_the_cold_tokens_on_the_bundled_model():
-    engine = load_engine(bundled_model_path())
+    engine = load_engine(bundled_model_path(), compile=False)
     shared = engine.encode("def parse_args(argv):\n    parser = argparse.ArgumentParser(description='x')\n" * 3)
     prompts = [shared + engine.encode(s) for s in ("    parser.add", "    return", "\n\nclass Config:")]
     cold_out, warm_out = run_cold_and_cached(engine, prompts, new=12)
@@ -94,7 +94,7 @@ def test_cached_prefix_gives_the_cold_tokens_on_the_bundled_model():
 
 
 def test_a_tier_does_not_reuse_another_tiers_prefix(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=2, prefix_cache=PrefixCache(budget_bytes=1 << 30))
     prompt = SHARED + SUFFIXES[0]
     full, = generate_batch(scheduler, [Request(prompt=prompt, max_new_tokens=6)])
@@ -106,7 +106,7 @@ def test_a_tier_does_not_reuse_another_tiers_prefix(tiny_checkpoints):
 
 
 def test_prompts_prefilled_together_fill_the_cache(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=4, prefix_cache=PrefixCache(budget_bytes=1 << 30))
     prompts = [SHARED[:20] + [5, 6], SHARED + [1, 2]]  # different lengths: the shorter one is left-padded
     generate_batch(scheduler, [Request(prompt=p, max_new_tokens=4) for p in prompts])
@@ -118,7 +118,7 @@ def test_prompts_prefilled_together_fill_the_cache(tiny_checkpoints):
 
 
 def test_a_change_between_steps_empties_the_cache(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     scheduler = Scheduler(engine.decoder, prefix_cache=PrefixCache(budget_bytes=1 << 30))
     generate_batch(scheduler, [Request(prompt=SHARED + [4], max_new_tokens=2)])
     assert scheduler.prefix_cache.blocks

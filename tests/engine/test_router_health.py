@@ -46,7 +46,7 @@ def test_drift_flags_a_collapsing_layer_and_a_jittery_request():
 
 
 def test_watching_the_routers_fills_the_trace_and_changes_no_token(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     prompt = [1, 17, 42, 99, 5]
     plain = engine.generate([prompt], max_new_tokens=6, stop_ids=())
     with rh.watch_entropy(engine.decoder):
@@ -62,7 +62,7 @@ def test_watching_the_routers_fills_the_trace_and_changes_no_token(tiny_checkpoi
 
 
 def test_the_scheduler_tallies_decode_entropy_by_layer_and_position(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=2)
     stop = rh.watch_routers(engine.decoder)
     try:
@@ -118,7 +118,7 @@ def test_the_decode_steps_entropy_is_what_hooks_on_the_routers_saw(tiny_checkpoi
     """Router health reads the entropy off the step's own router logits (eager and compiled): the
     figures the routers' forward hooks gave, on a fixed prompt (sigmoid scoring: deepseek_v3)."""
     folder = tiny_checkpoints(family)
-    eager = load_engine(folder).decoder
+    eager = load_engine(folder, compile=False).decoder
     runs = [(eager, 1e-6)]
     if family == "deepseek_v3":  # compiled: qwen3_moe's by the scheduler's tally below
         compiled = load_engine(folder, compile=True).decoder
@@ -141,7 +141,7 @@ def test_a_compiled_scheduler_tallies_the_eager_ones_entropy(tiny_checkpoints):
     compiled = load_engine(folder, compile=True).decoder
     compiled.compile_decode(cpp_wrapper=False)
     tallies = []
-    for decoder in (load_engine(folder).decoder, compiled):
+    for decoder in (load_engine(folder, compile=False).decoder, compiled):
         scheduler = Scheduler(decoder, max_batch=2)
         with rh.watch_entropy(decoder):
             generate_batch(scheduler, [Request(prompt=[1, 2, 3], max_new_tokens=5), Request(prompt=[4, 5], max_new_tokens=5)])

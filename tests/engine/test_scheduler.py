@@ -53,7 +53,7 @@ def run_staggered(scheduler: Scheduler, requests: list[Request], first: int, ste
 
 @pytest.mark.parametrize("family", MOE_FAMILIES + DENSE_FAMILIES)
 def test_every_request_gets_its_lone_tokens_when_rows_join_and_leave(family, tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints(family))
+    engine = load_engine(tiny_checkpoints(family), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=4)  # 6 requests, 4 rows: two wait for a free row
     requests = [Request(prompt=p, max_new_tokens=n) for p, n in zip(PROMPTS, NEW)]
     outcomes = run_staggered(scheduler, requests, first=3, steps_between=2)
@@ -64,7 +64,7 @@ def test_every_request_gets_its_lone_tokens_when_rows_join_and_leave(family, tin
 
 
 def test_a_stop_token_ends_only_its_row(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     lone = alone(engine, PROMPTS[0], 10)
     stop = lone[3]  # the row's own 4th token: it must stop there, token included
     scheduler = Scheduler(engine.decoder, max_batch=4)
@@ -78,7 +78,7 @@ def test_a_stop_token_ends_only_its_row(tiny_checkpoints):
 
 
 def test_seeded_sampling_per_row_equals_the_lone_seeded_run(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=7)
     scheduler = Scheduler(engine.decoder, max_batch=4)
     outcomes = generate_batch(
@@ -114,7 +114,7 @@ def _one_expert_oracle(family, folder, tmp_path):
     else:
         config["num_experts_per_tok"] = 1
     (copy / "config.json").write_text(json.dumps(config))
-    engine = load_engine(copy)
+    engine = load_engine(copy, compile=False)
     return lambda prompt: alone(engine, prompt, 8)
 
 
@@ -122,7 +122,7 @@ def _one_expert_oracle(family, folder, tmp_path):
 def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, tiny_checkpoints, tmp_path):
     """Tier B (one expert) beside tier S rows: the family routed with K = 1 is the oracle."""
     folder = tiny_checkpoints(family)
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=4)
     requests = [
         Request(prompt=PROMPTS[0], max_new_tokens=8, tier="B"),
@@ -144,7 +144,7 @@ def test_a_row_with_fewer_experts_routes_as_the_family_does_with_that_k(family, 
 
 
 def test_usage_meters_the_rows_own_experts(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     gen = engine.generate([PROMPTS[0]], max_new_tokens=6, stop_ids=())
     metered = engine.meter(gen)
     scheduler = Scheduler(engine.decoder, max_batch=2)
@@ -162,7 +162,7 @@ def test_usage_meters_the_rows_own_experts(tiny_checkpoints):
 
 
 def test_a_cancelled_request_leaves_and_frees_its_row(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("olmoe"))
+    engine = load_engine(tiny_checkpoints("olmoe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=1)
     seen: list[int] = []
     outcomes: list = []
@@ -181,7 +181,7 @@ def test_a_cancelled_request_leaves_and_frees_its_row(tiny_checkpoints):
 
 
 def test_tiers_are_admitted_s_before_a_before_b_and_queues_are_bounded(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=1, queue_limit=2)
     order: list[str] = []
     for tier in ("B", "A", "S", "B"):
@@ -211,7 +211,7 @@ def test_tier_k_and_bad_requests():
     ],
 )
 def test_submit_refuses_what_cannot_run(request_kwargs, message, tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("qwen3_moe"))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=2)
     with pytest.raises(MoekitError, match=message):
         scheduler.submit(Request(**request_kwargs))
@@ -219,7 +219,7 @@ def test_submit_refuses_what_cannot_run(request_kwargs, message, tiny_checkpoint
 
 
 def test_a_burst_is_prefilled_together_within_the_prefill_budget(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("gpt_oss"))
+    engine = load_engine(tiny_checkpoints("gpt_oss"), compile=False)
     steps: list = []
     # 12 padded tokens per step at most. Prompt lengths 7, 2, 3, 1: the 7 goes alone (with the 2
     # it would pad to 2 × 7 = 14); the next step takes the 2, the 3 and the 1 together (3 × 3 = 9).

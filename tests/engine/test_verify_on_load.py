@@ -36,7 +36,7 @@ def pristine(tmp_path_factory):
 
 
 def _tokens(folder, **kw):
-    engine = moekit.load(folder, **kw)
+    engine = moekit.load(folder, compile=False, **kw)
     try:
         return engine.generate(PROMPT, max_new_tokens=8, stop_ids=()).token_ids[0], engine.notes
     finally:
@@ -73,7 +73,7 @@ def test_a_flipped_byte_in_a_routed_expert_is_refused_naming_expert_tensor_and_f
     flip_byte(folder / x.file, x.offset + x.length // 2)
     before = _digest(folder)
     with pytest.raises(CheckpointError) as err:
-        moekit.load(folder)
+        moekit.load(folder, compile=False)
     message = str(err.value)
     assert message.startswith(f"{folder}: layer 1 expert 3 (tensor model.layers.1.")
     assert f"): checksum mismatch in {x.file} (bytes {x.offset}..{x.end}); the file changed since" in message
@@ -90,7 +90,7 @@ def test_a_flipped_byte_in_a_dense_tensor_is_refused_on_both_load_paths(pristine
     flip_byte(folder / t.file, t.offset + 3)
     before = _digest(folder)
     with pytest.raises(CheckpointError) as err:
-        moekit.load(folder, expert_memory=expert_memory)
+        moekit.load(folder, expert_memory=expert_memory, compile=False)
     assert str(err.value) == (
         f"{folder}: tensor {name}: checksum mismatch in {t.file} (bytes {t.offset}..{t.offset + t.length}); "
         "the file changed since moekit-experts.json was written; re-download it, or delete "
@@ -111,12 +111,12 @@ def test_an_older_manifest_without_dense_checksums_verifies_the_experts_and_says
     x = manifest.experts[0, 5].gate_up[0]
     flip_byte(folder / x.file, x.offset)
     with pytest.raises(CheckpointError, match="layer 0 expert 5 .tensor model.layers.0.mlp.experts.5.gate_proj.weight.: checksum mismatch"):
-        moekit.load(folder)
+        moekit.load(folder, compile=False)
     # and `moekit checksum` adds the dense checksums to it, keeping the experts' (so the flip stays caught)
     result = checksum_checkpoint(folder, load_spec(str(folder)))
     assert result.action == "added" and read_manifest(folder).tensors == manifest.tensors
     with pytest.raises(CheckpointError, match="layer 0 expert 5"):
-        moekit.load(folder)
+        moekit.load(folder, compile=False)
 
 
 def test_a_manifest_for_another_config_is_refused_and_no_verify_skips_reading_it(pristine, tmp_path):
@@ -125,7 +125,7 @@ def test_a_manifest_for_another_config_is_refused_and_no_verify_skips_reading_it
     config.write_text(config.read_text() + "\n")
     with pytest.raises(moekit.errors.MoekitError, match="moekit-experts.json was written for another model .qwen3_moe, "
                        "2 layers, 8 experts, a different config.json."):
-        moekit.load(folder)
+        moekit.load(folder, compile=False)
     assert len(_tokens(folder, verify=False)[0]) == 8
 
 
@@ -134,4 +134,4 @@ def test_bytes_after_the_last_tensor_are_one_line_not_a_safetensors_traceback(pr
     with (folder / "model.safetensors").open("ab") as fh:
         fh.write(b"\0" * 16)
     with pytest.raises(CheckpointError, match=r"model.safetensors: corrupted safetensors file \(16 bytes after the last tensor\)"):
-        moekit.load(folder)
+        moekit.load(folder, compile=False)

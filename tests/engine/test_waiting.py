@@ -19,7 +19,7 @@ def test_the_queue_orders_by_priority_then_arrival():
 
 
 def test_the_scheduler_admits_a_tiers_lowest_priority_first(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=1)  # one row: requests run one after another
     priorities = [5, 0, -1, 0, 10]
     requests = [Request(prompt=[3, 4, 5], max_new_tokens=3, priority=p) for p in priorities]
@@ -30,7 +30,7 @@ def test_the_scheduler_admits_a_tiers_lowest_priority_first(tiny_checkpoints):
 
 
 def test_tiers_still_come_before_priorities(tiny_checkpoints):
-    engine = load_engine(tiny_checkpoints("mixtral"))
+    engine = load_engine(tiny_checkpoints("mixtral"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=1)
     requests = [Request(prompt=[3, 4], max_new_tokens=2, tier="B", priority=-100),
                 Request(prompt=[3, 4], max_new_tokens=2, tier="S", priority=100)]

@@ -41,7 +41,7 @@ def engines(tiny_checkpoints):
             # same kernels (the C++ caller, load_engine's default, is what tests/serve/
             # test_compiled_server.py runs).
             compiled.decoder.compile_decode(cpp_wrapper=False)
-            made[family] = (load_engine(folder), compiled)
+            made[family] = (load_engine(folder, compile=False), compiled)
         return made[family]
 
     return get
@@ -224,7 +224,7 @@ def _step_logits(engine, prompt: list[int], steps: int = 3) -> torch.Tensor:
 def test_int8_compiled_matches_eager_int8(tmp_path, family, weights):
     """q8_0 weights in the compiled step (moekit::rows_q8 / experts_q8) against the eager int8 engine."""
     folder = write_checkpoint(family, tmp_path / family)
-    eager = load_engine(folder, weights=weights)
+    eager = load_engine(folder, weights=weights, compile=False)
     compiled = load_engine(folder, weights=weights, compile=True)
     assert compiled.decoder.compiled is not None, compiled.notes
     compiled.decoder.compile_decode(cpp_wrapper=False)  # the same kernels, a quicker compile
@@ -255,7 +255,7 @@ def packed_engines(tmp_path_factory):
             folder = PACKED[kind](tmp_path_factory.mktemp(kind))
             compiled = load_engine(folder, compile=True)
             compiled.decoder.compile_decode(cpp_wrapper=False)  # the same kernels, a quicker compile
-            made[kind] = (load_engine(folder), compiled)
+            made[kind] = (load_engine(folder, compile=False), compiled)
         return made[kind]
 
     return get
@@ -332,7 +332,7 @@ def _bf16_batch_logits(engine) -> torch.Tensor:
 
 def _bf16_engines(folder):
     """(eager bf16 engine, compiled bf16 engine) of one checkpoint."""
-    eager = load_engine(folder, dtype="bfloat16")
+    eager = load_engine(folder, dtype="bfloat16", compile=False)
     compiled = load_engine(folder, dtype="bfloat16", compile=True)
     compiled.decoder.compile_decode(cpp_wrapper=False)
     return eager, compiled

@@ -14,9 +14,9 @@ from moekit.spec.model_spec import MLPSpec
 E, D, F = 8, 32, 24
 
 
-def _experts(dtype: torch.dtype, seed: int) -> RoutedExperts:
+def _experts(dtype: torch.dtype, seed: int, width: int = F) -> RoutedExperts:
     gen = torch.Generator().manual_seed(seed)
-    ex = RoutedExperts(MLPSpec(hidden_size=D, width=F, gated=True, bias=False, activation="silu"), E,
+    ex = RoutedExperts(MLPSpec(hidden_size=D, width=width, gated=True, bias=False, activation="silu"), E,
                        Activation(kind="silu", limit=1.0))
     with torch.no_grad():
         for p in ex.parameters():
@@ -56,3 +56,17 @@ def test_other_layouts_keep_the_loop():
     assert not ex._stacks_grouped(torch.zeros(2, D, dtype=torch.float16))
     ex.weigh_input = True  # llama4 scales each expert's input: the loop does that
     assert not ex._stacks_grouped(torch.zeros(2, D))
+
+
+def test_rows_torchs_grouped_gemm_refuses_run_the_loop():
+    """The bundled model's width, 52, is 104 bytes a row in bf16, which torch's grouped GEMM refuses
+    (it wants multiples of 16 bytes): a prompt over Hub-layout stacks (a compiled engine's prefill)
+    takes the per-expert loop there, and the grouped GEMMs in fp32 (208 bytes)."""
+    ex = _experts(torch.bfloat16, seed=3, width=52)
+    x = torch.randn(9, D, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    decision = _decision(9, 2, seed=5)
+    assert not ex._stacks_grouped(x)
+    with torch.inference_mode():
+        out, reference = ex(x, decision), experts_reference(ex, x, decision)
+    torch.testing.assert_close(out.float(), reference.float(), atol=3e-2, rtol=3e-2)
+    assert _experts(torch.float32, seed=3, width=52)._stacks_grouped(x.float())

@@ -101,7 +101,7 @@ PROMPTS = [[5, 17, 42, 9, 77, 3, 101], [8, 64, 12]]  # two lengths: a left-padde
 def greedy_runs(folder, offload=None, dtype: str = "float32", prompts=PROMPTS, new: int = 20):
     """(each prompt alone, the prompts as one batch, the store's stats or None): greedy token ids of
     one engine, resident (offload None) or paged, closed afterwards."""
-    engine = load_engine(folder, dtype=dtype, offload=offload)
+    engine = load_engine(folder, dtype=dtype, offload=offload, compile=False)
     try:
         single = [engine.generate(p, max_new_tokens=new, stop_ids=()).token_ids[0] for p in prompts]
         batch = engine.generate(prompts, max_new_tokens=new, stop_ids=()).token_ids

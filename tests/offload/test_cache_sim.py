@@ -31,7 +31,7 @@ NUM_EXPERTS = 8  # hf_tiny's qwen3_moe
 def traced(tmp_path_factory):
     """(trace path, generated ids) of a real two-row greedy run."""
     folder = write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     gen = engine.generate(PROMPTS, max_new_tokens=NEW, stop_ids=())
     path = tmp_path_factory.mktemp("trace") / "trace.parquet"
     write_trace(gen, path, trace_model(engine.spec, folder))

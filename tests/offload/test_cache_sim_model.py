@@ -86,7 +86,7 @@ def test_run_writes_the_models_facts_into_the_trace(capsys, tmp_path):
     from moekit.engine.default_model import bundled_model_path
 
     path = tmp_path / "t.parquet"
-    code, _, err = moekit(capsys, "run", "def f(x):", "--max-new-tokens", "2", "--trace", path)
+    code, _, err = moekit(capsys, "run", "--eager", "def f(x):", "--max-new-tokens", "2", "--trace", path)
     assert code == 0, err
     model = read_trace_model(pq.read_schema(path).metadata)
     config = bundled_model_path() / "config.json"

@@ -35,7 +35,7 @@ def checksummed(capsys, pristine, tmp_path):
 
 
 def _tokens(capsys, *args):
-    code, out, err = moekit(capsys, "run", *args, *RUN)
+    code, out, err = moekit(capsys, "run", "--eager", *args, *RUN)
     assert code == 0, err
     return json.loads(out)["token_ids"], err
 

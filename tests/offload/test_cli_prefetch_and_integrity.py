@@ -25,7 +25,7 @@ def ckpt(tmp_path_factory):
 
 
 def _run(capsys, folder, *args):
-    code, out, err = moekit(capsys, "run", folder, *RUN, *args)
+    code, out, err = moekit(capsys, "run", "--eager", folder, *RUN, *args)
     assert code == 0, err
     return json.loads(out)
 
@@ -34,7 +34,7 @@ def _in_process_stats(folder, extra):
     """What the store reports for the same request through the Python API."""
     from moekit.engine.loader import load_engine
 
-    engine = load_engine(folder, offload=OffloadOptions("25%", prefetch=True, prefetch_extra=extra))
+    engine = load_engine(folder, offload=OffloadOptions("25%", prefetch=True, prefetch_extra=extra), compile=False)
     try:
         engine.generate([1, 17, 42, 99, 5], max_new_tokens=10, stop_ids=())
         return engine.store.stats()["layers"]
@@ -68,7 +68,7 @@ def test_a_corrupted_expert_is_one_line_naming_file_layer_and_expert_exit_2(caps
     extent = load_or_build_manifest(folder, load_spec(str(folder))).experts[layer, expert].down[0]
     flip_byte(folder / extent.file, extent.offset + extent.length // 2)
 
-    code, out, err = moekit(capsys, "run", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
+    code, out, err = moekit(capsys, "run", "--eager", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
     assert f"layer {layer} expert {expert}: checksum mismatch in {extent.file}" in err

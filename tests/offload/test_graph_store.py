@@ -1,6 +1,6 @@
 """The expert store inside the compiled decode step (moekit.offload.graph_store): `moekit run
---expert-memory --compile` gives the resident engine's fp32 greedy tokens, and the store reads,
-hits and misses exactly as the eager step does, with and without prefetch."""
+--expert-memory` (compiled by default) gives the resident engine's fp32 greedy tokens, and the
+store reads, hits and misses exactly as the `--eager` step does, with and without prefetch."""
 
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def _unweighed(activation: dict) -> dict:
 def test_a_compiled_paged_run_gives_the_resident_tokens_and_the_eager_reads(capsys, tiny_checkpoints, prefetch):
     folder = tiny_checkpoints("qwen3_moe")
     store = ("--expert-memory", "25%", "--cache", "lfu") + (("--prefetch", "--prefetch-extra", "1") if prefetch else ())
-    resident, _ = _run(capsys, folder)
-    eager, _ = _run(capsys, folder, *store)
-    compiled, err = _run(capsys, folder, *store, "--compile")
+    resident, _ = _run(capsys, folder, "--eager")
+    eager, _ = _run(capsys, folder, *store, "--eager")
+    compiled, err = _run(capsys, folder, *store)  # the default: the compiled step
     assert "decode steps run as one compiled graph" in err, err
     assert compiled["token_ids"] == eager["token_ids"] == resident["token_ids"]
     # The meter's experts, parameters and bytes; the routing weights as the compiled step rounds them.
@@ -59,7 +59,7 @@ def test_a_compiled_paged_run_gives_the_resident_tokens_and_the_eager_reads(caps
 
 def test_the_ops_agree_with_their_fakes_and_name_a_missing_handle(tiny_checkpoints):
     """torch.library.opcheck: schema, fake (shape, dtype) and the compiled dispatch, on a live store."""
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), offload=OffloadOptions("25%", prefetch=True))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), offload=OffloadOptions("25%", prefetch=True), compile=False)
     try:
         layer = engine.decoder.layers[1]
         store, guess = engine.store.layers[1], layer.before_attn

@@ -27,7 +27,7 @@ def qwen(tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(qwen, tmp_path_factory):
     """(store.stats() after one generation, the path of its trace)."""
-    engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lru", prefetch=False))
+    engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lru", prefetch=False), compile=False)
     try:
         gen = engine.generate(PROMPT, max_new_tokens=NEW, stop_ids=())
         stats = engine.store.stats()
@@ -54,7 +54,7 @@ def test_the_store_and_cache_sim_agree_name_by_name(live):
 
 def test_run_json_uses_the_same_names_and_meanings(capsys, qwen, live):
     stats, _ = live
-    code, out, err = moekit(capsys, "run", qwen, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
+    code, out, err = moekit(capsys, "run", "--eager", qwen, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens",
                             str(NEW), "--stop", "", "--expert-memory", "50%", "--json")
     assert code == 0, err
     report = json.loads(out)["offload"]

@@ -56,8 +56,8 @@ def qwen(tmp_path_factory):
 def test_paged_int8_is_token_for_token_the_resident_int8(family, tmp_path):
     folder = write_checkpoint(family, tmp_path / family, seed=2)
     packed = _pack(folder, tmp_path / "int8", "int8")
-    want = _tokens(load_engine(folder, weights="int8-experts"))  # fp32 activations
-    paged = load_engine(packed, offload=_least(folder))
+    want = _tokens(load_engine(folder, weights="int8-experts", compile=False))  # fp32 activations
+    paged = load_engine(packed, offload=_least(folder), compile=False)
     assert paged.store.slots < paged.spec.layers[0].ffn.num_experts and paged.store.precision.endswith("int8")
     experts = paged.decoder.layers[0].ffn.experts
     assert all(k in (INT8, INT8_GEMV) for k in experts.kernels) and experts.form.expert_kernels is None
@@ -65,16 +65,16 @@ def test_paged_int8_is_token_for_token_the_resident_int8(family, tmp_path):
 
 
 def test_int8_at_load_from_a_float_checkpoint_pages_too(qwen):
-    want = _tokens(load_engine(qwen, weights="int8-experts"))
-    engine = load_engine(qwen, weights="int8-experts", offload=_least(qwen))
+    want = _tokens(load_engine(qwen, weights="int8-experts", compile=False))
+    engine = load_engine(qwen, weights="int8-experts", offload=_least(qwen), compile=False)
     assert engine.store is not None and "int8" in engine.store.precision
     assert _tokens(engine) == want
 
 
 def test_packed_bf16_is_the_resident_bf16_engine(qwen, tmp_path):
     packed = _pack(qwen, tmp_path / "bf16", "bf16")  # the fp32 checkpoint cast as loading casts it
-    want = _tokens(load_engine(qwen, dtype="bfloat16"))
-    assert _tokens(load_engine(packed, dtype="bfloat16", offload=_least(qwen))) == want
+    want = _tokens(load_engine(qwen, dtype="bfloat16", compile=False))
+    assert _tokens(load_engine(packed, dtype="bfloat16", offload=_least(qwen), compile=False)) == want
 
 
 def test_a_bf16_checkpoint_packed_bf16_is_its_own_bytes(tmp_path):
@@ -83,8 +83,8 @@ def test_a_bf16_checkpoint_packed_bf16_is_its_own_bytes(tmp_path):
     cast = _pack(folder, tmp_path / "bf16", "bf16").joinpath("experts.packed.safetensors").read_bytes()
     data = lambda raw: raw[8 + int.from_bytes(raw[:8], "little") :]  # after the header (its metadata differs)
     assert data(cast) == data(plain)
-    want = _tokens(load_engine(folder, dtype="bfloat16"))
-    assert _tokens(load_engine(tmp_path / "bf16", dtype="bfloat16", offload=_least(folder))) == want
+    want = _tokens(load_engine(folder, dtype="bfloat16", compile=False))
+    assert _tokens(load_engine(tmp_path / "bf16", dtype="bfloat16", offload=_least(folder), compile=False)) == want
 
 
 def test_int8_blocks_are_34_bytes_per_32_weights_in_the_file_the_budget_and_the_meter(qwen, tmp_path):
@@ -96,7 +96,7 @@ def test_int8_blocks_are_34_bytes_per_32_weights_in_the_file_the_budget_and_the_
     assert each == 2 * f * math.ceil(d / 32) * 34 + d * math.ceil(f / 32) * 34
     assert all(stored_kind(ex) == "Q8_0" and ex.nbytes == each for ex in manifest.experts.values())
 
-    engine = load_engine(packed, offload=OffloadOptions("50%"))
+    engine = load_engine(packed, offload=OffloadOptions("50%"), compile=False)
     gen = engine.generate(PROMPTS, max_new_tokens=NEW, stop_ids=())
     stats = engine.store.stats()
     total = each * len(manifest.experts)
@@ -112,13 +112,13 @@ def test_int8_blocks_are_34_bytes_per_32_weights_in_the_file_the_budget_and_the_
 
 def test_a_packed_int8_checkpoint_runs_its_packed_experts_without_a_budget(qwen, tmp_path):
     packed = _pack(qwen, tmp_path / "int8", "int8")
-    engine = load_engine(packed)  # no --expert-memory: the store, every expert resident
+    engine = load_engine(packed, compile=False)  # no --expert-memory: the store, every expert resident
     assert engine.store is not None and engine.store.slots == engine.spec.layers[0].ffn.num_experts
-    assert _tokens(engine) == _tokens(load_engine(qwen, weights="int8-experts"))
+    assert _tokens(engine) == _tokens(load_engine(qwen, weights="int8-experts", compile=False))
 
 
 def _profile(folder, path):
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
     path.write_text(json.dumps(profile_document(model_identity(folder, engine.spec), counts, 2, workload={})))
     return counts
@@ -134,7 +134,7 @@ def test_hot_experts_keep_bf16_and_cold_ones_run_int4_each_with_its_own_kernels_
     manifest = read_manifest(result.folder)
     assert all(stored_kind(manifest.experts[k]) == (None if p == "bf16" else "Q4_0") for k, p in precisions.items())
 
-    full = load_engine(result.folder, dtype="bfloat16")
+    full = load_engine(result.folder, dtype="bfloat16", compile=False)
     experts = full.decoder.layers[0].ffn.experts
     assert {k for pair in experts.form.expert_kernels for k in pair} >= {INT4}
     d, f = spec.hidden_size, spec.layers[0].ffn.expert.width
@@ -147,14 +147,14 @@ def test_hot_experts_keep_bf16_and_cold_ones_run_int4_each_with_its_own_kernels_
     want = _tokens(full)
     # A slot holds the largest expert, so no mix of resident experts passes the budget: K bf16 experts a layer.
     least = 2 * (2 * 3 * f * d) * len(spec.moe_layers)
-    paged = load_engine(result.folder, dtype="bfloat16", offload=OffloadOptions(str(least)))
+    paged = load_engine(result.folder, dtype="bfloat16", offload=OffloadOptions(str(least)), compile=False)
     assert paged.store.expert_bytes == 2 * 3 * f * d and paged.store.slots == 2
     assert _tokens(paged) == want
 
 
 def test_a_flipped_byte_in_a_packed_int4_expert_is_refused_naming_it(qwen, tmp_path):
     packed = _pack(qwen, tmp_path / "int4", "int4")
-    engine = load_engine(packed)
+    engine = load_engine(packed, compile=False)
     gen = engine.generate(PROMPTS[:1], max_new_tokens=1, stop_ids=())
     engine.close()
     layer = engine.spec.moe_layers[-1]
@@ -162,7 +162,7 @@ def test_a_flipped_byte_in_a_packed_int4_expert_is_refused_naming_it(qwen, tmp_p
     x = read_manifest(packed).experts[layer, e].gate_up[0]
     assert x.dtype == "Q4_0"
     flip_byte(packed / x.file, x.offset + 5)
-    engine = load_engine(packed)
+    engine = load_engine(packed, compile=False)
     with pytest.raises(ExpertIntegrityError, match=f"layer {layer} expert {e}: checksum mismatch"):
         engine.generate(PROMPTS[:1], max_new_tokens=1, stop_ids=())
     engine.close()

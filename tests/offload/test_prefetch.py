@@ -14,7 +14,7 @@ from moekit.offload.prefetch import predict_experts
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     folder = write_checkpoint("qwen3_moe", tmp_path_factory.mktemp("prefetch"), seed=3)
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     yield engine
     engine.close()
 
@@ -43,7 +43,7 @@ def test_a_guess_from_the_layers_own_input_is_its_choice(engine):
 
 def test_prefetch_scores_every_guessed_layer_and_never_the_first(tmp_path):
     folder = write_checkpoint("qwen3_moe", tmp_path / "q", seed=3, num_hidden_layers=3)
-    engine = load_engine(folder, offload=OffloadOptions("50%", prefetch=True, prefetch_extra=1))
+    engine = load_engine(folder, offload=OffloadOptions("50%", prefetch=True, prefetch_extra=1), compile=False)
     try:
         engine.generate([5, 17, 42, 9, 77], max_new_tokens=12, stop_ids=())
         layers = engine.store.stats()["layers"]

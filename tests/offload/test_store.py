@@ -65,7 +65,7 @@ def _pin_profile(folder, tmp_path):
     from moekit.offload.pins import model_identity, profile_document
     from moekit.analysis.profile import count_experts
 
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     counts, _ = count_experts(engine, PROMPTS, max_new_tokens=8)
     doc = profile_document(model_identity(folder, engine.spec), counts, top=2, workload={})
     engine.close()
@@ -76,7 +76,7 @@ def _pin_profile(folder, tmp_path):
 
 def test_pins_from_a_profile_stay_resident_and_change_nothing(qwen, tmp_path):
     doc, pin = _pin_profile(qwen, tmp_path)
-    engine = load_engine(qwen, offload=OffloadOptions("50%", pin=pin))
+    engine = load_engine(qwen, offload=OffloadOptions("50%", pin=pin), compile=False)
     try:
         for layer, store in engine.store.layers.items():
             assert store.cache.pinned == set(doc["pins"][str(layer)])
@@ -97,13 +97,13 @@ def test_a_pin_file_for_another_model_is_refused(qwen, tmp_path):
     pin = tmp_path / "p.json"
     pin.write_text(json.dumps(doc))
     with pytest.raises(MoekitError, match="made for another model"):
-        load_engine(qwen, offload=OffloadOptions("50%", pin=pin))
+        load_engine(qwen, offload=OffloadOptions("50%", pin=pin), compile=False)
 
 
 def test_budgets_below_the_minimum_or_above_everything(qwen):
     with pytest.raises(MoekitError, match="below the minimum"):
-        load_engine(qwen, offload=OffloadOptions("1%"))
-    engine = load_engine(qwen, offload=OffloadOptions("100GiB"))
+        load_engine(qwen, offload=OffloadOptions("1%"), compile=False)
+    engine = load_engine(qwen, offload=OffloadOptions("100GiB"), compile=False)
     assert engine.store is None and any("fully resident" in n for n in engine.notes)
 
 
@@ -112,7 +112,7 @@ def test_live_hits_equal_the_cache_simulation_of_the_same_trace(qwen, tmp_path):
     from moekit.engine.trace import write_trace
     from moekit.analysis.cache_sim import read_trace, simulate
 
-    engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lfu", prefetch=False))
+    engine = load_engine(qwen, offload=OffloadOptions("50%", policy="lfu", prefetch=False), compile=False)
     try:
         gen = engine.generate(PROMPTS[0], max_new_tokens=NEW, stop_ids=())
         live = engine.store.stats()
@@ -142,7 +142,7 @@ def test_a_corrupted_expert_fails_the_request_names_it_and_never_serves_wrong_we
     spoiled[extent.offset + 3] ^= 0x40
     path.write_bytes(bytes(spoiled))
 
-    engine = load_engine(folder, offload=OffloadOptions("25%", policy="none", prefetch=False))
+    engine = load_engine(folder, offload=OffloadOptions("25%", policy="none", prefetch=False), compile=False)
     try:
         with pytest.raises(ExpertIntegrityError, match=rf"layer {layer} expert {expert}\b.*{extent.file}|{extent.file}.*layer {layer} expert {expert}\b"):
             for prompt in ([e] for e in range(150)):  # some prompt routes to the spoiled expert
@@ -157,7 +157,7 @@ def test_a_corrupted_expert_fails_the_request_names_it_and_never_serves_wrong_we
 def test_a_decode_miss_writes_into_an_evicted_experts_tensors(qwen):
     """Once the slots are full, a miss reads into the weights of the expert it evicts: no allocation
     in the decode loop. Each LayerStore's load is observed (the real loader still runs)."""
-    engine = load_engine(qwen, offload=OffloadOptions("50%", prefetch=False))
+    engine = load_engine(qwen, offload=OffloadOptions("50%", prefetch=False), compile=False)
     seen: list[tuple[int, bool, bool]] = []  # (forward, given a spare, filled that spare in place)
     try:
         for store in engine.store.layers.values():
@@ -182,7 +182,7 @@ def test_experts_fetched_for_a_token_are_never_overwritten_before_they_run(tmp_p
     not run yet; their tensors are not handed to the next load while the forward is under way."""
     folder = write_checkpoint("qwen3_moe", tmp_path / "wide", seed=3, num_experts=16, num_experts_per_tok=4)
     _, pin = _pin_profile(folder, tmp_path)
-    engine = load_engine(folder, offload=OffloadOptions(f"{100 * 4 / 16 + 0.01:.2f}%", pin=pin, prefetch=False))
+    engine = load_engine(folder, offload=OffloadOptions(f"{100 * 4 / 16 + 0.01:.2f}%", pin=pin, prefetch=False), compile=False)
     try:
         single = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).token_ids[0] for p in PROMPTS]
         stats = engine.store.stats()

@@ -93,7 +93,7 @@ def test_paged_packed_experts_run_through_the_compiled_step_with_the_eager_reads
 @pytest.mark.parametrize("kind", ["mxfp4", "fp8", "fp8-partial"])
 def test_an_expert_read_by_the_store_is_the_resident_packed_expert_byte_for_byte(published, kind):
     folder = published(kind)
-    resident = load_engine(folder)
+    resident = load_engine(folder, compile=False)
     spec = resident.spec
     manifest = load_or_build_manifest(folder, spec)
     quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
@@ -116,10 +116,10 @@ def test_a_slot_a_miss_and_the_meter_cost_the_packed_bytes(published, kind, bits
     d, f = expert.hidden_size, expert.width
     assert each * 8 / (3 * d * f) == pytest.approx(bits)  # these shapes are whole blocks
 
-    resident = moekit_load(folder)
+    resident = moekit_load(folder, compile=False)
     held = sum(w.numel() for w in resident.decoder.layers[spec.moe_layers[0]].ffn.experts.resident_weights(0))
     assert held == each  # a slot holds what a resident packed expert holds
-    engine = moekit_load(folder, expert_memory="25%", policy="none")
+    engine = moekit_load(folder, expert_memory="25%", policy="none", compile=False)
     try:
         gen = engine.generate(PROMPTS[0], max_new_tokens=4, stop_ids=())
         stats = engine.store.stats()
@@ -141,10 +141,10 @@ def test_a_slot_a_miss_and_the_meter_cost_the_packed_bytes(published, kind, bits
 
 def test_the_cli_pages_packed_experts_and_reports_their_bytes(capsys, published):
     folder = published("mxfp4")
-    code, out, err = moekit(capsys, "run", folder, *RUN)
+    code, out, err = moekit(capsys, "run", "--eager", folder, *RUN)
     assert code == 0, err
     want = json.loads(out)["token_ids"]
-    code, out, err = moekit(capsys, "run", folder, *RUN, "--expert-memory", "25%")
+    code, out, err = moekit(capsys, "run", "--eager", folder, *RUN, "--expert-memory", "25%")
     assert code == 0, err
     got = json.loads(out)
     assert got["token_ids"] == want
@@ -158,7 +158,7 @@ def test_the_cli_pages_packed_experts_and_reports_their_bytes(capsys, published)
 def test_a_flipped_byte_in_a_packed_expert_is_one_line_exit_2(capsys, published, tmp_path, kind, part):
     folder = shutil.copytree(published(kind), tmp_path / "damaged")
     spec = load_spec(str(folder))
-    code, out, err = moekit(capsys, "run", folder, *RUN)
+    code, out, err = moekit(capsys, "run", "--eager", folder, *RUN)
     assert code == 0, err
     layer = spec.moe_layers[-1]
     expert = json.loads(out)["activation"][0]["experts"][str(layer)][0]  # the prefill routes to it
@@ -166,14 +166,14 @@ def test_a_flipped_byte_in_a_packed_expert_is_one_line_exit_2(capsys, published,
     extent = {"scales of gate_up": ex.gate_up[1], "blocks of down": ex.down[0], "scale_inv of down": ex.down[1]}[part]
     flip_byte(folder / extent.file, extent.offset + extent.length // 2)
 
-    err = refused(capsys, "run", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
+    err = refused(capsys, "run", "--eager", folder, *RUN, "--expert-memory", "25%", "--cache", "none")
     assert "Traceback" not in err
     assert f"layer {layer} expert {expert}: checksum mismatch in {extent.file}" in err
     with pytest.raises(ExpertIntegrityError):
         _generate(folder, OffloadOptions("25%"))
     # The resident load checks the same extents as it reads the packed tensors.
     with pytest.raises(CheckpointError) as resident:
-        load_engine(folder)
+        load_engine(folder, compile=False)
     assert f"layer {layer} expert {expert}" in str(resident.value) and "checksum mismatch" in str(resident.value)
 
 

@@ -14,7 +14,7 @@ DEMO = Path(__file__).resolve().parents[2] / "models" / "moekit-demo"
 
 
 def _run(dtype: str, *extra: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "moekit", "run", str(DEMO), "The history of", "--max-new-tokens", "12",
+    done = subprocess.run([sys.executable, "-m", "moekit", "run", "--eager", str(DEMO), "The history of", "--max-new-tokens", "12",
                            "--dtype", dtype, "--weights", "int8", "--json", *extra], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     return done

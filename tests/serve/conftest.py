@@ -28,7 +28,7 @@ def serve_process():
 @pytest.fixture(scope="module")
 def server():
     """The bundled model served (max batch 16) to one test module; it must exit 0 on SIGTERM."""
-    s = start_server("--max-batch", "16")
+    s = start_server("--eager", "--max-batch", "16")
     yield s
     assert s.stop() == 0
 
@@ -36,7 +36,7 @@ def server():
 @pytest.fixture(scope="module")
 def engine():
     """The bundled model in this process: the oracle for what the server answers."""
-    return load_engine(bundled_model_path())
+    return load_engine(bundled_model_path(), compile=False)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ TIMEOUT = httpx.Timeout(120.0)
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-batch", "8", "--max-prefill-tokens", "8")
+    s = start_server("--eager", "--max-batch", "8", "--max-prefill-tokens", "8")
     yield s
     assert s.stop() == 0
 

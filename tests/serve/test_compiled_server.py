@@ -1,5 +1,6 @@
-"""`moekit serve --compile`: continuous batching through the compiled decode step gives every
-client the tokens the eager engine gives its prompt alone (fp32 greedy)."""
+"""`moekit serve` (the compiled decode step by default, --compile too): continuous batching through
+the compiled step gives every client the tokens the eager engine gives its prompt alone (fp32
+greedy); the step is compiled or loaded before the server says it serves."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ PROMPTS = ["def parse_args(argv):", "import os\n", "NAME\n    ls - list", "for i
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server("--max-batch", "8", "--compile", timeout=600)  # a cold compile of both graphs
+    s = start_server("--max-batch", "8", timeout=600)  # the default; a cold compile of both graphs
     yield s
     assert s.stop() == 0
 
 
 def test_concurrent_clients_of_a_compiled_server_get_their_solo_tokens(server):
-    engine = load_engine(bundled_model_path())
+    engine = load_engine(bundled_model_path(), compile=False)
     jobs = [(PROMPTS[i % len(PROMPTS)], 6 + 3 * i) for i in range(8)]  # rows leave at different steps
 
     def ask(job):
@@ -40,6 +41,11 @@ def test_concurrent_clients_of_a_compiled_server_get_their_solo_tokens(server):
         want = engine.generate([engine.encode(prompt)], max_new_tokens=new, stop_ids=()).token_ids[0]
         assert ids == want, prompt
     assert any("compiled graph" in line for line in server.log), server.log[-5:]
+    # The warm-up's line (compiling or loading, then its seconds) comes before the server says it serves.
+    warm = [i for i, line in enumerate(server.log) if "the compiled decode step" in line or "compiling the decode step" in line]
+    serving = [i for i, line in enumerate(server.log) if line.startswith("serving ")]
+    assert len(warm) == 1 and serving and warm[0] < serving[0], server.log
+    assert server.log[warm[0]].rstrip().endswith(" s"), server.log[warm[0]]
 
 
 def _cache_counters(server) -> dict:
@@ -49,14 +55,14 @@ def _cache_counters(server) -> dict:
 
 
 def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_as_the_eager_one(tiny_checkpoints):
-    """`moekit serve --expert-memory --prefetch --compile`: the store's layers and guesses run inside
+    """`moekit serve --expert-memory --prefetch` (compiled by default): the store's layers and guesses run inside
     the compiled step (moekit.offload.graph_store). The warm-up reads nothing, so a first request
     hits and misses as on an eager server; concurrent clients (a batch's graph) get their solo tokens."""
     openai = pytest.importorskip("openai")
     folder = tiny_checkpoints("qwen3_moe")
     store = ("--expert-memory", "25%", "--prefetch", "--max-batch", "4")
     jobs = [([1, 17, 42, 9, 33], 12), ([5, 77, 3], 7), ([8, 8, 8, 8], 10), ([2], 5), ([40, 41, 42, 43], 9)]
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     try:
         solo = [engine.generate([p], max_new_tokens=n, stop_ids=()).token_ids[0] for p, n in jobs]
     finally:
@@ -69,19 +75,19 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
         return reply.choices[0].model_extra["token_ids"], reply.usage.model_extra["moe"]["expert_cache"]
 
     first = {}
-    for args in ((), ("--compile",)):
+    for args in (("--eager",), ()):
         server = start_server(folder, *store, *args, timeout=600)  # a cold compile of both graphs
         try:
             client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
             first[args] = (_cache_counters(server), ask(client, jobs[0]), _cache_counters(server))
-            if args:
+            if not args:
                 assert any("compiled graph" in line for line in server.log), server.log[-5:]
                 with ThreadPoolExecutor(len(jobs)) as pool:
                     got = list(pool.map(lambda job: ask(client, job)[0], jobs))
                 assert got == solo
         finally:
             assert server.stop() == 0, server.log[-5:]
-    eager, compiled = first[()], first[("--compile",)]
+    eager, compiled = first[("--eager",)], first[()]
     assert compiled[1][0] == solo[0]
     assert compiled == eager  # nothing counted before the request; the same hits and misses for it
     assert eager[1][1]["misses"] > 0 and eager[2]["moekit:expert_cache_misses_total"] == eager[1][1]["misses"]
@@ -96,7 +102,7 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
     folder = write_mxfp4(tmp_path / "mxfp4")
     packed = start_server(folder, "--max-batch", "4", "--compile", timeout=600)
     try:
-        engine = load_engine(folder)
+        engine = load_engine(folder, compile=False)
         jobs = [([1, 17, 42, 99, 5, 63], 10), ([12, 40, 41], 6), ([5, 9, 33, 7, 81, 14, 3, 60], 8)]
 
         def ask(job):

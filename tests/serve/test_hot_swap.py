@@ -49,7 +49,7 @@ def _busiest_expert(engine) -> int:
 
 def _expected(folder, expert: int, tensors: dict, switch_at: int) -> list[int]:
     """The request run in-process: old weights until it has `switch_at` tokens, then the new ones."""
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     experts = engine.decoder.layers[0].ffn.experts
     scheduler = Scheduler(engine.decoder, max_batch=2)
     tokens: list[int] = []
@@ -64,11 +64,11 @@ def _expected(folder, expert: int, tensors: dict, switch_at: int) -> list[int]:
 
 
 def test_a_request_in_flight_gets_old_then_new_weights_per_step(tiny, serve_process):
-    engine = load_engine(tiny)
+    engine = load_engine(tiny, compile=False)
     old = engine.generate([PROMPT], max_new_tokens=NEW, stop_ids=()).token_ids[0]
     expert = _busiest_expert(engine)
     tensors = _new_expert(engine)
-    server = serve_process(tiny, "--admin-token", TOKEN)
+    server = serve_process("--eager", tiny, "--admin-token", TOKEN)
     body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
         lines = r.iter_lines()
@@ -100,8 +100,8 @@ def test_a_request_in_flight_gets_old_then_new_weights_per_step(tiny, serve_proc
 
 
 def test_only_a_valid_expert_file_with_the_token_is_taken(tiny, serve_process):
-    engine = load_engine(tiny)
-    server = serve_process(tiny, "--admin-token", TOKEN)
+    engine = load_engine(tiny, compile=False)
+    server = serve_process("--eager", tiny, "--admin-token", TOKEN)
     good = _new_expert(engine)
     url = f"{server.url}/admin/experts/0/1"
 
@@ -139,10 +139,10 @@ def test_admin_routes_are_off_without_a_configured_token():
 
 
 def test_rollbacks_undo_swaps_one_at_a_time_back_to_the_checkpoint(tiny, serve_process):
-    engine = load_engine(tiny)
+    engine = load_engine(tiny, compile=False)
     expert = _busiest_expert(engine)
     first, second = _new_expert(engine, seed=1), _new_expert(engine, seed=2)
-    server = serve_process(tiny, "--admin-token", TOKEN)
+    server = serve_process("--eager", tiny, "--admin-token", TOKEN)
     ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
     def tokens():
@@ -168,10 +168,10 @@ def test_rollbacks_undo_swaps_one_at_a_time_back_to_the_checkpoint(tiny, serve_p
 def test_a_canary_serves_its_share_of_new_requests_beside_the_served_weights(tiny, serve_process):
     from concurrent.futures import ThreadPoolExecutor
 
-    engine = load_engine(tiny)
+    engine = load_engine(tiny, compile=False)
     expert = _busiest_expert(engine)
     new = _new_expert(engine, seed=4)
-    server = serve_process(tiny, "--admin-token", TOKEN, "--max-batch", "4")
+    server = serve_process("--eager", tiny, "--admin-token", TOKEN, "--max-batch", "4")
     ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
     def tokens(headers=None):
@@ -212,12 +212,12 @@ def test_a_canary_serves_its_share_of_new_requests_beside_the_served_weights(tin
 
 def test_a_paged_expert_swapped_and_rolled_back_gives_the_resident_servers_tokens(tiny, serve_process):
     """--expert-memory: the new weights go to a file of the store's own; the checkpoint is untouched."""
-    engine = load_engine(tiny)
+    engine = load_engine(tiny, compile=False)
     expert = _busiest_expert(engine)
     tensors = _new_expert(engine, seed=4)
     before = {p.name: p.read_bytes() for p in sorted(tiny.glob("*.safetensors"))}
-    paged = serve_process(tiny, "--admin-token", TOKEN, "--expert-memory", "75%")  # 6 of 8 slots: paged
-    resident = serve_process(tiny, "--admin-token", TOKEN)
+    paged = serve_process("--eager", tiny, "--admin-token", TOKEN, "--expert-memory", "75%")  # 6 of 8 slots: paged
+    resident = serve_process("--eager", tiny, "--admin-token", TOKEN)
     ask = {"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
 
     def tokens(server):

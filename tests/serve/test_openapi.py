@@ -20,7 +20,7 @@ TIMEOUT = httpx.Timeout(60.0)
 @pytest.fixture(scope="module")
 def server():
     # A short context bounds what a generated max_tokens or n can cost.
-    s = start_server("--max-batch", "8", "--max-context", "40")
+    s = start_server("--eager", "--max-batch", "8", "--max-context", "40")
     yield s
     assert s.stop() == 0
 

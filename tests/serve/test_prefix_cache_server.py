@@ -21,7 +21,7 @@ TIMEOUT = httpx.Timeout(120.0)
 
 @pytest.fixture(scope="module")
 def servers():
-    cached, cold = start_server("--max-batch", "4"), start_server("--max-batch", "4", "--prefix-cache-memory", "0")
+    cached, cold = start_server("--eager", "--max-batch", "4"), start_server("--eager", "--max-batch", "4", "--prefix-cache-memory", "0")
     yield cached, cold
     assert cached.stop() == 0 and cold.stop() == 0
 

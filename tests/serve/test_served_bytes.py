@@ -42,7 +42,7 @@ def served(server) -> float:
 
 def run_json(capsys, folder: Path, *args: str) -> float:
     """Mean bytes_touched over the tokens of `moekit run --json` on the same prompt."""
-    code, out, err = moekit(capsys, "run", folder, "--prompt-ids", ",".join(map(str, PROMPT)),
+    code, out, err = moekit(capsys, "run", "--eager", folder, "--prompt-ids", ",".join(map(str, PROMPT)),
                             "--max-new-tokens", NEW, "--stop", "", "--json", *args)
     assert code == 0, err
     tokens = json.loads(out)["activation"]
@@ -60,8 +60,8 @@ def test_int8_experts_are_served_at_their_q8_0_bytes(tmp_path, capsys, serve_pro
     packed = tmp_path / "int8"
     code, _, err = moekit(capsys, "pack", folder, "--precision", "int8", "--out", packed)
     assert code == 0, err
-    fp32 = served(serve_process(folder, "--served-model-name", NAME))
-    int8 = served(serve_process(packed, "--served-model-name", NAME))
+    fp32 = served(serve_process("--eager", folder, "--served-model-name", NAME))
+    int8 = served(serve_process("--eager", packed, "--served-model-name", NAME))
     assert fp32 == run_json(capsys, folder)
     assert int8 == run_json(capsys, packed)
 
@@ -78,7 +78,7 @@ def test_int8_experts_are_served_at_their_q8_0_bytes(tmp_path, capsys, serve_pro
 
 def test_mxfp4_experts_are_served_at_their_packed_bytes(tmp_path, capsys, serve_process):
     folder = write_mxfp4(tmp_path / "mxfp4")
-    got = served(serve_process(folder, "--served-model-name", NAME, "--dtype", "bfloat16"))
+    got = served(serve_process("--eager", folder, "--served-model-name", NAME, "--dtype", "bfloat16"))
     assert got == run_json(capsys, folder, "--dtype", "bfloat16")
 
     # 4.25 bits a weight (FP4 codes and an E8M0 scale per 32) and bf16 biases, against bf16 weights.
@@ -95,13 +95,13 @@ def test_serve_weights_int8_meters_every_q8_0_projection(tmp_path, capsys, serve
     """`moekit serve --weights int8`: the tokens and the bytes `moekit run --weights int8` gives, and
     less than the int8-experts figure (the attention projections and the head are q8_0 too)."""
     folder = write_checkpoint("qwen3_moe", tmp_path / "fp32")
-    server = serve_process(folder, "--served-model-name", NAME, "--weights", "int8")
+    server = serve_process("--eager", folder, "--served-model-name", NAME, "--weights", "int8")
     got = served(server)
     assert got == run_json(capsys, folder, "--weights", "int8")
     assert got < run_json(capsys, folder, "--weights", "int8-experts")
     body = {"prompt": PROMPT, "max_tokens": NEW, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     ids = httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
-    code, out, err = moekit(capsys, "run", folder, "--prompt-ids", ",".join(map(str, PROMPT)), "--weights", "int8",
+    code, out, err = moekit(capsys, "run", "--eager", folder, "--prompt-ids", ",".join(map(str, PROMPT)), "--weights", "int8",
                             "--max-new-tokens", NEW, "--stop", "", "--json")
     assert code == 0, err
     assert ids == json.loads(out)["token_ids"]

@@ -28,11 +28,11 @@ def tiny(tmp_path_factory):
 
 
 def _solo(folder, prompt, new):
-    return load_engine(folder).generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0]
+    return load_engine(folder, compile=False).generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0]
 
 
 def test_a_model_without_tokenizer_streams_token_ids_with_empty_text(tiny, serve_process):
-    server = serve_process(tiny)
+    server = serve_process("--eager", tiny)
     body = {"prompt": [5, 17, 42], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
         frames = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -57,10 +57,10 @@ def test_a_corrupted_paged_expert_fails_its_request_alone(tiny, tmp_path, serve_
 
     folder = tmp_path / "ckpt"
     shutil.copytree(tiny, folder)
-    load_engine(folder, offload=OffloadOptions("25%")).close()  # writes the checksum manifest
+    load_engine(folder, offload=OffloadOptions("25%"), compile=False).close()  # writes the checksum manifest
     manifest = from_json(json.loads((folder / "moekit-experts.json").read_text()))
     (layer, expert), entry = sorted(manifest.experts.items())[0]
-    resident = load_engine(tiny)
+    resident = load_engine(tiny, compile=False)
     candidates = [[t, 7] for t in range(3, 150)]
     bad = next(p for p in candidates if (layer, expert) in _touched(resident, p, 3))
     good = next(p for p in candidates if (layer, expert) not in _touched(resident, p, 3))
@@ -69,7 +69,7 @@ def test_a_corrupted_paged_expert_fails_its_request_alone(tiny, tmp_path, serve_
     spoiled[extent.offset + 3] ^= 0x40
     (folder / extent.file).write_bytes(bytes(spoiled))
 
-    server = serve_process(folder, "--expert-memory", "25%")
+    server = serve_process("--eager", folder, "--expert-memory", "25%")
 
     def ask(prompt):
         body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
@@ -91,7 +91,7 @@ def test_a_corrupted_paged_expert_fails_its_request_alone(tiny, tmp_path, serve_
 
 def test_a_full_tier_queue_answers_429(tiny, serve_process):
     """One row, room for one waiting request: of 8 long requests sent at once, most are refused."""
-    server = serve_process(tiny, "--max-batch", "1", "--queue-limit", "1")
+    server = serve_process("--eager", tiny, "--max-batch", "1", "--queue-limit", "1")
 
     def ask(_):
         body = {"prompt": [5, 6], "max_tokens": 250, "temperature": 0, "ignore_eos": True}
@@ -109,7 +109,7 @@ def test_a_full_tier_queue_answers_429(tiny, serve_process):
 
 
 def test_sigterm_finishes_the_running_stream_then_exits_zero(tiny, serve_process):
-    server = serve_process(tiny, "--grace", "30")
+    server = serve_process("--eager", tiny, "--grace", "30")
     body = {"prompt": [5, 6, 7], "max_tokens": 120, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
         lines = r.iter_lines()
@@ -151,10 +151,10 @@ def test_each_request_reports_its_own_expert_cache_hits_and_misses(tiny, tmp_pat
         usage = httpx.post(server.v1 + "/completions", json=body, timeout=TIMEOUT).json()["usage"]
         return usage["moe"]["expert_cache"]
 
-    no_cache = serve_process(folder, "--expert-memory", "25%", "--cache", "none")
+    no_cache = serve_process("--eager", folder, "--expert-memory", "25%", "--cache", "none")
     first = cache_of(no_cache)
     assert first["hits"] == 0 and first["misses"] > 0  # with no cache every use is a read
-    lru = serve_process(folder, "--expert-memory", "75%", "--cache", "lru")
+    lru = serve_process("--eager", folder, "--expert-memory", "75%", "--cache", "lru")
     cold, warm = cache_of(lru), cache_of(lru)
     assert cold["hits"] + cold["misses"] == warm["hits"] + warm["misses"] == first["misses"]
     assert warm["hits"] > cold["hits"]  # the same request again finds its experts resident

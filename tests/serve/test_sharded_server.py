@@ -73,7 +73,7 @@ def sharded(request, tiny_checkpoints, tmp_path_factory):
     """(family, its checkpoint, a 2-rank server of it); the server must drain, exit 0 and take its ranks along."""
     family = request.param
     folder = tiny_checkpoints(family)
-    args = [folder, "--expert-parallel", "2", "--ep-timeout", "30", "--max-batch", "8"]
+    args = [folder, "--eager", "--expert-parallel", "2", "--ep-timeout", "30", "--max-batch", "8"]
     if family == "qwen3_moe":
         placement = tmp_path_factory.mktemp("placement") / "replicas.json"
         placement.write_text(json.dumps({"format": "moekit-placement", "version": 1, "ranks": 2,
@@ -87,7 +87,7 @@ def sharded(request, tiny_checkpoints, tmp_path_factory):
 
 
 def _solo(folder, jobs) -> list[list[int]]:
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     try:
         return [engine.generate([p], max_new_tokens=n, stop_ids=()).token_ids[0] for p, n in jobs]
     finally:
@@ -236,7 +236,7 @@ def _new_expert(experts, seed: int) -> dict:
 def test_a_hot_swap_reaches_every_copy_and_rolls_back(sharded):
     family, folder, server = sharded
     jobs = [(PROMPTS[i], 10) for i in range(3)]
-    engine = load_engine(folder)
+    engine = load_engine(folder, compile=False)
     swaps = [(1, 6), (0, 4)]  # layer 1's expert 6 has a copy on each rank; layer 0's expert 4 lives on rank 1
     bodies = {}
     for seed, (layer, expert) in enumerate(swaps):
@@ -272,7 +272,7 @@ def test_a_hot_swap_reaches_every_copy_and_rolls_back(sharded):
 
 def test_a_killed_rank_gives_503s_naming_it_and_every_process_exits(tiny_checkpoints):
     timeout_s = 30  # joining 3 ranks on a loaded 2-core machine takes a while too
-    server = start_server(tiny_checkpoints("qwen3_moe"), "--expert-parallel", "3", "--ep-timeout", str(timeout_s))
+    server = start_server("--eager", tiny_checkpoints("qwen3_moe"), "--expert-parallel", "3", "--ep-timeout", str(timeout_s))
     workers = _worker_pids(server)
     try:
         assert len(workers) == 2
@@ -307,7 +307,7 @@ def test_a_stopped_rank_gives_503s_naming_it_within_the_timeout(tiny_checkpoints
     """SIGSTOP: a rank that neither answers nor closes its sockets. Mid-stream, rank 0's exchange
     times out; idle, its broadcasts still succeed and the rank's silent heartbeat gives it away."""
     timeout_s = 10
-    server = start_server(tiny_checkpoints("qwen3_moe"), "--expert-parallel", "2", "--ep-timeout", str(timeout_s))
+    server = start_server("--eager", tiny_checkpoints("qwen3_moe"), "--expert-parallel", "2", "--ep-timeout", str(timeout_s))
     workers = _worker_pids(server)
     body = {"prompt": PROMPTS[0], "max_tokens": 240, "temperature": 0, "ignore_eos": True}
     bound = timeout_s + 6  # the timeout, the culprit's naming (≤ 1 s) and a loaded machine's slack
@@ -372,7 +372,7 @@ def _torchrun_agents(folders: list, logs: list) -> list:
             agents.append(subprocess.Popen(
                 [torchrun, "--nnodes", str(len(folders)), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                  "--rdzv-endpoint", endpoint, "--rdzv-id", "moekit-test", "-m", "moekit", "serve", folder,
-                 "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
+                 "--eager", "--expert-parallel", "auto", "--port", "0", "--threads", "1", "--ep-timeout", "60"],
                 stdout=subprocess.DEVNULL, stderr=err))
     return agents
 

@@ -73,14 +73,14 @@ def random_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def random_server(random_checkpoint):
-    server = start_server(random_checkpoint, "--max-batch", "4")
+    server = start_server("--eager", random_checkpoint, "--max-batch", "4")
     yield server
     assert server.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def demo_server():
-    server = start_server("--max-batch", "4")
+    server = start_server("--eager", "--max-batch", "4")
     yield server
     assert server.stop() == 0
 
@@ -207,7 +207,7 @@ def test_a_streamed_tool_call_is_the_call_the_whole_reply_gives(random_server):
 @pytest.mark.parametrize("seed", [None, 8, 9])
 def test_auto_renders_the_tools_and_parses_what_the_model_wrote(random_server, random_checkpoint, seed):
     """auto decodes freely: the reply is exactly what the parser makes of the generated text."""
-    engine = load_engine(random_checkpoint)
+    engine = load_engine(random_checkpoint, compile=False)
     raw = httpx.post(random_server.v1 + "/chat/completions", timeout=120, json={
         "messages": ASK, "tools": TOOLS, "tool_choice": "auto", "max_tokens": 60, "return_token_ids": True, **_sampling(seed),
     }).json()
@@ -223,7 +223,7 @@ def test_auto_renders_the_tools_and_parses_what_the_model_wrote(random_server, r
 
 
 def test_a_free_greedy_request_gets_its_solo_tokens_beside_constrained_ones(demo_server):
-    engine = load_engine(bundled_model_path())
+    engine = load_engine(bundled_model_path(), compile=False)
     prompt = "def parse_args(argv):"
     solo = engine.generate([engine.encode(prompt)], max_new_tokens=40, stop_ids=()).token_ids[0]
     long_json = {"type": "array", "items": {"type": "boolean"}, "minItems": 60, "maxItems": 60}

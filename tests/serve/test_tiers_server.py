@@ -27,7 +27,7 @@ NEW = 16
 
 @pytest.fixture(scope="module")
 def engine():
-    return load_engine(bundled_model_path())
+    return load_engine(bundled_model_path(), compile=False)
 
 
 def lone(engine, prompt, policy=None):
@@ -43,7 +43,7 @@ def complete(url, prompt, moe=None):
 
 
 def test_rows_of_different_policies_in_one_batch_each_get_their_own_tokens(serve_process, engine):
-    server = serve_process("--max-batch", "4", "--tier", "A=adaptive:0.6")
+    server = serve_process("--eager", "--max-batch", "4", "--tier", "A=adaptive:0.6")
     moes = [None if r is None else {"routing": r} for r in ROUTING]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         replies = list(pool.map(lambda pm: complete(server.url, *pm), zip(PROMPTS, moes)))
@@ -70,7 +70,7 @@ def test_rows_of_different_policies_in_one_batch_each_get_their_own_tokens(serve
 
 
 def test_a_tiers_ttft_target_demotes_or_refuses_and_metrics_give_goodput(serve_process):
-    server = serve_process("--tier", "S=ttft:0.01ms,itl:10s", "--tier", "B=ttft:0.01ms", "--sla-action", "demote")
+    server = serve_process("--eager", "--tier", "S=ttft:0.01ms,itl:10s", "--tier", "B=ttft:0.01ms", "--sla-action", "demote")
     first = complete(server.url, PROMPTS[0])  # nothing measured yet: admitted in S, and too slow for it
     assert first.status_code == 200 and first.json()["usage"]["moe"]["tier"] == "S"
     demoted = complete(server.url, PROMPTS[1])  # S cannot start in 0.01 ms; A has no target

@@ -46,7 +46,7 @@ def test_bias_balancing_moves_the_selection_bias_and_the_checkpoint_loads_in_tra
 
     model_dir = tmp_path / "run" / "model"
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == ["DeepseekV3ForCausalLM"]
-    engine = load_engine(model_dir)
+    engine = load_engine(model_dir, compile=False)
     ids = torch.tensor([engine.encode("import sys\nprint(sys.argv)\n")])
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.inference_mode():

@@ -77,7 +77,7 @@ def test_the_saved_checkpoint_generates_in_transformers_what_the_engine_generate
     model_dir = tiny_run[0] / "model"
     config = json.loads((model_dir / "config.json").read_text())
     assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
-    engine = load_engine(model_dir)
+    engine = load_engine(model_dir, compile=False)
     prompt = engine.encode("def main(argv):\n    ")
     ours = engine.generate(prompt, max_new_tokens=16, stop_ids=()).token_ids[0]
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -104,5 +104,5 @@ def test_training_runs_on_cuda_and_saves_a_checkpoint_the_cpu_engine_loads(tiny_
     config = tiny_config(tmp_path, tiny_corpus, steps=3, every=3)
     result = train(config, tmp_path / "run", device="cuda", say=lambda s: None)
     assert next(result["decoder"].parameters()).is_cuda
-    engine = load_engine(tmp_path / "run" / "model")
+    engine = load_engine(tmp_path / "run" / "model", compile=False)
     assert len(engine.generate("def f(", max_new_tokens=4, stop_ids=()).token_ids[0]) == 4

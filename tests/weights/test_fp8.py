@@ -48,16 +48,16 @@ def test_dequantize_is_the_format_definition_on_partial_blocks(shape):
 
 def test_engine_equals_transformers_loading_the_fp8_file(quantized_checkpoints):
     folder = quantized_checkpoints("fp8")
-    _assert_same(load_engine(folder), reference_model(folder))
+    _assert_same(load_engine(folder, compile=False), reference_model(folder))
 
 
 def test_engine_with_partial_blocks_equals_transformers_on_the_dequantized_file(quantized_checkpoints, tmp_path):
     folder = quantized_checkpoints("fp8-partial")
-    _assert_same(load_engine(folder), reference_model(dequantized_copy(folder, tmp_path / "plain")))
+    _assert_same(load_engine(folder, compile=False), reference_model(dequantized_copy(folder, tmp_path / "plain")))
 
 
 def test_routed_experts_stay_fp8_and_dense_weights_are_dequantized(quantized_checkpoints):
-    engine = load_engine(quantized_checkpoints("fp8-partial"), dtype="bfloat16")
+    engine = load_engine(quantized_checkpoints("fp8-partial"), dtype="bfloat16", compile=False)
     ex = engine.decoder.layers[1].ffn.experts
     assert all(k in (fp8_kernel(128), fp8_kernel(128, gemv=True)) for k in ex.kernels)  # the faster one here
     gate_up, down = ex.resident_weights(0)
@@ -73,7 +73,7 @@ def test_routed_experts_stay_fp8_and_dense_weights_are_dequantized(quantized_che
 def test_the_meter_counts_the_fp8_bytes_of_the_experts_a_token_reads(quantized_checkpoints):
     from moekit.engine.meter import params_per_token
 
-    engine = load_engine(quantized_checkpoints("fp8"), dtype="bfloat16")
+    engine = load_engine(quantized_checkpoints("fp8"), dtype="bfloat16", compile=False)
     d, f = engine.decoder.layers[1].ffn.experts.in_features  # 256, 128
     packed = 2 * f * (d + 4 * 2) + d * (f + 4 * 1)  # one byte a weight + each row's block scales
     counts = params_per_token(engine.spec)
@@ -93,7 +93,7 @@ def test_kimi_k2_reads_the_same_fp8_layout(quantized_checkpoints, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config.update(model_type="kimi_k2", architectures=["DeepseekV3ForCausalLM"])
     (folder / "config.json").write_text(json.dumps(config))
-    kimi, deepseek = load_engine(folder), load_engine(quantized_checkpoints("fp8-partial"))
+    kimi, deepseek = load_engine(folder, compile=False), load_engine(quantized_checkpoints("fp8-partial"), compile=False)
     assert kimi.spec.model_type == "kimi_k2"
     assert kimi.decoder.layers[1].ffn.experts.kernels == deepseek.decoder.layers[1].ffn.experts.kernels
     ids = torch.tensor([PROMPT])

@@ -32,7 +32,7 @@ def test_calc_counts_a_gguf_as_its_checkpoint(capsys, converted):
 
 def test_run_a_gguf_with_activation(capsys, converted):
     _, gguf = converted("mixtral", "q8_0")
-    code, out, err = moekit(capsys, "run", gguf, "def fibonacci(n):", "--max-new-tokens", "6", "--show-activation")
+    code, out, err = moekit(capsys, "run", "--eager", gguf, "def fibonacci(n):", "--max-new-tokens", "6", "--show-activation")
     assert code == 0, err
     assert "activation per generated token" in out
     assert "GGUF mixtral" in out + err and "Q8_0 dequantized to float32 at load" in out + err
@@ -42,7 +42,7 @@ def test_run_a_gguf_by_ids_as_json(capsys, converted):
     folder, gguf = converted("olmoe", "f32")
     runs = []
     for source in (gguf, folder):
-        code, out, err = moekit(capsys, "run", source, "--prompt-ids", "1,17,42", "--max-new-tokens", "8", "--json")
+        code, out, err = moekit(capsys, "run", "--eager", source, "--prompt-ids", "1,17,42", "--max-new-tokens", "8", "--json")
         assert code == 0, err
         runs.append(json.loads(out))
     assert runs[0]["token_ids"] == runs[1]["token_ids"]

@@ -57,7 +57,7 @@ def reference_run(model, prompt=PROMPT) -> tuple[torch.Tensor, list[int]]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_f32_gguf_is_the_checkpoint(converted, family):
     folder, gguf = converted(family, "f32")
-    from_gguf, from_safetensors = load_engine(gguf), load_engine(folder)
+    from_gguf, from_safetensors = load_engine(gguf, compile=False), load_engine(folder, compile=False)
     want_logits, want_tokens = reference_run(transformers_reference(folder))
     got = last_logits(from_gguf)
     torch.testing.assert_close(got, last_logits(from_safetensors), rtol=0, atol=1e-5)
@@ -72,7 +72,7 @@ def test_transformers_reads_the_same_gguf(wide, wide_q8_0):
     llama-with-experts, and mis-shapes qwen2moe's shared_expert_gate in this version)."""
     folder, gguf = wide[0], wide_q8_0
     want_logits, want_tokens = reference_run(transformers_reference(folder, gguf))
-    engine = load_engine(gguf)
+    engine = load_engine(gguf, compile=False)
     torch.testing.assert_close(last_logits(engine), want_logits, rtol=0, atol=1e-5)
     assert greedy(engine) == want_tokens
 
@@ -80,7 +80,7 @@ def test_transformers_reads_the_same_gguf(wide, wide_q8_0):
 def test_bf16_gguf_is_the_checkpoint_at_bfloat16(converted):
     """The converter rounds to bf16 as moekit's bfloat16 load does: the same engine, bit for bit."""
     folder, gguf = converted("qwen2_moe", "bf16")
-    from_gguf, from_safetensors = load_engine(gguf, dtype="bfloat16"), load_engine(folder, dtype="bfloat16")
+    from_gguf, from_safetensors = load_engine(gguf, dtype="bfloat16", compile=False), load_engine(folder, dtype="bfloat16", compile=False)
     assert torch.equal(last_logits(from_gguf), last_logits(from_safetensors))
     assert greedy(from_gguf) == greedy(from_safetensors)
 
@@ -88,7 +88,7 @@ def test_bf16_gguf_is_the_checkpoint_at_bfloat16(converted):
 def test_f16_gguf_is_close_to_f32(converted):
     _, f32 = converted("olmoe", "f32")
     _, f16 = converted("olmoe", "f16")
-    ref, got = last_logits(load_engine(f32)), last_logits(load_engine(f16))
+    ref, got = last_logits(load_engine(f32, compile=False)), last_logits(load_engine(f16, compile=False))
     assert ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item() < 1e-3
 
 
@@ -115,7 +115,7 @@ def wide_q8_0(wide):
 def test_q8_0_is_close_to_f32(wide, wide_q8_0):
     _, f32 = wide
     q8 = wide_q8_0
-    exact, quantized = load_engine(f32), load_engine(q8)
+    exact, quantized = load_engine(f32, compile=False), load_engine(q8, compile=False)
     assert any("Q8_0 dequantized" in n for n in quantized.notes), quantized.notes
     ref, got = last_logits(exact), last_logits(quantized)
     err = (got - ref).abs().max().item()
@@ -176,13 +176,13 @@ def test_q8_0_gguf_requantizes_to_its_own_bytes(wide_q8_0):
 def test_q4_0_gguf_matches_transformers_and_stays_near_f32(wide, tmp_path):
     folder, f32 = wide
     q4 = rewrite_gguf(f32, tmp_path / "q4_0.gguf", tensor=_q4_0)
-    engine = load_engine(q4)
+    engine = load_engine(q4, compile=False)
     assert any("Q4_0 dequantized" in n for n in engine.notes), engine.notes
     want_logits, want_tokens = reference_run(transformers_reference(folder, q4))
     got = last_logits(engine)
     torch.testing.assert_close(got, want_logits, rtol=1e-5, atol=1e-5)
     assert greedy(engine) == want_tokens
-    ref = last_logits(load_engine(f32))
+    ref = last_logits(load_engine(f32, compile=False))
     # Random weights are Q4_0's worst case (no outliers to spend the 4 bits on): a loose bound.
     rel_rms = ((got - ref).pow(2).mean() / ref.pow(2).mean()).sqrt().item()
     print("Q4_0 relative RMS logit error", rel_rms)
@@ -195,7 +195,7 @@ def test_k_quant_experts_match_transformers(wide, tmp_path, qtype):
     GGUF loader does."""
     folder, f32 = wide
     quantized = rewrite_gguf(f32, tmp_path / f"{qtype}.gguf", tensor=_k_quant(qtype, seed=1))
-    engine = load_engine(quantized)
+    engine = load_engine(quantized, compile=False)
     assert any(f"{qtype} dequantized" in n for n in engine.notes), engine.notes
     want_logits, want_tokens = reference_run(transformers_reference(folder, quantized))
     torch.testing.assert_close(last_logits(engine), want_logits, rtol=1e-4, atol=1e-4)

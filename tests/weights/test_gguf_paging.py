@@ -100,8 +100,8 @@ def test_paged_gguf_generates_the_resident_tokens(ggufs, kind, dtype, precision)
     """Floats are cast on load as the resident load casts them; Q8_0 / Q4_0 blocks are multiplied as
     read by the int8 / int4 kernels, the resident load's dequantized float32 weights' values."""
     gguf = ggufs(kind)
-    want = greedy(load_engine(gguf, dtype=dtype))
-    paged = load_engine(gguf, dtype=dtype, offload=OffloadOptions(expert_memory=SMALL))
+    want = greedy(load_engine(gguf, dtype=dtype, compile=False))
+    paged = load_engine(gguf, dtype=dtype, offload=OffloadOptions(expert_memory=SMALL), compile=False)
     try:
         assert paged.store is not None and paged.store.slots == 2
         assert greedy(paged) == want
@@ -121,10 +121,10 @@ def test_k_quant_experts_are_paged_dequantized_as_the_resident_load_dequantizes(
     """A miss reads the K-quant bytes and dequantizes them with gguf-py, as the resident load does;
     the slot holds the expert at the engine dtype."""
     gguf = ggufs(kind)
-    resident = load_engine(gguf, dtype=dtype)
+    resident = load_engine(gguf, dtype=dtype, compile=False)
     want = greedy(resident)
     assert len(set(want)) > 1  # the random blocks make a model that does not just repeat one token
-    paged = load_engine(gguf, dtype=dtype, offload=OffloadOptions(expert_memory=SMALL))
+    paged = load_engine(gguf, dtype=dtype, offload=OffloadOptions(expert_memory=SMALL), compile=False)
     try:
         assert greedy(paged) == want
         stats = paged.store.stats()
@@ -150,7 +150,7 @@ def test_q8_0_experts_are_the_int8_kernels_bytes(ggufs):
     gguf = ggufs("q8_0")
     ids = torch.tensor([PROMPT])
     logits = []
-    for engine in (load_engine(gguf, weights="int8-experts"), load_engine(gguf, offload=OffloadOptions(SMALL))):
+    for engine in (load_engine(gguf, weights="int8-experts", compile=False), load_engine(gguf, offload=OffloadOptions(SMALL), compile=False)):
         with torch.inference_mode():
             logits.append(engine.decoder(ids, engine.decoder.new_cache(1, len(PROMPT)), torch.arange(len(PROMPT))[None]))
         engine.close()
@@ -181,7 +181,7 @@ def failed_while_generating(capsys, *args) -> str:
 
 
 def _tokens(capsys, *args) -> tuple[list[int], str]:
-    code, out, err = moekit(capsys, "run", *args, *RUN)
+    code, out, err = moekit(capsys, "run", "--eager", *args, *RUN)
     assert code == 0, err
     return json.loads(out)["token_ids"], err
 
@@ -199,7 +199,7 @@ def test_checksum_then_runs_verify_and_a_second_checksum_only_checks(capsys, ggu
 
 def _routed_in_layer_0(gguf: Path) -> int:
     """An expert the prompt's first token uses in layer 0 (every run below reads it)."""
-    gen = load_engine(gguf).generate([PROMPT], max_new_tokens=1, stop_ids=())
+    gen = load_engine(gguf, compile=False).generate([PROMPT], max_new_tokens=1, stop_ids=())
     (layer0,) = [r for r in gen.routing[0].layers if r.layer == 0]
     return int(layer0.topk_ids[0, 0])
 
@@ -209,7 +209,7 @@ def test_a_flipped_expert_byte_is_refused_paged_and_resident(capsys, checksummed
     t = read_gguf(checksummed).tensors["blk.0.ffn_up_exps.weight"]
     start = t.offset + e * (t.n_bytes // t.shape[0])
     flip_byte(checksummed, start + 100)
-    line = failed_while_generating(capsys, "run", checksummed, *RUN, "--expert-memory", SMALL)
+    line = failed_while_generating(capsys, "run", "--eager", checksummed, *RUN, "--expert-memory", SMALL)
     assert f"layer 0 expert {e}: checksum mismatch in " in line, line
     assert "model.gguf.moekit-experts.json" in line and "moekit pack" not in line  # what to do, for a GGUF
     line = refused(capsys, "run", checksummed, *RUN)  # resident: found while loading
@@ -217,7 +217,7 @@ def test_a_flipped_expert_byte_is_refused_paged_and_resident(capsys, checksummed
     line = refused(capsys, "checksum", checksummed)
     assert f"layer 0 expert {e}: checksum mismatch" in line
     for paged in (["--expert-memory", SMALL], []):  # --no-verify reads the changed byte unchecked
-        code, _, err = moekit(capsys, "run", checksummed, *RUN, *paged, "--no-verify")
+        code, _, err = moekit(capsys, "run", "--eager", checksummed, *RUN, *paged, "--no-verify")
         assert code == 0 and "checksums not verified (--no-verify)" in err, err
 
 

@@ -43,11 +43,11 @@ def test_quantize_keeps_values_that_are_fp4_times_a_power_of_two():
 
 def test_engine_equals_transformers_on_the_published_layout(quantized_checkpoints):
     folder = quantized_checkpoints("mxfp4")
-    assert_engine_equals(load_engine(folder), reference_model(folder), PROMPT, NEW)
+    assert_engine_equals(load_engine(folder, compile=False), reference_model(folder), PROMPT, NEW)
 
 
 def test_experts_stay_packed_at_four_and_a_quarter_bits(quantized_checkpoints):
-    engine = load_engine(quantized_checkpoints("mxfp4"), dtype="bfloat16")
+    engine = load_engine(quantized_checkpoints("mxfp4"), dtype="bfloat16", compile=False)
     ex = engine.decoder.layers[0].ffn.experts
     assert all(k in (MXFP4, MXFP4_GEMV) for k in ex.kernels)  # the operator where it measured faster
     gate_up, down = ex.resident_weights(0)
@@ -64,7 +64,7 @@ def test_experts_stay_packed_at_four_and_a_quarter_bits(quantized_checkpoints):
 def test_the_meter_counts_the_packed_bytes_of_the_experts_a_token_reads(quantized_checkpoints):
     from moekit.engine.meter import params_per_token
 
-    engine = load_engine(quantized_checkpoints("mxfp4"), dtype="bfloat16")
+    engine = load_engine(quantized_checkpoints("mxfp4"), dtype="bfloat16", compile=False)
     d, f = engine.decoder.layers[0].ffn.experts.in_features
     packed = (2 * f * d + d * f) * 17 // 32 + (2 * f + d) * 2  # FP4 codes + E8M0 scales, bf16 biases
     counts = params_per_token(engine.spec)

@@ -68,7 +68,7 @@ def run(folder: str, expert_memory: Optional[str], policy: str, prefetch: bool, 
     if expert_memory is not None:
         offload = OffloadOptions(expert_memory=expert_memory, policy=policy, prefetch=prefetch, prefetch_extra=prefetch_extra,
                                  pin=None if pin is None else Path(pin))
-    engine = load_engine(folder, dtype=dtype, offload=offload)
+    engine = load_engine(folder, dtype=dtype, offload=offload, compile=False)  # the eager step, as the figures were measured
     after_load = current_rss_bytes()
     try:
         snapshot: dict = {}

@@ -11,7 +11,7 @@ The workload (issue 35's):
     what stalls a server's running rows: it shows in the short requests' ITL p99).
 
 Engines: "moekit" (`moekit serve`, with --moekit-args), "moekit:FLAGS" (another moekit variant,
-e.g. moekit:--compile), "llama-server" (the GGUF llama.cpp's own converter makes of the
+e.g. moekit:--eager), "llama-server" (the GGUF llama.cpp's own converter makes of the
 checkpoint: f32, bf16 or q8_0 for --weights int8) and "vllm" (vLLM's CPU build).
 """
 
@@ -106,7 +106,7 @@ def parse_vs(text: str, moekit_flags: str = "") -> list[EngineChoice]:
         kind, _, flags = item.partition(":")
         if kind not in (*BASELINES, "moekit") or (flags and kind != "moekit"):
             raise MoekitError(f"--vs {item!r}: the baselines are {', '.join(BASELINES)} and moekit:FLAGS "
-                              "(another moekit serve, e.g. moekit:--compile)")
+                              "(another moekit serve, e.g. moekit:--eager)")
         choice = EngineChoice(kind, tuple(shlex.split(flags)))
         if choice in engines:
             raise MoekitError(f"--vs names {choice.name} twice (or the subject itself)")

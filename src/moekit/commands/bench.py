@@ -9,15 +9,15 @@ from typing import Optional
 import typer
 
 from moekit.calc.dtypes import engine_dtype
-from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY
+from moekit.commands.operators_notice import BUILDING, announce_operator_build, operators_to_build, say_progress
+from moekit.commands.options import ENGINE_DTYPE, KERNELS, NO_VERIFY, compile_option
 from moekit.errors import MoekitError
 
 app = typer.Typer(help="Measure moekit's speed against a named baseline, in one run.", no_args_is_help=True)
 
 DECODE_HELP = """Decode tokens/s of moekit vs transformers' generate (or llama.cpp) on one checkpoint, at batch 1 and 8.
 
-Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio, the bandwidth roofline of this machine (measured memory bandwidth / bytes one decode step reads) and the share of it moekit reaches.
+Both run greedy on the same random prompts and dtype, in this process; the table gives the ratio, the bandwidth roofline of this machine (measured memory bandwidth / bytes one decode step reads) and the share of it moekit reaches. moekit's decode steps are its compiled graph (compiled or loaded first, a line says which); --eager measures the eager reference.
 
   moekit bench decode path/to/checkpoint --vs transformers --batch 1,8 --tokens 32
   moekit bench decode path/to/checkpoint --vs llama.cpp --batch 1,8 --threads 2   (benchmarks/build_llama_cpp.sh first)
@@ -57,7 +57,7 @@ def decode(
     dtype: str = typer.Option("fp32", "--dtype", help=ENGINE_DTYPE + " Both sides."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda (both sides)."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    compile_step: Optional[bool] = compile_option(),
     kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     batch: str = typer.Option("1,8", "--batch", help="Comma-separated batch sizes."),
     tokens: int = typer.Option(32, "--tokens", help="New tokens per row."),
@@ -88,13 +88,17 @@ def decode(
         import torch
 
         torch.set_num_threads(threads)
+    from moekit.model.combinations import decode_compiled
     from moekit.ops import operators_used
 
-    announce_operator_build(operators_used(compile_step, weights, dtype, paged=False), kernels)
+    compiled = decode_compiled(compile_step, kernels)
+    announce_operator_build(operators_used(compiled, weights, dtype, paged=False), kernels)
     engine = load_engine(checkpoint, dtype=dtype, device=device, weights=weights, verify=not no_verify,
-                         compile=compile_step, kernels=kernels)
+                         compile=compiled, kernels=kernels)
     for note in engine.notes:
         typer.echo(note, err=True)
+    if engine.decoder.compiled is not None:  # compiled here, with its line and time, not inside a warm-up run
+        engine.decoder.compiled.warm_up(tuple(sorted({min(b, 2) for b in settings.batches})), say=say_progress)
     baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
     bandwidth, source = roofline_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),
@@ -169,7 +173,8 @@ Each configuration runs in its own process: moekit fully resident, moekit with n
 expert read on every use) at the smallest budget, moekit at each budget without and with prefetch, and with --vs accelerate
 transformers + accelerate's disk offload at the same memory (moekit's dense weights + the budget).
 Reports hit rate, prefetch precision/recall, disk bytes per token, stall share and peak RSS growth
-against the bound (dense + budget) × 1.1.
+against the bound (dense + budget) × 1.1. moekit runs its eager decode step here (each configuration
+is a fresh process, and compiling in each would dwarf a short run).
 
   moekit bench offload models/moekit-demo --expert-memory 12.5%,25%,50%,100% --vs accelerate
 """

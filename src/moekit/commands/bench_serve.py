@@ -26,7 +26,7 @@ Every request streams exactly --max-tokens tokens (greedy, ignore_eos). Load is 
 Given a checkpoint folder instead of a URL, it starts the servers itself, one at a time on a free loopback port: `moekit serve` (with --moekit-args) and each --vs baseline on the same checkpoint, dtype, --threads and --max-batch, the same workload for each (c clients sending --per-client x c streamed completions (4 x c) of --random-ids-token id prompts, default 8, at each --concurrency; then the largest c again with --arrivals prompts of --arrival-tokens ids arriving during it), and prints each engine's output tok/s (TTFT p50, ITL p50/p99 ms) and moekit's ratio to each baseline from the same run. --rounds N runs everything N times, the engines' order rotated each round; figures are ranges over rounds.
 
   moekit bench serve path/to/checkpoint --vs llama-server,vllm                 # benchmarks/build_llama_cpp.sh, build_vllm_cpu.sh first
-  moekit bench serve path/to/checkpoint --vs llama-server,moekit:--compile --dtype bf16 --rounds 2
+  moekit bench serve path/to/checkpoint --vs llama-server,moekit:--eager --dtype bf16 --rounds 2
   moekit bench serve path/to/checkpoint --vs llama-server --weights int8       # against its q8_0 GGUF
 """
 
@@ -70,7 +70,7 @@ def serve(
                                             help="An API's $ per million input and output tokens, to compare (needs --price-per-hour)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
     vs: Optional[str] = typer.Option(None, "--vs", help="With a checkpoint: baselines started on it, comma-separated: "
-                                     "llama-server, vllm, moekit:FLAGS (another moekit serve, e.g. moekit:--compile)."),
+                                     "llama-server, vllm, moekit:FLAGS (another moekit serve, e.g. moekit:--eager)."),
     per_client: int = typer.Option(4, "--per-client", help="With a checkpoint: requests per client at each level (c x N)."),
     dtype: str = typer.Option("float32", "--dtype", help="With a checkpoint: every engine's dtype, float32 or bfloat16."),
     weights: str = typer.Option("dtype", "--weights", help="With a checkpoint: moekit's --weights (int8 runs "
@@ -79,7 +79,7 @@ def serve(
     max_batch: int = typer.Option(16, "--max-batch", help="With a checkpoint: rows decoded together by every engine "
                                   "(--max-batch / -np / --max-num-seqs)."),
     moekit_args: str = typer.Option("", "--moekit-args", help="With a checkpoint: more `moekit serve` flags for the "
-                                    "subject, e.g. \"--compile\"."),
+                                    "subject, e.g. \"--eager\" (the eager step; the default is the compiled one)."),
     arrivals: int = typer.Option(4, "--arrivals", help="With a checkpoint: long prompts arriving during a level at the "
                                  "largest --concurrency (0: no such level)."),
     arrival_tokens: int = typer.Option(512, "--arrival-tokens", help="With a checkpoint: the arriving prompts' length in ids."),

@@ -13,7 +13,8 @@ HELP = """Evaluate a run folder or checkpoint on a corpus's held-out split.
 
 Per domain: loss (nats/token) and perplexity, the perplexity of a unigram model fit on the train
 split with the same tokenizer, and which experts the domain's tokens choose (per layer). Between
-domains: the Jensen–Shannon divergence of their expert usage (bits, mean over layers).
+domains: the Jensen–Shannon divergence of their expert usage (bits, mean over layers). Windows are
+scored by the eager forward (no decode step, so nothing is compiled).
 
 Example:  moekit eval runs/demo --corpus data/corpus
 """

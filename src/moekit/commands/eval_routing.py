@@ -14,7 +14,7 @@ from moekit.errors import MoekitError
 
 HELP = """Measure routing policies against the family's exact routing on a corpus's held-out split.
 
-Per policy, on every domain and pooled: bits per byte (and the change against exact routing), routed experts per token, the mean active share, the share of positions whose greedy next token equals exact routing's, and the share of a greedy continuation generated before it first differs from exact routing's. The --batch windows run side by side, so each position is one batched step: per step, the distinct experts read, the assignments beyond capacity 1.0, and the hit rate of a paged store holding a quarter of the experts (LRU). Policies: topk:k (k up to E), adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed], minconf:c, split:k:w, cache:N[:q] (its hit rate is shown), loadaware:Δ[:f[:decay]], capacity:f:drop|reroute, and P+reset:N (docs/ROUTING.md).
+Per policy, on every domain and pooled: bits per byte (and the change against exact routing), routed experts per token, the mean active share, the share of positions whose greedy next token equals exact routing's, and the share of a greedy continuation generated before it first differs from exact routing's. The --batch windows run side by side, so each position is one batched step: per step, the distinct experts read, the assignments beyond capacity 1.0, and the hit rate of a paged store holding a quarter of the experts (LRU). Policies: topk:k (k up to E), adaptive:τ, topp:p, ema:α, reuse, temp:T, gumbel:σ[:seed], minconf:c, split:k:w, cache:N[:q] (its hit rate is shown), loadaware:Δ[:f[:decay]], capacity:f:drop|reroute, and P+reset:N (docs/ROUTING.md). Every policy runs on the eager step, fp32 (the exact arithmetic the comparison needs).
 
 Examples:
 
@@ -47,7 +47,7 @@ def load_for_routing(checkpoint: Optional[Path], device: str, threads: Optional[
             raise MoekitError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     return load_engine(checkpoint if checkpoint is not None else default_checkpoint(), dtype="float32", device=device,
-                       verify=verify)
+                       verify=verify, compile=False)
 
 
 def eval_routing(

@@ -16,11 +16,21 @@ KERNELS = ("auto: moekit's C++ operators where the run uses them (built once per
            "kind of weight measured once and kept; `moekit ops status` shows both); reference: the plain PyTorch "
            "path only (every product, attention and argmax as torch computes it).")
 
-# --compile, on run, serve and bench decode (moekit.model.compiled_step).
-COMPILE = ("Run the decode steps as one compiled graph (torch.compile). The first run of a model on this machine "
-           "compiles it (minutes) into ~/.cache/moekit/compile/; later runs load it from there (a line says which, "
-           "and its time; rm -r that folder to clear it). Models or options it does not cover run eager, and the "
-           "notes say why.")
+# --compile/--eager, on run, serve and bench decode (moekit.model.compiled_step).
+COMPILE = ("--compile (the default) runs the decode steps as one compiled graph (torch.compile); --eager runs "
+           "them eagerly, the reference path (so does --kernels reference without --compile). The first run of a "
+           "model on this machine compiles it (minutes) into ~/.cache/moekit/compile/; later runs load it from "
+           "there (a line says which, and its time; rm -r that folder to clear it). Models or options it does not "
+           "cover run eager, and a note says why.")
+
+
+def compile_option():
+    """The typer default of --compile/--eager: None when neither is given (moekit.model.combinations.
+    decode_compiled then decides: compiled, unless --kernels reference)."""
+    import typer
+
+    return typer.Option(None, "--compile/--eager", help=COMPILE, show_default=False)
+
 
 # --expert-parallel, --placement and --ep-timeout, on run and serve (moekit.dist).
 EXPERT_PARALLEL = ("Shard the routed experts over N ranks launched here, or over torchrun's ranks with auto "

@@ -17,7 +17,8 @@ HELP = """Run PROMPTS (one per line) through CHECKPOINT and count each layer's e
 
 Writes a JSON profile: the model it was measured on, per-layer use counts, and per layer the --top
 most used experts ("pins"). `moekit run ... --expert-memory 25% --pin profile.json` loads those at
-start and never evicts them (at most half of each layer's slots are pinned).
+start and never evicts them (at most half of each layer's slots are pinned). The prompts run on the
+eager step (a profile is a few short generations: compiling the step would cost more than it saves).
 
 Example:  moekit profile models/moekit-demo --prompts prompts.txt --out profile.json
 """
@@ -49,7 +50,7 @@ def profile(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory)
-    engine = load_engine(checkpoint, dtype=dtype, offload=offload, verify=not no_verify)
+    engine = load_engine(checkpoint, dtype=dtype, offload=offload, verify=not no_verify, compile=False)
     try:
         if engine.tokenizer is None:
             raise MoekitError(f"{checkpoint}: no tokenizer.json, so text prompts cannot be profiled")

@@ -16,7 +16,7 @@ import typer
 
 from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build, say_progress
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
+from moekit.commands.options import ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, compile_option, expert_parallel_options
 from moekit.errors import MoekitError
 
 EP_OPTIONS = expert_parallel_options()  # --expert-parallel, --placement, --ep-timeout
@@ -24,6 +24,8 @@ EP_OPTIONS = expert_parallel_options()  # --expert-parallel, --placement, --ep-t
 HELP = """Generate tokens from a Hugging Face MoE checkpoint with the native engine.
 
 CHECKPOINT is a folder with config.json and *.safetensors (tokenizer.json optional: without it, give --prompt-ids). Without one (or when the first argument is not an existing folder) moekit runs its bundled demo model, models/moekit-demo.
+
+The decode steps run as one compiled graph: the first run of a model on this machine compiles it (a line says so, and its time), later runs load it. --eager runs the eager reference instead.
 
 Examples:
 
@@ -36,6 +38,8 @@ Examples:
   moekit run path/to/checkpoint "Hello" --top-p 0.95 --seed 0    # --top-p / --top-k sample (temperature 1)
 
   moekit run path/to/checkpoint "Hello" --show-activation
+
+  moekit run path/to/checkpoint "Hello" --eager                    # the eager reference path, no compile
 
   moekit run path/to/checkpoint "Hello" --expert-memory 25%        # routed experts paged from disk
 
@@ -174,7 +178,7 @@ def run(
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    compile_step: Optional[bool] = compile_option(),
     kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", show_default=False,
@@ -244,30 +248,36 @@ def run(
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
                                  prefetch_extra=prefetch_extra, read_ahead=read_ahead,
                                  substitute=parse_substitute(substitute) if substitute is not None else None)
-    from moekit.model.combinations import Options, check, store_flags
+    from moekit.model.combinations import Options, check, decode_compiled, store_flags
 
-    check(Options(compile=compile_step, paged=offload is not None, expert_parallel=expert_parallel is not None or placement is not None,
+    compiled = decode_compiled(compile_step, kernels)
+    check(Options(compile=compile_step is True, paged=offload is not None, expert_parallel=expert_parallel is not None or placement is not None,
                   weights=weights, routing=routing is not None, no_verify=no_verify, device=device,
                   store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, substitute=substitute)))
     if expert_parallel is not None or placement is not None:
         from moekit.dist.cli import run_sharded
 
+        if compiled:  # the default (an explicit --compile was refused above)
+            typer.echo("note: decode steps run eager: `run --expert-parallel` does not compile its step yet "
+                       "(`serve --expert-parallel` does)", err=True)
         run_sharded(expert_parallel, placement, ep_timeout, checkpoint, prompt, ids, dtype, device, offload, max_new_tokens,
                     sampling, stop_ids, report=lambda engine, sampling: _generate_and_report(
                         engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out))
         return
     from moekit.ops import operators_used
 
-    announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
+    announce_operator_build(operators_used(compiled, weights, dtype, paged=offload is not None), kernels)
     engine = load_engine(checkpoint, dtype=dtype, device=device, offload=offload, progress=_manifest_progress(),
-                         weights=weights, verify=not no_verify, compile=compile_step, kernels=kernels)
-    for note in engine.notes:
-        typer.echo(f"note: {note}", err=True)
-    if engine.decoder.compiled is not None:
-        engine.decoder.compiled.warm_up((1,), say=say_progress)  # before the clock starts: the timing line is decode only
+                         weights=weights, verify=not no_verify, compile=compiled, kernels=kernels)
     try:
-        _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
-                             _routing_policy(engine, routing, seed))
+        for note in engine.notes:
+            typer.echo(f"note: {note}", err=True)
+        prompt_tokens = engine.encode(prompt) if ids is None else ids  # a refusal here waits on no compile
+        policy = _routing_policy(engine, routing, seed)
+        if engine.decoder.compiled is not None:
+            engine.decoder.compiled.warm_up((1,), say=say_progress)  # before the clock starts: the timing line is decode only
+        _generate_and_report(engine, prompt_tokens, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation,
+                             json_out, policy)
     finally:
         engine.close()
 
@@ -309,6 +319,7 @@ def _routing_policy(engine, text: Optional[str], seed: Optional[int] = None):
 
 def _generate_and_report(engine, ids, prompt, max_new_tokens, sampling, stop_ids, trace, show_activation, json_out,
                          policy=None):
+    """ids: the prompt's token ids, or None to encode the text `prompt` here."""
     from moekit.engine.detokenize import TextStream
 
     prompt_tokens = engine.encode(prompt) if ids is None else ids

@@ -9,7 +9,7 @@ import typer
 
 from moekit.calc.dtypes import engine_dtype
 from moekit.commands.operators_notice import announce_operator_build, say_progress
-from moekit.commands.options import COMPILE, ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, expert_parallel_options
+from moekit.commands.options import ENGINE_DTYPE, KERNELS, NO_VERIFY, WEIGHTS, compile_option, expert_parallel_options
 from moekit.errors import MoekitError
 
 DEFAULT_PREFIX_MEMORY = "1GiB"  # a few thousand prompt tokens of a 30B model's KV; far more of the demo's
@@ -23,6 +23,7 @@ A request may carry "moe": {"tier": "S"|"A"|"B"} (the model's K, half of it, one
 Tiers take latency targets and a routing policy: --tier S=ttft:200ms,itl:50ms --tier A=ttft:2s,adaptive:0.85; a request that cannot start within its tier's TTFT target gets 429 (--sla-action reject) or a lower tier (demote).
 A request's "priority" (default 0) orders its tier's queue: lower is admitted first.
 Prompt prefixes' KV is kept across requests (--prefix-cache-memory); usage.prompt_tokens_details.cached_tokens says how much a request reused.
+The decode steps run as one compiled graph, compiled (first run of a model here) or loaded before /health says ready, with a line saying which and its time; --eager serves the eager reference.
 
   moekit serve                                    # the bundled model on 127.0.0.1:8000
   moekit serve path/to/checkpoint --port 8001 --max-batch 16 --dtype bfloat16
@@ -100,7 +101,7 @@ def serve(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     weights: str = typer.Option("dtype", "--weights", help=WEIGHTS),
     no_verify: bool = typer.Option(False, "--no-verify", help=NO_VERIFY),
-    compile_step: bool = typer.Option(False, "--compile", help=COMPILE),
+    compile_step: Optional[bool] = compile_option(),
     kernels: str = typer.Option("auto", "--kernels", help=KERNELS),
     max_batch: int = typer.Option(16, "--max-batch", help="Rows decoded together (KV-cache slots)."),
     max_context: Optional[int] = typer.Option(None, "--max-context", help="Tokens per row, prompt + output. Default: the model's context."),
@@ -170,9 +171,10 @@ def serve(
                                  prefetch_extra=prefetch_extra, read_ahead=read_ahead)
         if pin is not None and not pin.is_file():
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
-    from moekit.model.combinations import Options, check, store_flags
+    from moekit.model.combinations import Options, check, decode_compiled, store_flags
 
-    check(Options(compile=compile_step, paged=offload is not None, device=device, weights=weights,
+    compiled = decode_compiled(compile_step, kernels)
+    check(Options(compile=compile_step is True, paged=offload is not None, device=device, weights=weights,
                   store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch)))
     from moekit.ops import operators_used
 
@@ -184,7 +186,7 @@ def serve(
             ranks.follow()  # a torchrun rank other than 0: no HTTP here
             return
         threads = ranks.threads
-    announce_operator_build(operators_used(compile_step, weights, dtype, paged=offload is not None), kernels)
+    announce_operator_build(operators_used(compiled, weights, dtype, paged=offload is not None), kernels)
     config = ServeConfig(
         checkpoint=folder,
         model_name=served_model_name or (folder.stem if gguf else folder.resolve().name),
@@ -200,7 +202,7 @@ def serve(
         threads=threads,
         admin_token=admin_token,
         verify=not no_verify,
-        compile=compile_step,
+        compile=compiled,
         prefix_cache_bytes=prefix_cache_bytes,
         kernels=kernels,
         tiers=tiers,

@@ -18,7 +18,7 @@ from moekit.engine.generate import Generation, TokenCallback, generate
 from moekit.engine.meter import TokenActivation, dense_saving_bytes, meter, packed_expert_bytes
 from moekit.engine.sampling import SamplingParams
 from moekit.errors import CheckpointError, MoekitError
-from moekit.model.combinations import Options, check
+from moekit.model.combinations import CPU_ONLY, Options, check, decode_compiled
 from moekit.spec.model_spec import ModelSpec
 
 WEIGHTS = ("dtype", "int8", "int8-experts")  # the checkpoint's weights at dtype, or int8 (moekit.model.int8)
@@ -157,7 +157,7 @@ def torch_dtype(dtype: str):
 
 def load_engine(
     path: Union[str, Path], dtype: str = "float32", device: str = "cpu", offload=None, progress=None,
-    weights: str = "dtype", verify: bool = True, compile: bool = False, kernels: str = "auto",
+    weights: str = "dtype", verify: bool = True, compile: Optional[bool] = None, kernels: str = "auto",
 ) -> Engine:
     """offload: a moekit.offload.options.OffloadOptions to page routed experts under a byte budget
     (None: every weight resident). progress(done, total) reports a first-run checksum manifest.
@@ -166,8 +166,10 @@ def load_engine(
     verify: check every weight read against moekit-experts.json when one is beside the checkpoint
     (moekit.weights.checkpoint; the resident load never writes one); False skips it, said in notes.
     A first paged run writes the manifest even then: it is the store's map of where experts are.
-    compile: run the decode steps as one compiled graph (moekit.model.compiled_step); where this
-    model or these options cannot, the engine runs eager and the notes say why.
+    compile: None (the default) runs the decode steps as one compiled graph (moekit.model.compiled_step),
+    except with kernels="reference" (the reference path is eager); True compiles them whatever
+    `kernels`; False runs them eagerly. Where this model or these options cannot compile, the engine
+    runs eager and one note says why.
     kernels: "auto" loads moekit's C++ operators where this run uses them (`operators_used`; built
     once per machine, a failed build one line in notes naming its log, the reference then running),
     "reference" never loads them: every product, attention and argmax the plain PyTorch way."""
@@ -182,10 +184,14 @@ def load_engine(
     if weights not in WEIGHTS:
         raise MoekitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     dev = resolve_device(device)
+    compile = decode_compiled(compile, kernels)
     check(Options(compile=compile, paged=offload is not None, weights=weights, device=dev.type))  # before any weight loads
     ckpt = open_checkpoint(folder)
     spec = load_any_spec(folder)
     plan, notes = None, []
+    if compile and dev.type != "cpu":  # known before loading: lay the weights out for the eager kernels
+        notes.append(f"decode steps run eager: {CPU_ONLY}")
+        compile = False
     # A GGUF's paged experts stay in their blocks (Q8_0 / Q4_0): the store runs them on the operators,
     # at any dtype (without them each use dequantized a whole expert: 30B's decode was that slow).
     packed = quant_method(ckpt.config, folder) is not None or (folder.suffix == ".gguf" and offload is not None)
@@ -271,9 +277,9 @@ def _compile_decode(decoder) -> str:
 
     reason = unsupported(decoder)
     if reason is not None:
-        return f"--compile: running eager ({reason})"
+        return f"decode steps run eager: {reason}"
     decoder.compile_decode()
-    return "--compile: decode steps run as one compiled graph (the first step compiles it)"
+    return "decode steps run as one compiled graph (the first step compiles it; --eager runs the eager reference)"
 
 
 def _packed_in_blocks(folder: Path) -> bool:

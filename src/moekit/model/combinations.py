@@ -2,9 +2,11 @@
 
 Two questions, asked at two times:
   - `refusal(Options)`, before anything loads (the run and serve commands, load_engine, attach_store):
-    a combination the engine does not run at all (expert parallelism with --compile outside the
-    server, int8 weights,
-    routing policies or --no-verify; the store's flags without --expert-memory; the store off the CPU).
+    a combination the engine does not run at all (expert parallelism with an explicit --compile
+    outside the server, int8 weights, routing policies or --no-verify; the store's flags without
+    --expert-memory; the store off the CPU). The compiled step is the default (`decode_compiled`):
+    where the default meets a combination that does not compile (`run --expert-parallel`), the run
+    is eager with one note; only an explicit --compile is refused.
   - `compile_refusal(decoder)`, once a decoder is built: why its decode step cannot be compiled; the
     engine then stays eager and says so in one note (MXFP4/FP8 experts kept packed without their
     operators, a device other than the CPU...). Each expert weight form says for itself whether the
@@ -29,7 +31,7 @@ from moekit.errors import MoekitError
 class Options:
     """A run's options, as far as which of them combine goes."""
 
-    compile: bool = False
+    compile: bool = False  # an explicit --compile (the default's compiled step falls back instead)
     paged: bool = False  # --expert-memory: routed experts paged by the expert store
     store_flags: tuple[str, ...] = ()  # the store's own flags given (--cache, --pin, --prefetch, --substitute)
     expert_parallel: bool = False
@@ -39,6 +41,9 @@ class Options:
     admin_token: bool = False
     device: str = "cpu"
     served: bool = False  # `moekit serve`: its sharded step compiles (the exchange an opaque op in the graph)
+
+
+CPU_ONLY = "the compiled decode step is built and tested for CPU only"
 
 
 def refusal(o: Options) -> Optional[str]:
@@ -54,6 +59,13 @@ def refusal(o: Options) -> Optional[str]:
             if used:
                 return f"{flag} with --expert-parallel is not supported yet"
     return None
+
+
+def decode_compiled(asked: Optional[bool], kernels: str = "auto") -> bool:
+    """Whether a run's decode steps are compiled: `asked` is --compile (True), --eager (False) or
+    neither (None). Compiled is the default, except with --kernels reference: the reference path is
+    the plain eager one (an explicit --compile still compiles it, without moekit's operators)."""
+    return kernels != "reference" if asked is None else asked
 
 
 def store_flags(cache: str = "lru", pin=None, prefetch: bool = False, substitute=None) -> tuple[str, ...]:
@@ -80,7 +92,7 @@ def compile_refusal(decoder) -> Optional[str]:
     from moekit.model.step_ops import has_gemv
 
     if decoder.device.type != "cpu":
-        return "the compiled decode step is built and tested for CPU only"
+        return CPU_ONLY
     moes = [block.ffn.experts for block in decoder.layers if isinstance(block.ffn, MoE)]
     # First: a paged layer's own reason (no store attached yet), whatever its projections' layout.
     paged = next((reason for ex in moes if ex.offloaded and (reason := ex.held.compiles())), None)

@@ -253,7 +253,15 @@ class RoutedExperts(nn.Module):
         Hub layout (a compiled engine's, --kernels reference) on CPU in fp32 or bf16 (where torch's
         grouped GEMM is the per-expert one), every expert alike, no biases."""
         return (x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and type(self.form) is Stacks and self.kernels == (PLAIN, PLAIN)
-                and self.gate_up_bias is None and self.down_bias is None and not self.weigh_input)
+                and self.gate_up_bias is None and self.down_bias is None and not self.weigh_input
+                and self._rows_of_16_bytes(x.element_size()))
+
+    def _rows_of_16_bytes(self, itemsize: int) -> bool:
+        """torch's grouped GEMM refuses operands whose row stride is not a multiple of 16 bytes: the
+        hidden size D and the width F (2F the fused gate/up) at this dtype (the bundled model's F = 52
+        in bf16 is 104 bytes: the loop runs it)."""
+        gate_up, down = self.form.stacks  # [E, 2F, D], [E, D, F]
+        return all(n * itemsize % 16 == 0 for n in (gate_up.shape[-1], gate_up.shape[-2], down.shape[-1]))
 
     def _grouped_stacks(self, x: torch.Tensor, decision: RoutingDecision) -> torch.Tensor:
         """_grouped_loop as a handful of ops instead of a handful per expert (a prompt's tokens reach

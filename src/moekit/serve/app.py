@@ -57,7 +57,7 @@ class ServeConfig:
     threads: Optional[int] = None
     admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
-    compile: bool = False  # decode steps as one compiled graph (--compile; moekit.model.compiled_step)
+    compile: bool = True  # decode steps as one compiled graph (the default; --eager: False; moekit.model.compiled_step)
     kernels: str = "auto"  # --kernels: "reference" never loads the C++ operators (moekit.ops)
     weights: str = "dtype"  # --weights: dtype, int8 or int8-experts (moekit.engine.loader.WEIGHTS)
     prefix_cache_bytes: int = 1 << 30  # --prefix-cache-memory: KV of prompt prefixes kept; 0: none

@@ -137,7 +137,7 @@ def evaluate(
     from moekit.model.moe import MoE
     from moekit.train.data import tokenize_domains
 
-    engine = load_engine(checkpoint, dtype="float32", device=device, verify=verify)
+    engine = load_engine(checkpoint, dtype="float32", device=device, verify=verify, compile=False)  # scores by forward
     if engine.tokenizer is None:
         raise MoekitError(f"{checkpoint}: no tokenizer.json; eval needs the model's tokenizer")
     decoder, vocab = engine.decoder, engine.spec.vocab_size

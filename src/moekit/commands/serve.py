@@ -123,8 +123,8 @@ def serve(
         "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
     threads: Optional[int] = typer.Option(
         None, "--threads", help="torch threads for the model's arithmetic, on the engine thread. Default: one per core. "
-        "The HTTP thread counts as one more, so when the two outnumber the cores idle torch threads sleep at once "
-        "instead of spinning (which stalled every step on a busy machine); with a core to spare they spin."),
+        "The HTTP thread counts as an OpenMP thread too: when they outnumber the cores, idle torch threads sleep "
+        "between parallel regions instead of spinning (spinning stalled every step on a busy machine)."),
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),

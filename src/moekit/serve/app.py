@@ -113,7 +113,7 @@ class ServerState:
 
         cfg = self.config
         self.threads = engine_threads(cfg.threads)
-        seat_http_thread(self.stop, self.threads)
+        seat_http_thread(self.stop, self.threads)  # so idle torch threads sleep, not spin, when they and the HTTP thread outnumber the cores
         if cfg.backend is not None:
             engine = cfg.backend.load(cfg)
         else:

@@ -8,7 +8,7 @@ A decode step is hundreds of short regions with Python between them, so with one
 core the idle threads spin through every gap and hold the cores that the event loop, streaming each
 token, and any other process need; the thread the kernel then preempts is missing at the next
 region, which waits for it. On 2 cores shared with other work that made `moekit serve --threads 2`
-4-7 tok/s where `--threads 1` made 30-40 (issue 35).
+4-7 tok/s where `--threads 1` made 28-38 (issue 35).
 
 libgomp reads its wait policy (OMP_WAIT_POLICY, GOMP_SPINCOUNT) from the environment once, when
 torch loads it, and offers no call to change it later. What a running process can change is how

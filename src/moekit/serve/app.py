@@ -113,7 +113,8 @@ class ServerState:
 
         cfg = self.config
         self.threads = engine_threads(cfg.threads)
-        seat_http_thread(self.stop, self.threads)  # so idle torch threads sleep, not spin, when they and the HTTP thread outnumber the cores
+        # Idle torch threads then sleep, not spin, when they and the HTTP thread outnumber the cores.
+        seat_http_thread(self.stop, self.threads)
         if cfg.backend is not None:
             engine = cfg.backend.load(cfg)
         else:

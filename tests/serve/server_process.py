@@ -39,9 +39,10 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str, timeout: float = START_TIMEOUT_S) -> Server:
-    """`moekit serve ARGS --port 0`, returned once it serves (or failing with its stderr)."""
-    cmd = [sys.executable, "-m", "moekit", "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+def start_server(*args: str, timeout: float = START_TIMEOUT_S, threads: int = 1) -> Server:
+    """`moekit serve ARGS --port 0 --threads THREADS`, returned once it serves (or failing with its stderr)."""
+    cmd = [sys.executable, "-m", "moekit", "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0",
+           "--threads", str(threads)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     server = Server(proc)
     ready = threading.Event()

@@ -122,7 +122,10 @@ def serve(
     prefix_cache_memory: str = typer.Option(
         DEFAULT_PREFIX_MEMORY, "--prefix-cache-memory", help="Memory for the KV of prompt prefixes reused across "
         "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch threads. Default: torch's own choice."),
+    threads: Optional[int] = typer.Option(
+        None, "--threads", help="torch threads for the model's arithmetic, on the engine thread. Default: one per core. "
+        "The HTTP thread counts as an OpenMP thread too: when they outnumber the cores, idle torch threads sleep "
+        "between parallel regions instead of spinning (spinning stalled every step on a busy machine)."),
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
@@ -241,7 +244,7 @@ def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, fo
             typer.echo(f"note: {note}", err=True)
         typer.echo(
             f"serving {config.model_name!r} on http://{bound[0]}:{bound[1]}/v1 "
-            f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype})",
+            f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype}, {state.threads} torch threads)",
             err=True,
         )
 

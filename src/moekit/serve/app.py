@@ -35,6 +35,7 @@ from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
 from moekit.serve.health import EntropyCollector, JitterMetrics
 from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
+from moekit.serve.threads import engine_threads, seat_http_thread
 from moekit.serve.tools import ToolStream, content_or_none, render_prompt
 from moekit.serve.validation import read_body
 from moekit.serve.tokenizer_routes import register_tokenizer_routes
@@ -83,6 +84,7 @@ class ServerState:
     grammars: Optional[object] = None  # moekit.serve.structured.Grammars: response_format and forced tool calls
     tiers: Optional[TierControl] = None
     jitter: Optional[JitterMetrics] = None
+    threads: Optional[int] = None  # the engine thread's torch threads, once it has set them
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -103,8 +105,6 @@ class ServerState:
             self.scheduler.run(self.stop)
 
     def _load(self) -> None:
-        import torch
-
         from moekit.engine.loader import load_engine
         from moekit.engine.prefix_cache import PrefixCache
         from moekit.engine.scheduler import Scheduler
@@ -112,8 +112,9 @@ class ServerState:
         from moekit.serve.structured import Grammars
 
         cfg = self.config
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        self.threads = engine_threads(cfg.threads)
+        # Idle torch threads then sleep, not spin, when they and the HTTP thread outnumber the cores.
+        seat_http_thread(self.stop, self.threads)
         if cfg.backend is not None:
             engine = cfg.backend.load(cfg)
         else:

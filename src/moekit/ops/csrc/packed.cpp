@@ -1,7 +1,7 @@
 // Products on MXFP4 and FP8 weights read packed, without expanding the weight (moekit.ops.packed_layout's
 // layouts): mxfp4_gemv, fp8_gemv, and their stacked experts' forms (the compiled decode step's)
 // experts_mxfp4, experts_fp8. Same products as the reference, another summation order. MXFP4 on
-// several rows (a prompt's rows routed to one expert) expands one weight row at a time, once for all rows.
+// several rows (a prompt's rows routed to one expert) expands each weight block once for several x rows.
 #include "ops.h"
 #include "rows.h"
 
@@ -22,9 +22,9 @@ static const float* half_scales() {
 // Every MXFP4 product here is one sum per weight row and x row in one order, whichever form runs it:
 // each block's 32 values (code × 2^(s − 127), exact in fp32) multiplied by x's and added into
 // BLOCK_VECTORS vector accumulators (lane by lane, block after block), then those summed. The few-row
-// form makes the values once per weight row (row_values) and reuses them for every x row; the
-// one-row form makes them in registers. Same floats either way, so a row's outputs do not depend on
-// how many rows came with it (greedy tokens must not change with batching).
+// form (rows_dots) makes each block's values once for several x rows, the one-row form (row_dot) for
+// one. Same floats either way, so a row's outputs do not depend on how many rows came with it
+// (greedy tokens must not change with batching).
 #ifdef MK_AVX2
 constexpr int BLOCK_VECTORS = 32 / MK_WIDE;
 
@@ -84,63 +84,64 @@ __attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x,
 #endif
 }
 
-// One weight row's values, written out once (groups · 32 floats): what row_dot makes in registers.
-static void row_values(const uint8_t* w, int64_t groups, float* values) {
+// Weight rows of a block and x rows of a pass where a weight block's values are made once for
+// several x rows (in registers): AVX-512, 2 · 4 · 2 accumulators of its 32 registers; AVX2, 1 · 2 · 4
+// of 16; without vectors, each pair through row_dot.
+#if defined(MK_AVX2) && MK_WIDE == 16
+constexpr int ROWS_BLOCK = 2, X_ROWS = 4;
+#else
+constexpr int ROWS_BLOCK = 1, X_ROWS = 2;
+#endif
+
+// G weight rows (row g at w + g · row_bytes) against NR x rows: out[g · R + r] = row_dot(row g,
+// xs[r]) bit for bit (each block's values made as row_dot makes them, the same FMAs in the same
+// order), each block's values made once for the NR rows and each x vector loaded once for the G.
+template <int G, int NR>
+static void rows_dots(const uint8_t* w, int64_t row_bytes, const float* const* xs, int64_t groups, int64_t R, float* out) {
+#ifdef MK_AVX2
     const float* scales = half_scales();
-#ifdef MK_AVX2
-    VF v[BLOCK_VECTORS];
-    for (int64_t g = 0; g < groups; ++g, w += 17, values += 32) {
-        block_values(w, scales, v);
-        for (int i = 0; i < BLOCK_VECTORS; ++i) vstore(values + i * MK_WIDE, v[i]);
-    }
-#else
-    for (int64_t g = 0; g < groups; ++g, w += 17, values += 32)
-        for (int j = 0; j < 16; ++j) {
-            values[2 * j] = TWICE[w[1 + j] & 15] * scales[w[0]];
-            values[2 * j + 1] = TWICE[w[1 + j] >> 4] * scales[w[0]];
-        }
-#endif
-}
-
-// NR x rows against one row's values: out[r] = row_dot(that row, xs[r]) bit for bit (the same
-// accumulators, the same FMAs in the same order), each value loaded once for the NR rows.
-template <int NR>
-static void values_dots(const float* values, const float* const* xs, int64_t groups, float* out) {
-#ifdef MK_AVX2
-    VF acc[NR][BLOCK_VECTORS];
-    for (int r = 0; r < NR; ++r)
-        for (int i = 0; i < BLOCK_VECTORS; ++i) acc[r][i] = vzero();
-    for (int64_t k = 0; k < groups * 32; k += 32)
+    VF acc[G][NR][BLOCK_VECTORS];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r)
+            for (int i = 0; i < BLOCK_VECTORS; ++i) acc[g][r][i] = vzero();
+    for (int64_t b = 0; b < groups; ++b) {
+        VF v[G][BLOCK_VECTORS];
+        for (int g = 0; g < G; ++g) block_values(w + g * row_bytes + b * 17, scales, v[g]);
         for (int i = 0; i < BLOCK_VECTORS; ++i) {
-            const VF v = vload(values + k + i * MK_WIDE);
-            for (int r = 0; r < NR; ++r) acc[r][i] = vfma(v, vload(xs[r] + k + i * MK_WIDE), acc[r][i]);
+            VF xv[NR];
+            for (int r = 0; r < NR; ++r) xv[r] = vload(xs[r] + b * 32 + i * MK_WIDE);
+            for (int g = 0; g < G; ++g)
+                for (int r = 0; r < NR; ++r) acc[g][r][i] = vfma(v[g][i], xv[r], acc[g][r][i]);
         }
-    for (int r = 0; r < NR; ++r) out[r] = lanes_sum(acc[r]);
-#else
-    for (int r = 0; r < NR; ++r) {
-        float acc = 0.f;
-        for (int64_t k = 0; k < groups * 32; ++k) acc = std::fma(values[k], xs[r][k], acc);
-        out[r] = acc;
     }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r) out[g * R + r] = lanes_sum(acc[g][r]);
+#else
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r) out[g * R + r] = row_dot(w + g * row_bytes, xs[r], groups);
 #endif
 }
 
-// Weight row w against R x rows (out[r] = row_dot(w, xs[r]), bit for bit): one row goes through
-// row_dot; more make the row's values once (into `values`, groups · 32 floats) and take 4 x rows a pass.
-static void row_dots(const uint8_t* w, const float* const* xs, int64_t R, int64_t groups, float* values, float* out) {
+// G weight rows against R x rows (out[g · R + r] = row_dot(row g, xs[r])), X_ROWS x rows a pass.
+template <int G>
+static void block_dots(const uint8_t* w, int64_t row_bytes, const float* const* xs, int64_t R, int64_t groups, float* out) {
+    int64_t r = 0;
+    for (; r + X_ROWS <= R; r += X_ROWS) rows_dots<G, X_ROWS>(w, row_bytes, xs + r, groups, R, out + r);
+    switch (R - r) {
+        case 3: rows_dots<G, 3>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 2: rows_dots<G, 2>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 1: rows_dots<G, 1>(w, row_bytes, xs + r, groups, R, out + r); break;
+        default: break;
+    }
+}
+
+// One weight row against R x rows: the few-row form's last rows, and each weight row of an expert one x row chose.
+static void row_dots(const uint8_t* w, const float* const* xs, int64_t R, int64_t groups, float* out) {
     if (R == 1) {
         out[0] = row_dot(w, xs[0], groups);
         return;
     }
-    row_values(w, groups, values);
-    int64_t r = 0;
-    for (; r + 4 <= R; r += 4) values_dots<4>(values, xs + r, groups, out + r);
-    switch (R - r) {
-        case 3: values_dots<3>(values, xs + r, groups, out + r); break;
-        case 2: values_dots<2>(values, xs + r, groups, out + r); break;
-        case 1: values_dots<1>(values, xs + r, groups, out + r); break;
-        default: break;
-    }
+    block_dots<1>(w, 0, xs, R, groups, out);
 }
 
 // One FP8 row: `in` float8_e4m3fn codes, then nbc fp32 scales (one per `block` columns). Not
@@ -206,9 +207,16 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
     std::vector<const float*> xs(n);
     for (int64_t r = 0; r < n; ++r) xs[r] = xp + r * groups * 32;
     at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
-        std::vector<float> values(n > 1 ? groups * 32 : 0), dots(n);
-        for (int64_t o = begin; o < end; ++o) {
-            row_dots(wp + o * groups * 17, xs.data(), n, groups, values.data(), dots.data());
+        std::vector<float> dots(ROWS_BLOCK * n);
+        int64_t o = begin;
+        if (n > 1)
+            for (; o + ROWS_BLOCK <= end; o += ROWS_BLOCK) {
+                block_dots<ROWS_BLOCK>(wp + o * groups * 17, groups * 17, xs.data(), n, groups, dots.data());
+                for (int g = 0; g < ROWS_BLOCK; ++g)
+                    for (int64_t r = 0; r < n; ++r) yp[r * out + o + g] = dots[g * n + r];
+            }
+        for (; o < end; ++o) {
+            row_dots(wp + o * groups * 17, xs.data(), n, groups, dots.data());
             for (int64_t r = 0; r < n; ++r) yp[r * out + o] = dots[r];
         }
     });
@@ -229,9 +237,10 @@ static const float* fp8_values() {
 // The chosen experts of a stack of packed rows w [E, N, width], each product the rows operator's own
 // (`dots`: one weight row against R x rows, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
 // x fp32 [B, X, in] (X = 1: one row per token; X = C: one per choice), ids [B, C] → fp32 [B, C, N].
-template <typename Dots>
+// `block` (BG > 0): BG weight rows at a time against R x rows, as dots_block (rows.h).
+template <int BG, typename Dots, typename Block>
 static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
-                                    int64_t in, Dots dots) {
+                                    int64_t in, Dots dots, Block block) {
     const int64_t B = x.size(0), X = x.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
     TORCH_CHECK(X == 1 || X == C, name, ": x holds one row per token or one per choice");
     const auto xc = x.contiguous();
@@ -240,12 +249,15 @@ static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, co
     auto y = torch::empty({B, C, N}, x.options());
     const float* xp = xc.data_ptr<float>();
     const uint8_t* wp = wc.data_ptr<uint8_t>();
-    experts_loop<0>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
-                    [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
-                        dots(wp + (e * N + n) * width, xs, R, out);
-                    },
-                    [](int64_t, int64_t, const float*, float*) {}, [](int64_t, int64_t, const float* const*, int64_t, float*) {},
-                    false);
+    experts_loop<BG>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         dots(wp + (e * N + n) * width, xs, R, out);
+                     },
+                     [](int64_t, int64_t, const float*, float*) {},
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         block(wp + (e * N + n) * width, width, xs, R, out);
+                     },
+                     false);
     return y;
 }
 
@@ -254,12 +266,12 @@ torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids)
                 w.scalar_type() == torch::kByte && w.size(2) % 17 == 0 && x.size(2) == w.size(2) / 17 * 32,
                 "experts_mxfp4: x fp32 [B, X, G * 32], w uint8 [E, N, G * 17], ids [B, C]");
     const int64_t groups = w.size(2) / 17;
-    return packed_experts("experts_mxfp4", x, w, ids, groups * 32,
-                          [groups](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
-                              thread_local std::vector<float> values;  // the row's values, where R > 1
-                              values.resize(groups * 32);
-                              row_dots(row, xs, R, groups, values.data(), out);
-                          });
+    return packed_experts<ROWS_BLOCK>(
+        "experts_mxfp4", x, w, ids, groups * 32,
+        [groups](const uint8_t* row, const float* const* xs, int64_t R, float* out) { row_dots(row, xs, R, groups, out); },
+        [groups](const uint8_t* rows, int64_t row_bytes, const float* const* xs, int64_t R, float* out) {
+            block_dots<ROWS_BLOCK>(rows, row_bytes, xs, R, groups, out);
+        });
 }
 
 torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t block) {
@@ -268,8 +280,10 @@ torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, i
                 "experts_fp8: x fp32 [B, X, in], w uint8 [E, N, in + 4 * nbc], ids [B, C]");
     const int64_t in = x.size(2);
     const float* lut = fp8_values();
-    return packed_experts("experts_fp8", x, w, ids, in,
-                          [in, block, lut](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
-                              for (int64_t r = 0; r < R; ++r) out[r] = fp8_row_dot(row, xs[r], in, block, lut);
-                          });
+    return packed_experts<0>(
+        "experts_fp8", x, w, ids, in,
+        [in, block, lut](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
+            for (int64_t r = 0; r < R; ++r) out[r] = fp8_row_dot(row, xs[r], in, block, lut);
+        },
+        [](const uint8_t*, int64_t, const float* const*, int64_t, float*) {});
 }

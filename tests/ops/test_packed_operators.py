@@ -25,6 +25,18 @@ def test_mxfp4_operator_is_the_reference_within_summation_order(ops, rows):
     _close(got, reference.mxfp4_gemv(x, w), 1e-6)
 
 
+@pytest.mark.parametrize("rows", [2, 7, 40])
+def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows):
+    """Several rows (a prompt's, routed to one expert) expand each weight row once for all of them;
+    every row's outputs are still its one-row product to the bit, so batching changes no float."""
+    w = packed_layout.mxfp4_prepare(torch.randn(41, 320) * torch.logspace(-2, 2, 320))  # 10 blocks a row, an odd row count
+    x = torch.randn(rows, 320)
+    got = ops.mxfp4_gemv(x, w)
+    for r in range(rows):
+        assert torch.equal(got[r], ops.mxfp4_gemv(x[r : r + 1], w)[0])
+    _close(got, reference.mxfp4_gemv(x, w), 1e-6)
+
+
 @pytest.mark.parametrize("shape", [(72, 160), (130, 300), (40, 72)])
 def test_fp8_operator_is_the_reference_within_summation_order(ops, shape):
     w = packed_layout.fp8_prepare(torch.randn(shape) * torch.logspace(-2, 2, shape[1]), 128)
@@ -36,10 +48,11 @@ def test_fp8_operator_is_the_reference_within_summation_order(ops, shape):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 def test_the_eager_helpers_are_the_layouts_apply_with_a_bias(machine_builds, dtype, tol):
-    """With the operators loaded the helpers take them for ≤ 16 rows and the reference for more."""
+    """With the operators loaded the helpers take them for ≤ 64 rows (MXFP4) or ≤ 16 (FP8) and the
+    reference for more."""
     w = packed_layout.mxfp4_prepare(torch.randn(72, 160))
     f = packed_layout.fp8_prepare(torch.randn(72, 160), 128)
-    for rows in (1, 20):
+    for rows in (1, 20, 70):
         x, bias = torch.randn(rows, 160).to(dtype), torch.randn(72).to(dtype)
         got = door.mxfp4_gemv(x, w, bias)
         assert got.dtype == dtype
@@ -80,6 +93,19 @@ def test_the_experts_operators_are_the_rows_operator_on_each_chosen_expert(ops, 
         for c in range(3):
             assert torch.equal(got[b, c], one(x[b, c if per_choice else 0][None], int(ids[b, c]))[0])
     _close(got, want, 1e-6)
+
+
+def test_the_mxfp4_experts_operator_on_a_prompt_is_each_rows_one_row_product(ops):
+    """A prompt's rows share experts (up to 9 rows an expert here, past the 4-row passes): each
+    (row, choice) is still the one-row product of that expert, bit for bit."""
+    stack = _stack(PACKED_STACKS["mxfp4"][0], 3, 24, 160)
+    ids = torch.randint(0, 3, (13, 2), generator=torch.Generator().manual_seed(2))
+    x = torch.randn(13, 1, 160)
+    got = ops.experts_mxfp4(x, stack, ids)
+    for b in range(13):
+        for c in range(2):
+            assert torch.equal(got[b, c], ops.mxfp4_gemv(x[b], stack[int(ids[b, c])])[0])
+    _close(got, reference.experts_mxfp4(x, stack, ids), 1e-6)
 
 
 @pytest.mark.parametrize("kind", sorted(PACKED_STACKS))

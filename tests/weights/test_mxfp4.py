@@ -72,3 +72,28 @@ def test_the_meter_counts_the_packed_bytes_of_the_experts_a_token_reads(quantize
         used = {layer: len(set(ids)) for layer, ids in token.experts.items()}
         routed = sum(counts.expert_each[layer] * n for layer, n in used.items())
         assert token.bytes_touched == (token.params_touched - routed) * 2 + sum(used.values()) * packed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 24])
+def test_the_grouped_experts_are_the_combine_bit_for_bit(quantized_checkpoints, dtype, tokens):
+    """The packed form runs a prompt's (or a batch's) chosen experts as two moekit::experts_mxfp4
+    calls where the rows operator is the experts' kernel: the same floats as the combine, which runs
+    each expert on its own rows and adds their shares in its order."""
+    from moekit.model.expert_forms import Packed
+    from moekit.model.routing import RoutingDecision
+
+    engine = load_engine(quantized_checkpoints("mxfp4"), dtype=str(dtype).split(".")[1])
+    ex = engine.decoder.layers[0].ffn.experts
+    assert isinstance(ex.held, Packed)
+    if ex.kernels != (MXFP4_GEMV, MXFP4_GEMV):
+        pytest.skip("the reference measured faster than the rows operator here: the combine runs")
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, ex.in_features[0], generator=gen).to(dtype)
+    logits = torch.randn(tokens, ex.num_experts, generator=gen)
+    top, ids = logits.topk(min(4, ex.num_experts), dim=-1)
+    decision = RoutingDecision(ids, torch.softmax(top, dim=-1))
+    with torch.inference_mode():
+        got = ex.held.apply(ex, x, decision)
+        want = ex.combine(x, decision, ex.held.weights)
+    assert got.dtype == dtype and torch.equal(got, want)

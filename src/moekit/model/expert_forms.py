@@ -9,7 +9,7 @@ that holds the weights and applies them, so the layer does not branch on mode fl
   PerExpert   resident, each expert laid out for its eager kernel (transposed, oneDNN).
   Packed      resident stacks kept as the checkpoint publishes them (MXFP4, FP8: model.packed_loading):
               the decode step reads the chosen experts' packed rows in place (moekit::experts_mxfp4 /
-              experts_fp8).
+              experts_fp8); eagerly, MXFP4 on the rows operator runs a prompt's experts grouped too.
   Paged       served by a store: moekit.offload's expert store, or expert parallelism's layer.
 Each has `apply` (eager, any T: the module's combine, or the store's forward) and `decode` (the
 T = 1 step's form, moekit.model.step_ops; the eager combine where a form has no stack to read in
@@ -28,7 +28,7 @@ import torch
 
 from moekit import ops
 from moekit.model import step_ops
-from moekit.model.linear import PLAIN, TILES
+from moekit.model.linear import MXFP4_GEMV, PLAIN, TILES
 
 GEMV_MISSING = "the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
 
@@ -134,10 +134,39 @@ class Packed(Stacks):
 
     format: object = None  # moekit.model.packed_loading.PackedFormat
 
+    def apply(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        """MXFP4 experts whose kernel is the rows operator: every token's chosen experts in two calls
+        of moekit::experts_mxfp4 (the rows routed to an expert multiplied against each of its weight
+        rows once), summed as the combine sums them, bit for bit the combine's result; otherwise the
+        combine through each expert's kernel."""
+        if not self._grouped_rows(experts, x, decision):
+            return experts.combine(x, decision, self.weights)
+        ids, w = decision.topk_ids, decision.topk_weights  # [T, K]
+        if x.shape[0] > 1:  # the combine adds a prompt's experts in ascending id, one token's in router order
+            ids, pick = ids.sort(dim=1, stable=True)
+            w = w.gather(1, pick)
+        gate_up, down = self.stacks
+        h = ops.packed_experts(x[:, None, :], gate_up, ids, experts.gate_up_bias, 0)  # [T, K, 2F]
+        y = ops.packed_experts(experts.act(h), down, ids, experts.down_bias, 0)  # [T, K, D]
+        parts = (y * w[..., None]).to(x.dtype)  # rounded as the combine rounds each expert's share
+        out = parts[:, 0].clone()
+        for k in range(1, parts.shape[1]):
+            out += parts[:, k]
+        return out
+
+    def _grouped_rows(self, experts, x: torch.Tensor, decision) -> bool:
+        """Whether apply's grouped form gives the combine's floats: MXFP4 on the rows operator for
+        both products, which the combine takes for an expert's rows up to ops.MXFP4_ROWS."""
+        if (self.format.method != "mxfp4" or x.device.type != "cpu" or experts.weigh_input
+                or self.kernels != (MXFP4_GEMV, MXFP4_GEMV) or not ops.available("experts_mxfp4")):
+            return False
+        ids = decision.topk_ids
+        return ids.shape[0] == 1 or int(torch.bincount(ids.reshape(-1)).max()) <= ops.MXFP4_ROWS
+
     def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
         if not torch.compiler.is_compiling():
-            # Eagerly the combine through each expert's kernel (the reference, or the rows operator
-            # where it measured faster for the shape), as the forward runs them.
+            # Eagerly apply: the grouped rows operator, or the combine through each expert's kernel
+            # (the reference, or the rows operator where it measured faster for the shape).
             return self.apply(experts, x, decision)
         x, ids, w = _choices(experts, x, decision)
         gate_up, down = self.stacks

@@ -1,48 +1,147 @@
-// Few-row products on MXFP4 and FP8 weights read packed, without expanding them (moekit.ops.packed_layout's
+// Products on MXFP4 and FP8 weights read packed, without expanding the weight (moekit.ops.packed_layout's
 // layouts): mxfp4_gemv, fp8_gemv, and their stacked experts' forms (the compiled decode step's)
-// experts_mxfp4, experts_fp8. Same products as the reference, another summation order.
+// experts_mxfp4, experts_fp8. Same products as the reference, another summation order. MXFP4 on
+// several rows (a prompt's rows routed to one expert) expands each weight block once for several x rows.
 #include "ops.h"
 #include "rows.h"
 
 // FP4 E2M1 codes → twice their value, as int8 (low 8 codes positive, high 8 negative).
 static const int8_t TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// Not inlined: one compiled body for the rows and the experts operators, so that an expert's outputs
-// are the rows operator's bit for bit (inlined, the compiler vectorised a tail loop in one caller and
-// not in the other: 1 ulp apart, measured).
-__attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x, int64_t groups) {
-    float acc = 0.f;
+// E8M0 scale byte s → 2^(s − 128): the block's scale halved, as the codes above are doubled (a table:
+// std::ldexp per block was a libm call in the decode's inner loop).
+static const float* half_scales() {
+    static const std::vector<float> powers = [] {
+        std::vector<float> v(256);
+        for (int s = 0; s < 256; ++s) v[s] = std::ldexp(1.0f, s - 128);
+        return v;
+    }();
+    return powers.data();
+}
+
+// Every MXFP4 product here is one sum per weight row and x row in one order, whichever form runs it:
+// each block's 32 values (code × 2^(s − 127), exact in fp32) multiplied by x's and added into
+// BLOCK_VECTORS vector accumulators (lane by lane, block after block), then those summed. The few-row
+// form (rows_dots) makes each block's values once for several x rows, the one-row form (row_dot) for
+// one. Same floats either way, so a row's outputs do not depend on how many rows came with it
+// (greedy tokens must not change with batching).
 #ifdef MK_AVX2
+constexpr int BLOCK_VECTORS = 32 / MK_WIDE;
+
+// One 17-byte block's 32 values as BLOCK_VECTORS vectors, in order.
+static inline void block_values(const uint8_t* w, const float* scales, VF* v) {
     const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(TWICE));
     const __m128i low4 = _mm_set1_epi8(0x0F);
-#endif
-    for (int64_t g = 0; g < groups; ++g, w += 17, x += 32) {
-        const float scale = std::ldexp(1.0f, int(w[0]) - 128);  // 2^(s − 127) / 2 (codes are doubled)
-#ifdef MK_AVX2
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 1));
-        const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));   // elements 0, 2, 4, ...
-        const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));  // 1, 3, 5, ...
-        const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15 in order
-        const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
-        __m256 s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)), _mm256_loadu_ps(x));
-        __m256 s1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8))), _mm256_loadu_ps(x + 8));
-        s0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)), _mm256_loadu_ps(x + 16), s0);
-        s1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))), _mm256_loadu_ps(x + 24), s1);
-        __m256 s = _mm256_add_ps(s0, s1);
-        __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-        h = _mm_add_ss(h, _mm_shuffle_ps(h, h, 1));
-        acc += scale * _mm_cvtss_f32(h);
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 1));
+    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(bytes, low4));   // elements 0, 2, 4, ...
+    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));  // 1, 3, 5, ...
+    const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15 in order
+    const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
+    const VF scale = vset(scales[w[0]]);
+#if MK_WIDE == 16
+    v[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), scale);
+    v[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), scale);
 #else
-        float block = 0.f;
+    v[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)), scale);
+    v[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8))), scale);
+    v[2] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)), scale);
+    v[3] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8))), scale);
+#endif
+}
+
+static inline float lanes_sum(const VF* acc) {
+#if MK_WIDE == 16
+    return vsum(vadd(acc[0], acc[1]));
+#else
+    return vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+#endif
+}
+#endif
+
+// Not inlined: one compiled body for the rows and the experts operators (inlined, the compiler
+// vectorised a tail loop in one caller and not in the other: 1 ulp apart, measured).
+__attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x, int64_t groups) {
+    const float* scales = half_scales();
+#ifdef MK_AVX2
+    VF acc[BLOCK_VECTORS], v[BLOCK_VECTORS];
+    for (int i = 0; i < BLOCK_VECTORS; ++i) acc[i] = vzero();
+    for (int64_t g = 0; g < groups; ++g, w += 17, x += 32) {
+        block_values(w, scales, v);
+        for (int i = 0; i < BLOCK_VECTORS; ++i) acc[i] = vfma(v[i], vload(x + i * MK_WIDE), acc[i]);
+    }
+    return lanes_sum(acc);
+#else
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; ++g, w += 17, x += 32) {
+        const float scale = scales[w[0]];
         for (int j = 0; j < 16; ++j) {
             const uint8_t b = w[1 + j];
-            block += TWICE[b & 15] * x[2 * j] + TWICE[b >> 4] * x[2 * j + 1];
+            acc = std::fma(TWICE[b & 15] * scale, x[2 * j], acc);
+            acc = std::fma(TWICE[b >> 4] * scale, x[2 * j + 1], acc);
         }
-        acc += scale * block;
-#endif
     }
     return acc;
+#endif
+}
+
+// Weight rows of a block and x rows of a pass where a weight block's values are made once for
+// several x rows (in registers): AVX-512, 2 · 4 · 2 accumulators of its 32 registers; AVX2, 1 · 2 · 4
+// of 16; without vectors, each pair through row_dot.
+#if defined(MK_AVX2) && MK_WIDE == 16
+constexpr int ROWS_BLOCK = 2, X_ROWS = 4;
+#else
+constexpr int ROWS_BLOCK = 1, X_ROWS = 2;
+#endif
+
+// G weight rows (row g at w + g · row_bytes) against NR x rows: out[g · R + r] = row_dot(row g,
+// xs[r]) bit for bit (each block's values made as row_dot makes them, the same FMAs in the same
+// order), each block's values made once for the NR rows and each x vector loaded once for the G.
+template <int G, int NR>
+static void rows_dots(const uint8_t* w, int64_t row_bytes, const float* const* xs, int64_t groups, int64_t R, float* out) {
+#ifdef MK_AVX2
+    const float* scales = half_scales();
+    VF acc[G][NR][BLOCK_VECTORS];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r)
+            for (int i = 0; i < BLOCK_VECTORS; ++i) acc[g][r][i] = vzero();
+    for (int64_t b = 0; b < groups; ++b) {
+        VF v[G][BLOCK_VECTORS];
+        for (int g = 0; g < G; ++g) block_values(w + g * row_bytes + b * 17, scales, v[g]);
+        for (int i = 0; i < BLOCK_VECTORS; ++i) {
+            VF xv[NR];
+            for (int r = 0; r < NR; ++r) xv[r] = vload(xs[r] + b * 32 + i * MK_WIDE);
+            for (int g = 0; g < G; ++g)
+                for (int r = 0; r < NR; ++r) acc[g][r][i] = vfma(v[g][i], xv[r], acc[g][r][i]);
+        }
+    }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r) out[g * R + r] = lanes_sum(acc[g][r]);
+#else
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r) out[g * R + r] = row_dot(w + g * row_bytes, xs[r], groups);
+#endif
+}
+
+// G weight rows against R x rows (out[g · R + r] = row_dot(row g, xs[r])), X_ROWS x rows a pass.
+template <int G>
+static void block_dots(const uint8_t* w, int64_t row_bytes, const float* const* xs, int64_t R, int64_t groups, float* out) {
+    int64_t r = 0;
+    for (; r + X_ROWS <= R; r += X_ROWS) rows_dots<G, X_ROWS>(w, row_bytes, xs + r, groups, R, out + r);
+    switch (R - r) {
+        case 3: rows_dots<G, 3>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 2: rows_dots<G, 2>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 1: rows_dots<G, 1>(w, row_bytes, xs + r, groups, R, out + r); break;
+        default: break;
+    }
+}
+
+// One weight row against R x rows: the few-row form's last rows, and each weight row of an expert one x row chose.
+static void row_dots(const uint8_t* w, const float* const* xs, int64_t R, int64_t groups, float* out) {
+    if (R == 1) {
+        out[0] = row_dot(w, xs[0], groups);
+        return;
+    }
+    block_dots<1>(w, 0, xs, R, groups, out);
 }
 
 // One FP8 row: `in` float8_e4m3fn codes, then nbc fp32 scales (one per `block` columns). Not
@@ -105,7 +204,22 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
     const float* xp = x.data_ptr<float>();
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     float* yp = y.data_ptr<float>();
-    each_output(yp, n, out, [&](int64_t o, int64_t r) { return row_dot(wp + o * groups * 17, xp + r * groups * 32, groups); });
+    std::vector<const float*> xs(n);
+    for (int64_t r = 0; r < n; ++r) xs[r] = xp + r * groups * 32;
+    at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+        std::vector<float> dots(ROWS_BLOCK * n);
+        int64_t o = begin;
+        if (n > 1)
+            for (; o + ROWS_BLOCK <= end; o += ROWS_BLOCK) {
+                block_dots<ROWS_BLOCK>(wp + o * groups * 17, groups * 17, xs.data(), n, groups, dots.data());
+                for (int g = 0; g < ROWS_BLOCK; ++g)
+                    for (int64_t r = 0; r < n; ++r) yp[r * out + o + g] = dots[g * n + r];
+            }
+        for (; o < end; ++o) {
+            row_dots(wp + o * groups * 17, xs.data(), n, groups, dots.data());
+            for (int64_t r = 0; r < n; ++r) yp[r * out + o] = dots[r];
+        }
+    });
     return y;
 }
 
@@ -120,12 +234,13 @@ static const float* fp8_values() {
     return values.data();
 }
 
-// The chosen experts of a stack of packed rows w [E, N, width], each product one row dot (`dot`,
-// the rows operator's own, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
+// The chosen experts of a stack of packed rows w [E, N, width], each product the rows operator's own
+// (`dots`: one weight row against R x rows, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
 // x fp32 [B, X, in] (X = 1: one row per token; X = C: one per choice), ids [B, C] → fp32 [B, C, N].
-template <typename Dot>
+// `block` (BG > 0): BG weight rows at a time against R x rows, as dots_block (rows.h).
+template <int BG, typename Dots, typename Block>
 static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
-                                    int64_t in, Dot dot) {
+                                    int64_t in, Dots dots, Block block) {
     const int64_t B = x.size(0), X = x.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
     TORCH_CHECK(X == 1 || X == C, name, ": x holds one row per token or one per choice");
     const auto xc = x.contiguous();
@@ -134,12 +249,15 @@ static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, co
     auto y = torch::empty({B, C, N}, x.options());
     const float* xp = xc.data_ptr<float>();
     const uint8_t* wp = wc.data_ptr<uint8_t>();
-    experts_loop<0>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
-                    [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
-                        for (int64_t r = 0; r < R; ++r) out[r] = dot(wp + (e * N + n) * width, xs[r]);
-                    },
-                    [](int64_t, int64_t, const float*, float*) {}, [](int64_t, int64_t, const float* const*, int64_t, float*) {},
-                    false);
+    experts_loop<BG>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         dots(wp + (e * N + n) * width, xs, R, out);
+                     },
+                     [](int64_t, int64_t, const float*, float*) {},
+                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                         block(wp + (e * N + n) * width, width, xs, R, out);
+                     },
+                     false);
     return y;
 }
 
@@ -148,8 +266,12 @@ torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids)
                 w.scalar_type() == torch::kByte && w.size(2) % 17 == 0 && x.size(2) == w.size(2) / 17 * 32,
                 "experts_mxfp4: x fp32 [B, X, G * 32], w uint8 [E, N, G * 17], ids [B, C]");
     const int64_t groups = w.size(2) / 17;
-    return packed_experts("experts_mxfp4", x, w, ids, groups * 32,
-                          [groups](const uint8_t* row, const float* xr) { return row_dot(row, xr, groups); });
+    return packed_experts<ROWS_BLOCK>(
+        "experts_mxfp4", x, w, ids, groups * 32,
+        [groups](const uint8_t* row, const float* const* xs, int64_t R, float* out) { row_dots(row, xs, R, groups, out); },
+        [groups](const uint8_t* rows, int64_t row_bytes, const float* const* xs, int64_t R, float* out) {
+            block_dots<ROWS_BLOCK>(rows, row_bytes, xs, R, groups, out);
+        });
 }
 
 torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t block) {
@@ -158,6 +280,10 @@ torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, i
                 "experts_fp8: x fp32 [B, X, in], w uint8 [E, N, in + 4 * nbc], ids [B, C]");
     const int64_t in = x.size(2);
     const float* lut = fp8_values();
-    return packed_experts("experts_fp8", x, w, ids, in,
-                          [in, block, lut](const uint8_t* row, const float* xr) { return fp8_row_dot(row, xr, in, block, lut); });
+    return packed_experts<0>(
+        "experts_fp8", x, w, ids, in,
+        [in, block, lut](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
+            for (int64_t r = 0; r < R; ++r) out[r] = fp8_row_dot(row, xs[r], in, block, lut);
+        },
+        [](const uint8_t*, int64_t, const float* const*, int64_t, float*) {});
 }

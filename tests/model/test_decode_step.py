@@ -105,3 +105,44 @@ def test_a_row_k_above_the_experts_is_refused_in_one_line(tiny_checkpoints):
     decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=False).decoder
     with pytest.raises(ValueError, match="a row asks for 9 experts per token; the model's MoE layers have 8"):
         _forward_steps(decoder, [9, 1], through=decoder.forward)
+
+
+
+def _step_operators(engine, prompt: list[int]) -> tuple[list[int], list[tuple[str, list]]]:
+    """Greedy tokens of 6 eager steps after the prompt, and the (name, input shapes) of the ops they ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        tokens = engine.generate(prompt, max_new_tokens=6, stop_ids=()).token_ids[0]
+    return tokens, [(event.key, event.input_shapes) for event in prof.key_averages(group_by_input_shape=True)]
+
+
+def _ran(ops: list[tuple[str, list]], operator: str, weight: list[int] | None = None) -> bool:
+    """Whether one of moekit's builds ran `operator` (on a weight of that shape, where given)."""
+    return any(name.startswith("moekit") and operator in name and (weight is None or shapes[1] == weight) for name, shapes in ops)
+
+
+@pytest.mark.parametrize("family,tied", [("qwen3_moe", False), ("qwen3_moe", True), ("deepseek_v3", False)],
+                         ids=["qwen3_moe", "qwen3_moe-tied", "deepseek_v3"])
+def test_the_eager_step_runs_the_row_operators_its_command_loaded(tmp_path, tiny_checkpoints, family, tied):
+    """An eager engine whose command loaded the operators (--kernels auto) runs its decode steps'
+    projections, a tied head included, on moekit::rows_gemv and its experts on experts_gemv; under
+    --kernels reference, in the same process (the operators registered), F.linear and no gemv
+    operator (argmax's, moekit.ops.rows_argmax, gives torch's indices either way). Both give
+    transformers' greedy tokens."""
+    from hf_tiny import write_checkpoint
+    from test_generate_vs_transformers import reference, reference_greedy
+
+    folder = write_checkpoint(family, tmp_path / family, tie_word_embeddings=True) if tied else tiny_checkpoints(family)
+    prompt = [1, 17, 42, 99, 5]
+    want = reference_greedy(reference(folder), prompt, 6)
+    loaded, plain = load_engine(folder, kernels="auto"), load_engine(folder, kernels="reference")
+    table = list(loaded.decoder.embed.weight.shape)  # [V, D]
+    assert (loaded.decoder.lm_head is None) == tied
+    with torch.inference_mode():
+        tokens, ran = _step_operators(loaded, prompt)
+        assert tokens == want
+        assert _ran(ran, "rows_gemv", table) and _ran(ran, "experts_gemv")
+        tokens, ran = _step_operators(plain, prompt)
+        assert tokens == want
+        assert not _ran(ran, "gemv") and "aten::linear" in {name for name, _ in ran}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moekit.model.experts import RoutedExperts, experts_reference
-from moekit.model.linear import ONEDNN, PLAIN, TRANSPOSED
+from moekit.model.linear import ONEDNN, PLAIN, ROWS, TRANSPOSED
 from moekit.model.mlp import Activation
 from moekit.model.routing import RoutingDecision
 from moekit.spec.model_spec import MLPSpec
@@ -15,9 +15,9 @@ from moekit.ops.torch_private import onednn_bf16_supported
 E, D, F = 6, 16, 12
 
 
-def _experts(kind: str, bias: bool, seed: int) -> RoutedExperts:
+def _experts(kind: str, bias: bool, seed: int, d: int = D, f: int = F) -> RoutedExperts:
     gen = torch.Generator().manual_seed(seed)
-    spec = MLPSpec(hidden_size=D, width=F, gated=True, bias=bias, activation=kind)
+    spec = MLPSpec(hidden_size=d, width=f, gated=True, bias=bias, activation=kind)
     ex = RoutedExperts(spec, E, Activation(kind=kind, limit=1.0))
     with torch.no_grad():
         for p in ex.parameters():
@@ -63,6 +63,32 @@ def test_prepared_experts_equal_the_reference(dtype, tokens, k):
     # bf16: the reference loop adds each token's K outputs in another order than the fast paths
     tol = 1e-5 if dtype == torch.float32 else 0.02 * want.abs().max().item()
     assert (got - want).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,bias,weigh_input", [("silu", False, False), ("swiglu_oai", True, False), ("gelu_tanh", False, False),
+                                                   ("silu", False, True)], ids=["silu", "swiglu_oai-bias", "gelu_tanh", "llama4-weigh-input"])
+@pytest.mark.parametrize("tokens,k", [(1, 3), (5, 2), (16, 3)])
+@pytest.mark.parametrize("d,f", [(D, F), (96, 40)], ids=["narrow", "vector-tails"])
+def test_the_row_operators_decode_is_the_combine_bit_for_bit(dtype, kind, bias, weigh_input, tokens, k, d, f):
+    """Experts prepared for a command that loaded the operators keep their stacks (ROWS); the decode
+    step (at batch 1 moekit::experts_gemv on the stacks in place, else the combine) gives the
+    combine's floats bit for bit (the modules' forward's, the expert-parallel layer's: each expert
+    through rows_gemv), activations with vector tails included."""
+    from moekit import ops
+
+    assert ops.load().ok, ops.load().failures()  # as a command with --kernels auto loads them
+    ex = _experts(kind, bias, seed=tokens + k, d=d, f=f).to(dtype)
+    ex.weigh_input = weigh_input
+    x = torch.randn(tokens, d, generator=torch.Generator().manual_seed(k)).to(dtype)
+    decision = _decision(tokens, k, seed=tokens * k)
+    want = experts_reference(ex, x, decision).float()
+    ex.prepare(operators=True)
+    assert ex.kernels == (ROWS, ROWS) and ex.gate_up.shape == (E, 2 * f, d)  # the stacks, kept
+    combined = ex(x, decision)
+    assert torch.equal(ex.decode(x, decision), combined)
+    tol = (1e-6 if dtype == torch.float32 else 0.02) * want.abs().max().item()
+    assert (combined.float() - want).abs().max().item() < tol
 
 
 def test_unchosen_experts_do_not_matter():

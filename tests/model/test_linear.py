@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 
-from moekit.model.linear import ONEDNN, PLAIN, TILES, TRANSPOSED, Linear, kernel_for, linear_reference
+from moekit.model.linear import ONEDNN, PLAIN, ROWS, TILES, TRANSPOSED, Linear, kernel_for, linear_reference
 from moekit.ops.torch_private import onednn_bf16_supported
 
 ONEDNN_BF16 = onednn_bf16_supported()
@@ -64,6 +64,19 @@ def test_kernel_choice_per_device_dtype_and_shape():
     assert kernel_for(weight(512, 1024, torch.bfloat16)) is (ONEDNN if ONEDNN_BF16 else PLAIN)
     assert kernel_for(weight(512, 512, torch.float16)) is PLAIN
     assert kernel_for(weight(512, 512, device="meta")) is PLAIN  # anything but a CPU keeps F.linear
+
+
+def test_a_command_that_loaded_the_operators_gets_the_rows_kernel_for_fp32_and_bf16():
+    """Told the command loaded them: fp32 and bf16 weights of every shape keep the Hub layout for
+    moekit::rows_gemv (ROWS); fp16 and other devices are as without them."""
+    def weight(out_f, in_f, dtype=torch.float32, device="cpu"):
+        return torch.empty(out_f, in_f, dtype=dtype, device=device)
+
+    for shape in ((32000, 512), (512, 1024), (32, 512)):
+        assert kernel_for(weight(*shape), operators=True) is ROWS
+        assert kernel_for(weight(*shape, torch.bfloat16), operators=True) is ROWS
+    assert kernel_for(weight(512, 512, torch.float16), operators=True) is PLAIN
+    assert kernel_for(weight(512, 512, device="meta"), operators=True) is PLAIN
 
 
 @pytest.mark.parametrize(

@@ -171,7 +171,8 @@ def load_engine(
     `kernels`; False runs them eagerly. Where this model or these options cannot compile, the engine
     runs eager and one note says why.
     kernels: "auto" loads moekit's C++ operators where this run uses them (`operators_used`; built
-    once per machine, a failed build one line in notes naming its log, the reference then running),
+    once per machine, a failed build one line in notes naming its log, the reference then running)
+    and prepares the decoder for them (an eager step's fp32 / bf16 products run them too),
     "reference" never loads them: every product, attention and argmax the plain PyTorch way."""
     from moekit.model.decoder import Decoder
     from moekit.weights.gguf_spec import load_any_spec
@@ -195,7 +196,8 @@ def load_engine(
     # A GGUF's paged experts stay in their blocks (Q8_0 / Q4_0): the store runs them on the operators,
     # at any dtype (without them each use dequantized a whole expert: 30B's decode was that slow).
     packed = quant_method(ckpt.config, folder) is not None or (folder.suffix == ".gguf" and offload is not None)
-    notes.extend(load_kernels(kernels, ops.operators_used(compile, weights, dtype, offload is not None, packed=packed)))
+    operators, kernel_notes = load_kernels(kernels, ops.operators_used(compile, weights, dtype, offload is not None, packed=packed))
+    notes.extend(kernel_notes)
     gguf_tokenizer = gguf_manifest = None
     if folder.suffix == ".gguf":  # a GGUF file (moekit.weights.gguf_checkpoint): its tokenizer, what was dequantized,
         from moekit.weights.gguf_checkpoint import engine_parts  # where the store finds its experts
@@ -222,7 +224,7 @@ def load_engine(
             notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
             plan = None
     decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
-    decoder.load_checkpoint(ckpt, kernels=not compile)
+    decoder.load_checkpoint(ckpt, kernels=not compile, operators=operators)
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
     if checked is not None:
@@ -261,14 +263,16 @@ def load_engine(
     )
 
 
-def load_kernels(kernels: str, used: bool) -> list[str]:
-    """Load the operators for a run that uses them (--kernels auto); the notes: one line per build
-    that failed, naming the compiler's log. Nothing for --kernels reference."""
+def load_kernels(kernels: str, used: bool) -> tuple[bool, list[str]]:
+    """Load the operators for a run that uses them (--kernels auto) → (whether this command loaded
+    them: the decoder is then prepared for them, moekit.model.linear.ROWS; the notes: one line per
+    build that failed, naming the compiler's log). (False, []) for --kernels reference."""
     if kernels not in ops.KERNELS:
         raise MoekitError(f"--kernels must be one of {', '.join(ops.KERNELS)}, got {kernels!r}")
     if kernels == "reference" or not used:
-        return []
-    return ops.load().failures()
+        return False, []
+    loaded = ops.load()
+    return loaded.ok, loaded.failures()
 
 
 def _compile_decode(decoder) -> str:

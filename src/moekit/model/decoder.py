@@ -22,7 +22,7 @@ from moekit.errors import SpecError
 from moekit.model.attention import Attention
 from moekit.model.cache import KVCache, stacked_layers
 from moekit.model.experts import RoutedExperts
-from moekit.model.linear import Linear, prepare_linears
+from moekit.model.linear import PLAIN, ROWS, Linear, kernel_for, prepare_linears
 from moekit.model.mla import MLAttention
 from moekit.model.mlp import MLP, activation_for
 from moekit.model.moe import MoE, Router
@@ -181,6 +181,9 @@ class Decoder(nn.Module):
         # Whether decisions carry routing entropy (router health: moekit.engine.router_health.watch_routers).
         self.entropy_watched = False
         self.prepared = False
+        # The decode step's kernel for a tied head (the embedding table, kept in the Hub layout):
+        # PLAIN, or ROWS where prepare was told the command loaded the operators.
+        self.tied_head_kernel = PLAIN
         self.compiled = None  # a moekit.model.compiled_step.CompiledStep once compile_decode() ran
 
     def new_cache(self, batch: int, max_len: int, stacked: bool = True) -> KVCache:
@@ -341,19 +344,22 @@ class Decoder(nn.Module):
             logits = logits / self.spec.multipliers.logits_scaling
         return logits.float()
 
-    def load_checkpoint(self, ckpt, kernels: bool = True) -> None:
+    def load_checkpoint(self, ckpt, kernels: bool = True, operators: bool = False) -> None:
         """Fill every parameter from `ckpt` (Hub names, all checked), then prepare the fast layouts
-        (kernels=False keeps the Hub layout, which the compiled decode step reads)."""
+        (kernels=False keeps the Hub layout, which the compiled decode step reads; operators: see prepare)."""
         from moekit.model.loading import load_into
 
         if self.prepared:
             raise RuntimeError("load_checkpoint on a prepared decoder: build a new Decoder to load again")
         load_into(self, ckpt)
-        self.prepare(kernels)
+        self.prepare(kernels, operators)
 
-    def prepare(self, kernels: bool = True) -> None:
+    def prepare(self, kernels: bool = True, operators: bool = False) -> None:
         """Lay each projection's weight out for its kernel, once; the Hub layout is dropped, not kept.
-        kernels=False: every projection stays in the Hub layout and runs the plain reference kernel."""
+        kernels=False: every projection stays in the Hub layout and runs the plain reference kernel.
+        operators: the command loaded moekit's operators (`--kernels auto`), so the eager decode
+        step's fp32 / bf16 products run them (moekit.model.linear.ROWS); told, not looked up, so
+        that one command sums the same way in every process, whatever else it registered."""
         if self.prepared:
             return
 
@@ -361,10 +367,12 @@ class Decoder(nn.Module):
             if isinstance(sub, (Attention, MLAttention)):
                 sub.prepare()  # fusions on the Hub layout come first
         if kernels:
-            prepare_linears(self)
+            prepare_linears(self, operators)
+            if self.lm_head is None and kernel_for(self.embed.weight, operators) is ROWS:
+                self.tied_head_kernel = ROWS
         for sub in self.modules():
             if isinstance(sub, RoutedExperts):
-                sub.prepare(kernels)
+                sub.prepare(kernels, operators)
         self.prepared = True
 
 
@@ -400,7 +408,7 @@ def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_t
         chosen = weights = [torch.zeros((x.shape[0], 0), dtype=torch.int64, device=x.device)]
         entropy = [torch.zeros((x.shape[0],), device=x.device)]
     if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
-        logits = linear_rows(x, decoder.embed.weight, decoder.head_bias)
+        logits = linear_rows(x, decoder.embed.weight, decoder.head_bias, decoder.tied_head_kernel)
     else:
         logits = project(decoder.lm_head, x)
     if spec.multipliers.logits_scaling != 1.0:

@@ -2,8 +2,10 @@
 
 A RoutedExperts module holds one ExpertsForm (as vLLM's FusedMoE holds one quant method: the object
 that holds the weights and applies them, so the layer does not branch on mode flags):
-  Stacks      resident stacks [E, out, in], the Hub layout (PLAIN) or tiles (TILES): the decode step
-              reads the chosen experts in place (moekit::experts_gemv / experts_tiles).
+  Stacks      resident stacks [E, out, in], the Hub layout (PLAIN, ROWS) or tiles (TILES): the decode
+              step reads the chosen experts in place (moekit::experts_gemv / experts_tiles); eagerly
+              only where the command loaded the operators (ROWS at batch 1, with the combine's
+              floats; TILES), else the eager combine.
   Int8Stacks  resident q8_0 stacks [E, out, nb·34] (`--weights int8`), each expert's weights views
               of them: moekit::experts_q8 in the decode step.
   PerExpert   resident, each expert laid out for its eager kernel (transposed, oneDNN).
@@ -28,7 +30,7 @@ import torch
 
 from moekit import ops
 from moekit.model import step_ops
-from moekit.model.linear import MXFP4_GEMV, PLAIN, TILES
+from moekit.model.linear import MXFP4_GEMV, PLAIN, ROWS, TILES
 
 GEMV_MISSING = "the gemv operators, which this process has not loaded (--kernels reference, or their build failed)"
 
@@ -93,15 +95,37 @@ class Stacks(ExpertsForm):
 
     def decode(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
         tiles = self.kernels == (TILES, TILES)
-        if not (tiles or torch.compiler.is_compiling()):
-            # Eagerly the combine, whether or not this process has the operators registered (an eager
-            # step must not sum differently by that); without them W[ids] would copy the chosen experts.
+        eager = not torch.compiler.is_compiling()
+        if eager and self.kernels == (ROWS, ROWS) and x.shape[0] == 1:
+            return self._one_row(experts, x, decision)
+        if eager and not tiles:
+            # Eagerly the kernels' combine (ROWS: rows_gemv per expert), whether or not this process
+            # has the operators registered (an eager step sums as its command asked); for the plain
+            # kernel without them W[ids] would copy the chosen experts.
             return self.apply(experts, x, decision)
         x, ids, w = _choices(experts, x, decision)
         gate_up, down = self.stacks
         h = _bias(_rows(x, gate_up, ids, tiles), experts.gate_up_bias, ids)  # [B, K, 2F]
         y = _bias(_rows(experts.act(h), down, ids, tiles), experts.down_bias, ids)  # [B, K, D]
         return (y * w[..., None].to(y.dtype)).sum(1)  # [B, D]
+
+    def _one_row(self, experts, x: torch.Tensor, decision) -> torch.Tensor:
+        """The eager step of ROWS stacks at batch 1: the chosen experts read in place by
+        moekit::experts_gemv (two calls a layer where the combine makes two per chosen expert), each
+        product the combine's own (ROWS.apply: rows_gemv) bit for bit, the activation on each
+        expert's row apart as the combine has it (on the K rows as one, torch's vector loops round
+        a transcendental's elements at other places: gpt_oss's swiglu, measured), the K terms added
+        as the combine adds them: the modules' forward's floats, and the expert-parallel layer's."""
+        x, ids, w = _choices(experts, x, decision)
+        gate_up, down = self.stacks
+        h = _bias(ops.experts_gemv(x, gate_up, ids), experts.gate_up_bias, ids)  # [1, K, 2F]
+        a = torch.stack([experts.act(h[:, k]) for k in range(h.shape[1])], dim=1)  # [1, K, F]
+        y = _bias(ops.experts_gemv(a, down, ids), experts.down_bias, ids)  # [1, K, D]
+        terms = (y * w[..., None]).to(x.dtype)  # each rounded once, as the combine's y.mul_(w)
+        out = terms[:, 0]
+        for k in range(1, terms.shape[1]):
+            out = out + terms[:, k]  # in router order, as its out.add_
+        return out
 
     def compiles(self) -> Optional[str]:
         return None
@@ -239,7 +263,7 @@ def resident_form(kernels: tuple, gate_up, down, packed=None, int8_stacks: Optio
         return Int8Stacks(kernels, *views, stacks=int8_stacks)
     if packed is not None:
         return Packed(kernels, *views, stacks=(gate_up, down), format=packed)
-    if kernels in ((PLAIN, PLAIN), (TILES, TILES)) and isinstance(gate_up, torch.Tensor):
+    if kernels in ((PLAIN, PLAIN), (ROWS, ROWS), (TILES, TILES)) and isinstance(gate_up, torch.Tensor):
         return Stacks(kernels, *views, stacks=(gate_up, down))
     return PerExpert(kernels, *views)
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from moekit import ops
 from moekit.model.expert_forms import ExpertsForm, Packed, Paged, Stacks, resident_form
-from moekit.model.linear import PLAIN, TILES, int8_kernel_for, kernel_for
+from moekit.model.linear import PLAIN, ROWS, TILES, int8_kernel_for, kernel_for
 from moekit.model.mlp import Activation
 from moekit.ops.torch_private import grouped_mm
 from moekit.model.routing import RoutingDecision
@@ -107,9 +107,11 @@ class RoutedExperts(nn.Module):
     def offloaded(self) -> bool:
         return self.gate_up is None
 
-    def prepare(self, kernels: bool = True) -> None:
+    def prepare(self, kernels: bool = True, operators: bool = False) -> None:
         """Lay every expert's weights out for their kernel (moekit.model.linear.kernel_for), one
-        expert at a time, dropping the stacks. kernels=False keeps the stacks (the plain kernel)."""
+        expert at a time, dropping the stacks. kernels=False keeps the stacks (the plain kernel);
+        so does the rows kernel (operators: the command loaded them), which the decode step reads
+        in place (moekit::experts_gemv)."""
         if isinstance(self.form, (Packed, Paged)):
             return  # laid out by keep_packed() from the checkpoint's bytes, or by the store as it loads each expert
         if self.form is not None:
@@ -117,9 +119,9 @@ class RoutedExperts(nn.Module):
         chosen = []
         for name in ("gate_up", "down"):
             stack = getattr(self, name).detach()
-            kernel = kernel_for(stack[0]) if kernels else PLAIN
+            kernel = kernel_for(stack[0], operators) if kernels else PLAIN
             chosen.append(kernel)
-            if kernel is PLAIN:
+            if kernel in (PLAIN, ROWS):
                 continue  # the stack already is that layout
             delattr(self, name)
             per_expert = [nn.Parameter(kernel.prepare(stack[e]), requires_grad=False) for e in range(len(stack))]

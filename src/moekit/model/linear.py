@@ -5,6 +5,14 @@ A Kernel is data: how to lay a Hub weight [out, in] out (`prepare`) and how to a
 (F.linear on the Hub layout) is what every kernel must equal — tests/model/test_linear.py checks it.
 
   plain       F.linear on [out, in]: the reference, and the fallback (CUDA, fp16, no oneDNN).
+  rows        fp32 and bf16 on CPU where the command loaded moekit's operators (`operators`: the
+              commands' `--kernels auto`): the Hub layout, moekit::rows_gemv on up to 16 rows (a
+              decode step's, an expert's share of a prompt), F.linear on more (moekit.ops.rows_gemv);
+              the decode step reads expert stacks in place with experts_gemv, the same floats. One
+              row from memory 2-3× F.linear and the transposed / oneDNN layouts at fp32 and bf16
+              (measured on one thread). Another summation order (~1e-7 relative at fp32). Chosen at
+              prepare time from what the command asked for, not from what this process has
+              registered: one command sums the same way in every process.
   transposed  fp32 on CPU: the weight stored [in, out] contiguous, x @ Wt. On one core MKL's one-row
               GEMM streams a cold weight faster the longer its contiguous rows are (measured; each row
               start seems to cost a prefetch ramp), so [in, out] when out ≥ in (2.4× F.linear on a
@@ -103,6 +111,7 @@ class Kernel:
 
 
 PLAIN = Kernel("plain", lambda w: w, linear_reference, layout=lambda w: w)
+ROWS = Kernel("rows", lambda w: w, ops.rows_gemv, layout=lambda w: w)
 TRANSPOSED = Kernel("transposed", _transpose, _apply_transposed, lambda w, in_features: w.t(), layout=lambda w: w.t())
 ONEDNN = Kernel("onednn", _pack, _apply_packed, _unpack)
 TILES = Kernel("tiles", ops.to_tiles, _apply_tiles, lambda w, in_features: ops.from_tiles(w))
@@ -155,16 +164,20 @@ def int8_kernel_for(weight: Tensor, dtype: torch.dtype) -> Kernel:
 
 # What each dtype runs on a CPU; anything missing here, and every other device, runs PLAIN.
 CPU_KERNELS: dict[torch.dtype, Kernel] = {torch.float32: TRANSPOSED, torch.bfloat16: ONEDNN}
+ROWS_DTYPES = (torch.float32, torch.bfloat16)  # the weights moekit::rows_gemv reads
 
 
 def _onednn_bf16() -> bool:
     return onednn_bf16_supported()
 
 
-def kernel_for(weight: Tensor) -> Kernel:
-    """The kernel a Hub-layout weight [out, in] should run with, by its device, dtype and shape."""
+def kernel_for(weight: Tensor, operators: bool = False) -> Kernel:
+    """The kernel a Hub-layout weight [out, in] should run with, by its device, dtype and shape, and
+    whether the command loaded moekit's operators (ROWS for fp32 and bf16 on CPU)."""
     if weight.device.type != "cpu":
         return PLAIN
+    if operators and weight.dtype in ROWS_DTYPES:
+        return ROWS
     kernel = CPU_KERNELS.get(weight.dtype, PLAIN)
     if kernel is ONEDNN and not _onednn_bf16():
         return PLAIN
@@ -210,8 +223,9 @@ class Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bias={bias}, kernel={self.kernel.name}"
 
 
-def prepare_linears(module: nn.Module) -> None:
-    """Prepare every Linear under `module`, each with the kernel its weight calls for."""
+def prepare_linears(module: nn.Module, operators: bool = False) -> None:
+    """Prepare every Linear under `module`, each with the kernel its weight calls for (operators:
+    whether the command loaded moekit's operators)."""
     for sub in module.modules():
         if isinstance(sub, Linear) and sub.kernel is PLAIN:
-            sub.prepare(kernel_for(sub.weight))
+            sub.prepare(kernel_for(sub.weight, operators))

@@ -11,13 +11,15 @@ the whole step as one graph (moekit.model.compiled_step) and the same code runs 
     copies the chosen experts: correct, not fast);
   - a uint8 weight is q8_0 blocks (`--weights int8`): moekit::rows_q8 / experts_q8, the eager int8
     kernel's own operators; a bf16 weight in the tiles layout (model.linear.TILES) rows_tiles.
-Run eagerly (Decoder.forward's T = 1 step without --compile), the products the compiled graph fuses
-are torch's own (F.linear; attention over the cache SDPA, `attend`; the small products one matmul
-each, `einsum`), and a weight laid out for an eager kernel (transposed, oneDNN, int4, MXFP4/FP8)
-runs that kernel, as the modules' forward does; moekit.model.combinations refuses to compile such a
-decoder. Eagerly each op costs a few µs of dispatch whatever its size, so the eager forms are the
-ones with the fewest ops per layer (issue 34: the eager step had been 7-13% slower than the
-modules' forward, measured).
+Run eagerly (Decoder.forward's T = 1 step without --compile), the projections and experts of a
+decoder prepared where the command loaded the operators (the ROWS kernel, chosen at prepare time:
+moekit.model.linear) are rows_gemv / experts_gemv too (one row from memory 2-3× F.linear, measured);
+the other products the compiled graph fuses are torch's own (F.linear for the PLAIN kernel; attention
+over the cache SDPA, `attend`; the small products one matmul each, `einsum`), and a weight laid out
+for an eager kernel (transposed, oneDNN, int4, MXFP4/FP8) runs that kernel, as the modules' forward
+does; moekit.model.combinations refuses to compile such a decoder. Eagerly each op costs a few µs of
+dispatch whatever its size, so the eager forms are the ones with the fewest ops per layer (issue 34:
+the eager step had been 7-13% slower than the modules' forward, measured).
 Legend: B rows (one token each), D hidden, E experts, K chosen, F expert width.
 """
 
@@ -29,24 +31,26 @@ from typing import Optional
 import torch
 
 from moekit import ops
-from moekit.model.linear import INT8, INT8_GEMV, PLAIN, TILES, Linear
+from moekit.model.linear import INT8, INT8_GEMV, PLAIN, ROWS, TILES, Kernel, Linear
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                tiles: bool = False) -> torch.Tensor:
-    """x [B, in], weight [out, in] (Hub layout) → [B, out]: eagerly F.linear; compiled,
-    moekit::rows_gemv where it is built (moekit.ops), else one row as a reduction, which Inductor vectorises over `in` and
-    parallelises over `out`, and more rows as a GEMM. A uint8 weight is q8_0 blocks (`--weights
-    int8`): moekit::rows_q8, the eager int8 kernel's own operator. tiles: a bf16 weight in the tiles
-    layout (lay_out_tiles), moekit::rows_tiles, the eager TILES kernel's own operator."""
-    if tiles:
+                kernel: Kernel = PLAIN) -> torch.Tensor:
+    """x [B, in], weight [out, in] (Hub layout) → [B, out] for the weight's kernel (PLAIN, ROWS,
+    TILES): eagerly the kernel's own product (F.linear, or moekit::rows_gemv where the command
+    loaded the operators: ROWS); compiled, rows_gemv where it is built (moekit.ops), else one row
+    as a reduction, which Inductor vectorises over `in` and parallelises over `out`, and more rows
+    as a GEMM. A uint8 weight is q8_0 blocks (`--weights int8`): moekit::rows_q8, the eager int8
+    kernel's own operator. TILES: a bf16 weight in the tiles layout (lay_out_tiles),
+    moekit::rows_tiles, the eager TILES kernel's own operator."""
+    if kernel is TILES:
         y = ops.op("moekit", "rows_tiles")(x, weight)
     elif weight.dtype == torch.uint8:
         y = op_for(weight, "rows_q8")(x, weight, grouped(ops.kind_of(weight)))
     elif not torch.compiler.is_compiling():
-        # Eagerly the PLAIN kernel's own product, whether or not this process happens to have the
-        # operators registered: an eager step must not sum differently by that.
-        return torch.nn.functional.linear(x, weight, bias)
+        # Eagerly the kernel's own product, whether or not this process happens to have the operators
+        # registered: an eager step sums as its command asked (moekit.model.linear.ROWS).
+        return kernel.apply(x, weight, bias)
     elif has_gemv():
         kind = ops.kind_of(weight)
         y = op_for(weight, "rows_gemv")(widened(x, kind), weight, grouped(kind)).to(x.dtype)
@@ -59,8 +63,8 @@ def project(m: Linear, x: torch.Tensor) -> torch.Tensor:
     """The Linear m on x [B, in]: the step's products for the layouts it reads (Hub, tiles, q8_0
     where the operators are loaded), else m's own kernel (an eager decoder's layouts)."""
     kernel = m.kernel
-    if kernel is PLAIN or kernel is TILES or (q8_operator(kernel) and has_gemv()):
-        return linear_rows(x, m.weight, m.bias, kernel is TILES)
+    if kernel is PLAIN or kernel is ROWS or kernel is TILES or (q8_operator(kernel) and has_gemv()):
+        return linear_rows(x, m.weight, m.bias, kernel)
     return kernel.apply(x, m.weight, m.bias)
 
 

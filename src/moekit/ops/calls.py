@@ -1,6 +1,8 @@
 """The operators as the model calls them eagerly: each takes the operator where this process has it
 registered and the shape is its, else the reference (moekit.ops.reference), with the same result up
-to the order of fp32 sums (bit for bit for argmax and the copy)."""
+to the order of fp32 sums (bit for bit for argmax and the copy); except rows_gemv / experts_gemv,
+the ROWS kernel's products, which a decoder runs only where its command loaded the operators (so
+what it sums does not depend on what else the process registered)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ from functools import lru_cache
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from moekit.ops import packed_layout, reference
 from moekit.ops.runtime import available, namespaces, op
-from moekit.ops.select import mean_time, operator_wins
+from moekit.ops.select import kind_of, mean_time, operator_wins, variant
 from moekit.ops.shims import C_ARGS, ShimTable, declaration
 
 GEMV_ROWS = 16  # x rows up to which the FP8 operator runs; more rows amortise a dequantized weight
@@ -48,6 +51,30 @@ def copy_into(out: Tensor, view: Tensor) -> Tensor:
         op("moekit", "transpose_into")(view.t(), out)
         return out
     return out.copy_(view)
+
+
+def rows_gemv(x: Tensor, w: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """x [.., in] · w [out, in]ᵀ + bias → [.., out] in x's dtype, for fp32 / bf16 weights in the Hub
+    layout as the ROWS kernel runs them (moekit.model.linear): moekit::rows_gemv of the build chosen
+    for w's kind (select.variant) on up to GEMV_ROWS rows, F.linear on more (a prompt's GEMM, where
+    the BLAS is faster). The rows are never widened to fp32 (select.widen_batch is the compiled
+    step's choice): each row's floats are then a lone row's whatever rows are beside it (tests/ops),
+    so an expert's output is the same alone, in a batch, in the expert-parallel layer and through
+    experts_gemv below. Called only where the command loaded the operators."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not 0 < x2.shape[0] <= GEMV_ROWS:
+        return F.linear(x, w, bias)
+    choice = variant(kind_of(w))
+    y = op(choice.namespace, "rows_gemv")(x2, w, choice.grouped)
+    return (y if bias is None else y + bias).view(*x.shape[:-1], w.shape[0])
+
+
+def experts_gemv(x: Tensor, stack: Tensor, ids: Tensor) -> Tensor:
+    """x [B, 1 or K, in] through the chosen experts ids [B, K] of a stack [E, out, in] (fp32 / bf16,
+    the Hub layout) → [B, K, out] in x's dtype, read in place: moekit::experts_gemv as the ROWS kernel
+    runs it eagerly, each (row, expert) product rows_gemv's above bit for bit (never widened)."""
+    choice = variant(kind_of(stack))
+    return op(choice.namespace, "experts_gemv")(x, stack, ids, choice.grouped)
 
 
 def _packed_fits(x2: Tensor, packed: Tensor, name: str, rows: int) -> bool:

@@ -41,9 +41,10 @@ class Loaded:
 
 def operators_used(compile_step: bool, weights: str, dtype: str, paged: bool, packed: bool = False) -> bool:
     """Whether a run with these options uses the operators: the compiled step, int8 weights (any
-    `--weights` but "dtype"), MXFP4 / FP8 experts kept packed, or the expert store at fp32 (`paged`),
-    whose misses they lay out. An eager dense run never loads them (its products are torch's)."""
-    return compile_step or weights != "dtype" or packed or (paged and dtype == "float32")
+    `--weights` but "dtype"), MXFP4 / FP8 experts kept packed, or fp32 / bf16 weights: the eager
+    step's products (moekit.model.linear.ROWS), and at fp32 the expert store's misses (`paged`),
+    which they lay out. Only an eager run at another dtype (fp16) never loads them."""
+    return compile_step or weights != "dtype" or packed or dtype in ("float32", "bfloat16")
 
 
 @lru_cache(maxsize=None)

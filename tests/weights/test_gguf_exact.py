@@ -73,7 +73,9 @@ def test_transformers_reads_the_same_gguf(wide, wide_q8_0):
     folder, gguf = wide[0], wide_q8_0
     want_logits, want_tokens = reference_run(transformers_reference(folder, gguf))
     engine = load_engine(gguf, compile=False)
-    torch.testing.assert_close(last_logits(engine), want_logits, rtol=0, atol=1e-5)
+    # 1e-4, the project's bound between two summation orders of the same fp32 products (the eager
+    # step's row operator and transformers' GEMM; 1.0e-5 apart on one of 2,400 logits, measured).
+    torch.testing.assert_close(last_logits(engine), want_logits, rtol=0, atol=1e-4)
     assert greedy(engine) == want_tokens
 
 

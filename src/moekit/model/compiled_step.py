@@ -63,7 +63,8 @@ from moekit.model.moe import MoE
 from moekit.model import saved_graphs
 from moekit.model.step_ops import (CONSTANT_WHILE_TRACING, _namespace, _widen_batch, grouped, has_attend, has_gemv,
                                    has_latent_attend)
-from moekit.ops.torch_private import assume_constant_result, compile_fx, mark_dynamic, serializable_compile
+from moekit.ops.torch_private import (assume_constant_result, compile_fx, inductor_options, mark_dynamic,
+                                      serializable_compile)
 
 for _fn in CONSTANT_WHILE_TRACING:  # the kernel choices: constants in the graph (step_ops says why here)
     assume_constant_result(_fn)
@@ -209,6 +210,12 @@ class CompiledStep:
         # parameters' modules on every call cost ~0.7 ms a step here, and nothing replaces a module or
         # a parameter of a compiled decoder (a hot swap writes into the expert stacks in place).
         self._inductor = {"cpp_wrapper": cpp_wrapper}
+        if has_gemv():
+            # Inductor checks each vector ISA this CPU lists by building and loading a test library in a
+            # child Python (~0.85 s a process here, measured: half of loading a saved graph). Where moekit's
+            # own -march=native operators loaded, this machine's compiler and OS already build and run
+            # them, so the CPU's flags are taken as they are.
+            self._inductor["cpp.vec_isa_ok"] = True
         if cpp_wrapper:  # the C++ calls the operators' C entry points, not the boxed dispatcher
             self._inductor["aot_inductor.custom_ops_to_c_shims"] = ops.c_shims()
         # Inductor compiles each graph through _Recorder, which hands it to _record to keep how to call it
@@ -221,7 +228,8 @@ class CompiledStep:
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
-        self._constants = saved_graphs.step_constants(trace_constants(cpp_wrapper), decoder)
+        self._load_options = {k: v for k, v in self._inductor.items() if k == "cpp.vec_isa_ok"}
+        self._constants = saved_graphs.step_constants({**trace_constants(cpp_wrapper), **self._load_options}, decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -261,7 +269,7 @@ class CompiledStep:
             self._saved.remove(record)
             named = named_held(self.decoder) if named is None else named
             try:
-                with compiling_into(self.cache_folder):
+                with compiling_into(self.cache_folder), inductor_options(self._load_options):
                     graph = saved_graphs.load(record, named)
             except Exception:  # noqa: BLE001 — a stale or damaged cache entry: trace instead
                 graph = None

@@ -114,3 +114,13 @@ def deserialize_compiled(data: bytes):
     from torch._dynamo.aot_compile_types import BundledAOTAutogradSerializableCallable as Bundled
 
     return Bundled.deserialize_compile_artifacts(data)
+
+
+def inductor_options(options: dict):
+    """A context in which Inductor's config has `options` (its dotted names: "cpp.vec_isa_ok"): for
+    loading a saved graph under the options it was compiled with (moekit.model.saved_graphs). Why
+    private: torch._inductor.config is Inductor's own module. Replace with: a public options argument
+    on loading compiled artefacts."""
+    from torch._inductor import config
+
+    return config.patch(options)

@@ -1,6 +1,6 @@
 """The server's threads on the cores (moekit.serve.threads): the engine runs the torch threads asked
-for, an idle server does not spin, and once the HTTP thread is seated torch's idle OpenMP threads
-sleep between parallel regions instead of spinning through the Python between them."""
+for, an idle server does not spin, and once the HTTP thread is seated (`serve --share-cores`) torch's
+idle OpenMP threads sleep between parallel regions instead of spinning through the Python between them."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def test_idle_torch_threads_sleep_between_regions_once_the_http_thread_is_seated
 
 @pytest.fixture(scope="module")
 def two_thread_server():
-    server = start_server("--max-batch", "4", threads=2)
+    server = start_server("--max-batch", "4", "--share-cores", threads=2)
     yield server
     assert server.stop() == 0
 

@@ -123,9 +123,11 @@ def serve(
         DEFAULT_PREFIX_MEMORY, "--prefix-cache-memory", help="Memory for the KV of prompt prefixes reused across "
         "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
     threads: Optional[int] = typer.Option(
-        None, "--threads", help="torch threads for the model's arithmetic, on the engine thread. Default: one per core. "
-        "The HTTP thread counts as an OpenMP thread too: when they outnumber the cores, idle torch threads sleep "
-        "between parallel regions instead of spinning (spinning stalled every step on a busy machine)."),
+        None, "--threads", help="torch threads for the model's arithmetic, on the engine thread. Default: one per core."),
+    share_cores: bool = typer.Option(
+        False, "--share-cores", help="For a machine whose cores other work also uses: idle torch threads sleep "
+        "between parallel regions instead of spinning (the HTTP thread is counted as an OpenMP thread). On 2 busy "
+        "cores with --threads 2 it turned 4-7 tok/s into 33-38; on idle cores it costs ~30% (docs/BENCHMARKS.md, Serving)."),
     grace: float = typer.Option(30.0, "--grace", help="Seconds SIGTERM waits for running requests before stopping."),
     max_body: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body accepted (413 beyond)."),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn's log level: warning, info, debug."),
@@ -203,6 +205,7 @@ def serve(
         max_body_bytes=max_body,
         offload=offload,
         threads=threads,
+        share_cores=share_cores,
         admin_token=admin_token,
         verify=not no_verify,
         compile=compiled,

@@ -56,6 +56,7 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     offload: Optional[object] = None  # moekit.offload.options.OffloadOptions
     threads: Optional[int] = None
+    share_cores: bool = False  # idle torch threads sleep between regions (moekit.serve.threads): --share-cores
     admin_token: Optional[str] = None  # enables the hot-swap routes (moekit.serve.admin)
     verify: bool = True  # check the weights against moekit-experts.json as they load (--no-verify: False)
     compile: bool = True  # decode steps as one compiled graph (the default; --eager: False; moekit.model.compiled_step)
@@ -113,8 +114,8 @@ class ServerState:
 
         cfg = self.config
         self.threads = engine_threads(cfg.threads)
-        # Idle torch threads then sleep, not spin, when they and the HTTP thread outnumber the cores.
-        seat_http_thread(self.stop, self.threads)
+        if cfg.share_cores:  # idle torch threads then sleep, not spin, when they and the HTTP thread outnumber the cores
+            seat_http_thread(self.stop, self.threads)
         if cfg.backend is not None:
             engine = cfg.backend.load(cfg)
         else:

@@ -19,20 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from test_compile_cache import _step_logits
 
 from moekit.engine.loader import load_engine
 from moekit.model import saved_graphs
 from moekit.model.compiled_step import CompiledStep
 from moekit.model.direct_graph import named_held
-
-
-def _logits(decoder, step) -> torch.Tensor:
-    """Prefill 3 tokens eagerly, then 2 compiled steps: their logits [1, 2, V]."""
-    decoder.compiled = step
-    cache = decoder.new_cache(1, 8)
-    with torch.inference_mode():
-        decoder(torch.tensor([[5, 9, 33]]), cache, torch.tensor([[0, 1, 2]]))
-        return torch.cat([decoder(torch.tensor([[t]]), cache, torch.tensor([[3 + s]])) for s, t in enumerate((7, 81))], 1)
 
 
 def _records(step) -> list:
@@ -44,7 +36,7 @@ def compiled_once(tiny_checkpoints, tmp_path):
     """A decoder, the first step compiled into tmp_path (its graph saved there), and its logits."""
     decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
     first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    want = _logits(decoder, first)
+    want = _step_logits(decoder, first)
     assert first.loaded_graphs == 0 and len(_records(first)) == 1
     return decoder, first, want
 
@@ -52,11 +44,11 @@ def compiled_once(tiny_checkpoints, tmp_path):
 def test_a_later_step_loads_the_saved_graph_instead_of_tracing(compiled_once, tmp_path):
     decoder, first, want = compiled_once
     second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    got = _logits(decoder, second)
+    got = _step_logits(decoder, second)
     assert second.loaded_graphs == 1 and second.direct_steps == 2  # no step went through Dynamo
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     decoder.compiled = None
-    torch.testing.assert_close(_logits(decoder, None), want, rtol=0, atol=1e-4)  # the eager reference
+    torch.testing.assert_close(_step_logits(decoder, None), want, rtol=0, atol=1e-4)  # the eager reference
 
 
 def test_another_process_runs_the_saved_graph_with_the_same_logits(tiny_checkpoints, tmp_path):
@@ -67,13 +59,13 @@ def test_another_process_runs_the_saved_graph_with_the_same_logits(tiny_checkpoi
         from pathlib import Path
         from safetensors.torch import load_file, save_file
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from test_saved_graphs import _logits
+        from test_compile_cache import _step_logits
         from moekit.engine.loader import load_engine
         from moekit.model.compiled_step import CompiledStep
         torch.set_num_threads(1)
         decoder = load_engine({str(tiny_checkpoints("qwen3_moe"))!r}, compile=True).decoder
         step = CompiledStep(decoder, cpp_wrapper=False, cache=Path({str(tmp_path)!r}))
-        got = _logits(decoder, step)
+        got = _step_logits(decoder, step)
         want = Path({str(tmp_path / "first.safetensors")!r})
         if want.exists():
             torch.testing.assert_close(got, load_file(want)["logits"], rtol=0, atol=0)
@@ -95,7 +87,7 @@ def test_a_record_made_under_other_constants_is_not_used(compiled_once, tmp_path
     torch.set_num_threads(threads + 1)  # Inductor's generated loops were written for the first count
     try:
         second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-        got = _logits(decoder, second)
+        got = _step_logits(decoder, second)
     finally:
         torch.set_num_threads(threads)
     assert second.loaded_graphs == 0 and len(_records(second)) == 2  # traced, and saved under its own
@@ -108,11 +100,11 @@ def test_a_damaged_record_is_passed_over_and_the_step_traces(compiled_once, tmp_
     artefact = record.with_suffix(".bin")
     artefact.write_bytes(artefact.read_bytes()[:100])  # cut short
     second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    torch.testing.assert_close(_logits(decoder, second), want, rtol=0, atol=0)
+    torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
     assert second.loaded_graphs == 0
     record.write_text("{not json")
     third = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    assert third._saved == [] and torch.equal(_logits(decoder, third), want)
+    assert third._saved == [] and torch.equal(_step_logits(decoder, third), want)
 
 
 def test_a_held_tensor_that_differs_keeps_the_record_from_loading(compiled_once, tmp_path):
@@ -159,8 +151,8 @@ def test_a_model_of_the_same_shape_with_other_constants_does_not_get_the_graph(c
     decoder2 = load_engine(other, compile=True).decoder
     second = CompiledStep(decoder2, cpp_wrapper=False, cache=tmp_path)
     assert second.cache_folder == first.cache_folder  # the key sees shapes: the records must tell them apart
-    got = _logits(decoder2, second)
+    got = _step_logits(decoder2, second)
     assert second.loaded_graphs == 0
     decoder2.compiled = None
-    torch.testing.assert_close(got, _logits(decoder2, None), rtol=0, atol=1e-4)
+    torch.testing.assert_close(got, _step_logits(decoder2, None), rtol=0, atol=1e-4)
     assert not torch.allclose(got, want, atol=1e-3)

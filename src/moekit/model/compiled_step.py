@@ -194,9 +194,6 @@ class CompiledStep:
         self.decoder = decoder
         lay_out_tiles(decoder)  # an AMX machine's bf16 weights, once, before tracing reads their kernels
         self.moe_layers = [i for i, block in enumerate(decoder.layers) if isinstance(block.ffn, MoE)]
-        for kind in ops.KINDS:  # the operators are the command's to load (moekit.ops.load); where not, the reductions
-            ops.variant(kind)  # chosen now (measured once per machine), not while Dynamo traces
-            ops.widen_batch(kind)
         self._tables = None  # (the rope's cos table it was copied from, cos, sin_signed)
         self._marked = None  # a weak reference to the cache stack last marked (_held)
         # Sizes that change from call to call are marked dynamic (_mark_step, _mark_held): one graph
@@ -229,6 +226,8 @@ class CompiledStep:
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
         self._load_options = {k: v for k, v in self._inductor.items() if k == "cpp.vec_isa_ok"}
+        # trace_constants also makes each kind's kernel choice now (measured once per machine), not while
+        # Dynamo traces; the operators are the command's to load (moekit.ops.load), where not, the reductions.
         self._constants = saved_graphs.step_constants({**trace_constants(cpp_wrapper), **self._load_options}, decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced

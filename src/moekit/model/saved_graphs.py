@@ -57,12 +57,13 @@ class SavedGraph:
     guard_source: Optional[str]
 
     def __post_init__(self):
-        object.__setattr__(self, "_guards", compile_guards(self.guard_source))
+        # The graph's checks without its compiled code: DirectGraph.accepts runs them.
+        object.__setattr__(self, "_checks", DirectGraph(None, (), compile_guards(self.guard_source),
+                                                        tuple(_decode_kind(k) for k in self.kinds), self.guard_source))
 
     def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
-        """Whether inputs pass this graph's kinds and shape guards (DirectGraph.accepts' check)."""
-        probe = DirectGraph(None, (), self._guards, tuple(_decode_kind(k) for k in self.kinds))
-        return probe.accepts(inputs)
+        """Whether inputs pass this graph's kinds and shape guards, before its code is loaded."""
+        return self._checks.accepts(inputs)
 
 
 def step_constants(values: dict, decoder: torch.nn.Module) -> dict:
@@ -177,8 +178,8 @@ def load(graph: SavedGraph, named: dict[str, torch.Tensor]) -> Optional[DirectGr
             kind, index, dim = row
             sources.append(Source(kind, index=index, dim=dim))
     run = deserialize_compiled(graph.artefact.read_bytes())
-    return DirectGraph(run, tuple(sources), compile_guards(graph.guard_source),
-                       tuple(_decode_kind(k) for k in graph.kinds), graph.guard_source)
+    checks = graph._checks
+    return DirectGraph(run, tuple(sources), checks.guards, checks.kinds, checks.guard_source)
 
 
 def _encode_kind(kind: tuple) -> list:

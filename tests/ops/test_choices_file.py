@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
-from moekit.ops.select import read_choices, remembered
+import pytest
+
+from moekit.ops.select import LOADS, busy, busy_choices, choices_path, forget_choices, read_choices, remembered
 
 
 def test_two_measuring_at_once_keep_the_first_ones_answer(tmp_path):
@@ -26,5 +30,24 @@ def test_two_measuring_at_once_keep_the_first_ones_answer(tmp_path):
     for t in threads:
         t.join(10)
     assert calls == ["first"] and answers == ["first", "first"]
-    assert read_choices(tmp_path) == {"k threads=1": "first"}
+    assert {k: v for k, v in read_choices(tmp_path).items() if k != LOADS} == {"k threads=1": "first"}
     assert remembered("k threads=1", measure("third"), tmp_path) == "first" and calls == ["first"]
+
+
+def test_a_choice_keeps_the_load_it_was_measured_at_and_busy_ones_are_named(tmp_path):
+    remembered("k threads=1", lambda: "first", tmp_path)
+    loads = read_choices(tmp_path)[LOADS]
+    assert set(loads) == {"k threads=1"} and loads["k threads=1"] == pytest.approx(os.getloadavg()[0], abs=2)
+    assert busy(2.5, 2) and not busy(1.9, 2)
+    data = {**read_choices(tmp_path), LOADS: {"k threads=1": 9.5}}
+    choices_path(tmp_path).write_text(json.dumps(data))
+    assert busy_choices(tmp_path, cpus=2) == {"k threads=1": 9.5} and busy_choices(tmp_path, cpus=16) == {}
+
+
+def test_forgotten_choices_are_measured_again(tmp_path):
+    assert forget_choices(tmp_path) == 0  # nothing measured yet
+    remembered("k threads=1", lambda: "first", tmp_path)
+    remembered("j threads=1", lambda: "other", tmp_path)
+    assert forget_choices(tmp_path) == 2 and read_choices(tmp_path) == {}
+    assert remembered("k threads=1", lambda: "second", tmp_path) == "second"
+    assert set(read_choices(tmp_path)) == {"k threads=1", LOADS}

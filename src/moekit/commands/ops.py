@@ -16,7 +16,10 @@ app = typer.Typer(help="Build moekit's C++ operators ahead of time, and show wha
 
 BUILD_HELP = """Build this machine's variants of the operators (the native one, and an AVX2 one beside it on an AVX-512 CPU) into the cache, then measure and keep the kernel choice for each kind of weight.
 
+Each choice is timed once and kept for every later process; one timed while other work shared the cores can be the slower kernel on an idle machine (`moekit ops status` flags it): --remeasure times them all again, best on an idle machine.
+
   moekit ops build
+  moekit ops build --remeasure
 """
 STATUS_HELP = """Show torch's version, this CPU's flags, each build (its folder, or the log of a failed one) and the kernel each kind of weight uses here.
 
@@ -38,11 +41,20 @@ def build(
     portable: bool = typer.Option(
         False, "--portable", help="Also build the portable variant (x86-64 without vector extensions), which no run uses: the test suite checks the portable code paths with it."
     ),
+    remeasure: bool = typer.Option(
+        False, "--remeasure", help="Forget the kernel choices measured before and time them again (run it on an idle machine)."
+    ),
 ) -> None:
     from moekit import ops
     from moekit.commands.operators_notice import BUILDING
     from moekit.ops.build import SCALAR, build as build_variant
 
+    from moekit.ops.select import forget_choices
+
+    if remeasure:
+        if cache is not None or cflags:
+            raise MoekitError("--remeasure applies to the default cache's builds (choices are kept only there)")
+        typer.echo(f"forgot {forget_choices()} kernel choices; measuring again", err=True)
     typer.echo(f"note: {BUILDING}...", err=True)
     loaded = ops.load(_cache(cache), tuple(cflags))
     if not loaded.ok:
@@ -59,6 +71,21 @@ def build(
     if cache is None and not cflags:  # choices are kept beside the default cache's builds
         for kind, choice in ops.chosen().items():
             typer.echo(f"{kind}: {choice}")
+        _warn_busy(_cache(cache))
+
+
+def _warn_busy(cache: Path) -> None:
+    """One warning line where a kept choice was timed on a busy machine."""
+    import os
+
+    from moekit.ops.select import busy_choices
+
+    busy = busy_choices(cache)
+    if busy:
+        worst = max(busy.values())
+        typer.echo(f"warning: {len(busy)} kernel choice(s) were measured while the machine was busy (load average up to "
+                   f"{worst:g} on {os.cpu_count()} CPUs) and may be the slower kernel on an idle machine: "
+                   "run `moekit ops build --remeasure` when it is idle", err=True)
 
 
 def status_report(cache: Path) -> dict:
@@ -66,7 +93,7 @@ def status_report(cache: Path) -> dict:
     import torch
 
     from moekit.ops import build as builds
-    from moekit.ops.select import choices_path, read_choices
+    from moekit.ops.select import LOADS, choices_path, read_choices
 
     variants = []
     for v in builds.machine_variants():
@@ -82,7 +109,8 @@ def status_report(cache: Path) -> dict:
         "key": builds.build_key(builds.NATIVE),
         "variants": variants,
         "choices_file": str(choices_path(cache)),
-        "choices": read_choices(cache),
+        "choices": {k: v for k, v in read_choices(cache).items() if k != LOADS},
+        "measured_at_load": read_choices(cache).get(LOADS, {}),
     }
 
 
@@ -107,5 +135,8 @@ def status(
         typer.echo(f"{v['namespace']} ({' '.join(v['flags'])}): {state}")
     if not report["choices"]:
         typer.echo("kernel choices: none measured yet (a run that uses the operators measures them once)")
+    loads = report["measured_at_load"]
     for key, value in sorted(report["choices"].items()):
-        typer.echo(f"kernel choice: {key} → {value}")
+        when = f" (measured at load average {loads[key]:g})" if key in loads else ""
+        typer.echo(f"kernel choice: {key} → {value}{when}")
+    _warn_busy(_cache(cache))

@@ -69,26 +69,74 @@ def read_choices(cache: Path = builds.DEFAULT_CACHE) -> dict:
         return {}
 
 
+LOADS = "load average when measured"  # the choices file's one key that is not a choice: key → load
+
+
 def remembered(key: str, measure: Callable[[], Any], cache: Path = builds.DEFAULT_CACHE) -> Any:
     """The persisted value of key, or measure() persisted under it. One process measures at a time
     (a lock file beside the choices): two processes that measured at once could each keep their own
     answer, run different kernels and sum in different orders, so the second waits and reads the
-    first's. The file is replaced atomically, the other keys kept."""
+    first's. The file is replaced atomically, the other keys kept. The machine's load average when
+    the measuring began is kept beside (LOADS): a choice timed on a busy machine can be the wrong
+    one on an idle one (busy_choices, `moekit ops build --remeasure`)."""
     known = read_choices(cache)
     if key in known:
         return known[key]
     path = choices_path(cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    with _locked(path):
         known = read_choices(cache)
         if key in known:  # measured by another process while this one waited
             return known[key]
+        load = round(os.getloadavg()[0], 2)
         value = measure()
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
-            json.dump({**known, key: value}, f, indent=1, sort_keys=True)
-        os.replace(f.name, path)
+        loads = {**known.get(LOADS, {}), key: load}
+        _write(path, {**known, key: value, LOADS: loads})
     return value
+
+
+def _locked(path: Path):
+    """An exclusive lock beside the choices file, held while the returned context is open."""
+    class Lock:
+        def __enter__(self):
+            self.file = open(path.with_suffix(".lock"), "w")
+            fcntl.flock(self.file, fcntl.LOCK_EX)
+
+        def __exit__(self, *exc):
+            self.file.close()  # closing releases the lock
+    return Lock()
+
+
+def _write(path: Path, data: dict) -> None:
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(f.name, path)
+
+
+def busy(load: float, cpus: int) -> bool:
+    """Whether a load average means other work shared the cores: more runnable threads than this
+    machine has cores, before the measuring process's own."""
+    return load > cpus
+
+
+def busy_choices(cache: Path = builds.DEFAULT_CACHE, cpus: int | None = None) -> dict[str, float]:
+    """key → load average of the choices that were measured while the machine was busy."""
+    cpus = cpus or os.cpu_count() or 1
+    return {k: v for k, v in read_choices(cache).get(LOADS, {}).items() if busy(v, cpus)}
+
+
+def forget_choices(cache: Path = builds.DEFAULT_CACHE) -> int:
+    """Remove every persisted choice (under the lock), so that the next use measures each again;
+    how many there were. Later processes then take the new choices: kernels that sum in another
+    order give other floats, so a saved compiled graph records the choices it was traced with and
+    is not reused across a change (moekit.model.saved_graphs)."""
+    path = choices_path(cache)
+    if not path.exists():
+        return 0
+    with _locked(path):
+        count = len([k for k in read_choices(cache) if k != LOADS])
+        path.unlink(missing_ok=True)
+    return count
 
 
 def _key(what: str) -> str:

@@ -206,3 +206,31 @@ def test_parallel_reads_give_the_serial_reads_tokens_and_hits(qwen, budget, read
     assert parallel[:2] == serial[:2] == _ids(qwen)[:2]
     for name in ("accesses", "hit_rate", "decode_hit_rate", "loads", "disk_bytes"):
         assert parallel[2][name] == serial[2][name], name
+
+
+def _singles_and_slots(folder, options):
+    """Each prompt alone through one paged engine: (token ids, store stats, whether every slot is
+    held again, by an expert or as a spare, and no more memory than the slots)."""
+    engine = load_engine(folder, offload=options, compile=False)
+    try:
+        single = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).token_ids[0] for p in PROMPTS]
+        slots_back = True
+        for store in engine.store.layers.values():
+            held = [w[0].data_ptr() for w in store._spare] + [f.result()[0].data_ptr() for f in store._weights.values()]
+            slots_back &= bool(store._slot_ptrs) and store._slot_ptrs <= set(held) and len(held) <= store._slot_count
+        return single, engine.store.stats(), slots_back
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prompt_read_ahead_wider_than_the_slots_runs_evicted_experts_on_their_own_weights(qwen, policy):
+    """At the minimum budget (2 slots) a 7-token prompt needs up to 8 experts and a read-ahead of 3
+    walks 4 at a time, so the walk evicts experts it has read but not run yet: they run on what was
+    read for them, and the memory goes back to the slots when the forward ends."""
+    tokens, stats, slots_back = _singles_and_slots(qwen, OffloadOptions("25%", policy=policy, read_ahead=3))
+    serial, serial_stats, _ = _singles_and_slots(qwen, OffloadOptions("25%", policy=policy, read_ahead=0))
+    assert stats["slots_per_layer"] == 2 and slots_back
+    assert tokens == serial == _ids(qwen)[0]
+    for name in ("accesses", "hit_rate", "loads", "disk_bytes"):
+        assert stats[name] == serial_stats[name], name

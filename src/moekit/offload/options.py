@@ -20,8 +20,9 @@ class OffloadOptions:
     prefetch: bool = False
     prefetch_extra: int = 4  # experts guessed per token beyond its K: recall 87% on the demo model
     workers: int = 2  # threads reading experts from disk
-    # Misses read on the workers in parallel and behind the compute: one token starts all its
-    # misses at once; a prompt keeps this many reads under way ahead of the expert running.
+    # Misses read on the workers in parallel and behind the compute: a forward whose experts fit
+    # the slots starts all its misses at once; a longer prompt keeps this many reads under way
+    # ahead of the expert running.
     # 0 reads each miss inline, one after another (the reference; the same tokens either way).
     read_ahead: int = 2
     substitute: Optional[str] = None  # "int4": a miss runs the expert's resident int4 copy (offload/substitute.py)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moekit.errors import MoekitError
-from moekit.offload.budget import parse_budget, parse_size, plan_slots
+from moekit.offload.budget import parse_budget, parse_size, plan_slots, predicted_hit_rate, split_slots
 
 TOTAL = 64 * 2**30  # 64 GiB of routed experts
 
@@ -110,3 +110,30 @@ def test_parse_size_takes_sizes_and_zero(text, size):
 def test_parse_size_refuses_shares_and_nonsense(text, message):
     with pytest.raises(MoekitError, match=message):
         parse_size(text, "--prefix-cache-memory")
+
+
+def test_a_split_moves_slots_from_a_layer_whose_uses_crowd_to_one_whose_uses_spread():
+    crowded = [100, 90, 5, 3, 1, 1, 0, 0]  # two experts take 95% of the uses
+    spread = [20, 19, 18, 17, 16, 15, 14, 13]
+    split = split_slots({0: crowded, 1: spread}, slots=4, low=2)
+    assert split == {0: 2, 1: 6}
+    equal = sum(predicted_hit_rate(row, 4) for row in (crowded, spread))
+    assert predicted_hit_rate(crowded, 2) + predicted_hit_rate(spread, 6) > equal
+
+
+def test_alike_layers_split_equally_and_unmeasured_layers_count_as_uniform():
+    assert split_slots({0: [5, 3, 1, 0], 1: [5, 3, 1, 0], 2: [1, 3, 0, 5]}, slots=2, low=1) == {0: 2, 1: 2, 2: 2}
+    assert split_slots({0: [0, 0, 0, 0], 1: [0, 0, 0, 0]}, slots=3, low=2) == {0: 3, 1: 3}
+
+
+@given(
+    counts=st.lists(st.lists(st.integers(0, 1000), min_size=8, max_size=8), min_size=1, max_size=6),
+    slots=st.integers(2, 8),
+)
+def test_a_split_keeps_the_total_and_the_bounds_and_never_predicts_fewer_hits(counts, slots):
+    rows = dict(enumerate(counts))
+    split = split_slots(rows, slots=slots, low=2)
+    assert sum(split.values()) == slots * len(rows)
+    assert all(2 <= n <= 8 for n in split.values())
+    hits = sum(predicted_hit_rate(rows[l], n) for l, n in split.items())
+    assert hits >= sum(predicted_hit_rate(row, slots) for row in rows.values()) - 1e-9

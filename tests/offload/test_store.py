@@ -234,3 +234,38 @@ def test_a_prompt_read_ahead_wider_than_the_slots_runs_evicted_experts_on_their_
     assert tokens == serial == _ids(qwen)[0]
     for name in ("accesses", "hit_rate", "loads", "disk_bytes"):
         assert stats[name] == serial_stats[name], name
+
+
+@pytest.mark.parametrize("budget", ["25%", "50%"])
+@pytest.mark.parametrize("measured", ["run", "crowded first layer"])
+def test_a_budget_split_by_a_profile_gives_each_layer_its_measured_share_and_the_resident_tokens(
+        qwen, tmp_path, budget, measured):
+    from moekit.offload.budget import split_slots
+    from moekit.offload.pins import model_identity, profile_document
+    from moekit.spec import load_spec
+
+    doc, profile = _pin_profile(qwen, tmp_path)
+    if measured == "crowded first layer":  # layer 0's uses on two experts, layer 1's spread: slots move to 1
+        counts = {0: [50, 40, 1, 1, 0, 0, 0, 0], 1: [9, 9, 8, 8, 8, 7, 7, 7]}
+        doc = profile_document(model_identity(qwen, load_spec(qwen)), counts, top=2, workload={})
+        profile.write_text(json.dumps(doc))
+    single, batch, stats = _ids(qwen, OffloadOptions(budget, split=profile))
+    assert (single, batch) == _ids(qwen)[:2]
+    counts = {int(l): row for l, row in doc["counts"].items()}
+    want = split_slots(counts, stats["slots_per_layer"], low=2)
+    assert stats["slots_by_layer"] == {str(l): n for l, n in want.items()}
+    assert sum(want.values()) == stats["slots_per_layer"] * len(counts)
+    if measured == "crowded first layer" and budget == "50%":  # at 25% both layers hold the minimum, K = 2
+        assert want == {0: 2, 1: 6}
+
+
+def test_a_split_profile_for_another_model_is_refused(qwen, tmp_path):
+    other = write_checkpoint("qwen3_moe", tmp_path / "other", seed=1, num_experts=16)
+    from moekit.offload.pins import model_identity, profile_document
+    from moekit.spec import load_spec
+
+    doc = profile_document(model_identity(other, load_spec(other)), {0: [1] * 16, 1: [1] * 16}, top=2, workload={})
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps(doc))
+    with pytest.raises(MoekitError, match="profile was made for another model"):
+        load_engine(qwen, offload=OffloadOptions("50%", split=profile), compile=False)

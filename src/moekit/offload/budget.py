@@ -118,3 +118,38 @@ def plan_slots(
         fully_resident=slots == num_experts,
         clamped=budget_bytes > (num_experts * per_slot if total_bytes is None else total_bytes),
     )
+
+
+def split_slots(counts: dict[int, list[int]], slots: int, low: int) -> dict[int, int]:
+    """`slots` × layers split by measured use (a profile's per-layer expert counts), rather than
+    `slots` each: a layer whose uses crowd on a few experts gains little from more slots, a layer
+    that spreads them gains more. Under the model that each use is drawn from the layer's measured
+    shares, a layer holding its s most used experts hits sum(top s shares) of its uses; each slot
+    goes, one at a time, where the next expert's share is the largest (ties: the layer with fewer
+    slots, then the lower), so
+    the split maximizes the summed hit rate. Every layer keeps at least `low` (top-k), at most its
+    experts. A layer with no uses measured counts as uniform (every share equal). No torch here."""
+    if not counts:
+        return {}
+    total = slots * len(counts)
+    shares = {}
+    for layer, row in counts.items():
+        uses = sum(row)
+        ranked = sorted(row, reverse=True)
+        shares[layer] = [c / uses for c in ranked] if uses else [1 / len(row)] * len(row)
+    out = {layer: min(low, len(row)) for layer, row in shares.items()}
+    left = total - sum(out.values())
+    while left > 0:
+        open_ = [l for l in sorted(shares) if out[l] < len(shares[l])]
+        if not open_:
+            break
+        best = max(open_, key=lambda l: (shares[l][out[l]], -out[l], -l))
+        out[best] += 1
+        left -= 1
+    return out
+
+
+def predicted_hit_rate(counts: list[int], slots: int) -> float:
+    """The share of a layer's measured uses that its `slots` most used experts cover."""
+    uses = sum(counts)
+    return sum(sorted(counts, reverse=True)[:slots]) / uses if uses else min(1.0, slots / len(counts))

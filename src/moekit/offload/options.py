@@ -25,4 +25,7 @@ class OffloadOptions:
     # ahead of the expert running.
     # 0 reads each miss inline, one after another (the reference; the same tokens either way).
     read_ahead: int = 2
+    # A profile from `moekit profile`: the budget's slots are split across layers by its measured
+    # uses (more where a layer's uses spread over many experts) instead of equally.
+    split: Optional[Path] = None
     substitute: Optional[str] = None  # "int4": a miss runs the expert's resident int4 copy (offload/substitute.py)

@@ -426,6 +426,7 @@ class ExpertStore:
     substitute: str = ""  # "int4": every expert's stand-in resident (moekit.offload.substitute)
     substitute_bytes: int = 0  # what the stand-ins hold, beyond the budget
     overlay: Optional[object] = None  # moekit.offload.overlay.ExpertOverlay: hot-swapped experts' files
+    slots_by_layer: Optional[dict[int, int]] = None  # --expert-split: each layer's slots (else `slots` each)
 
     def expert_nbytes(self, layer: int, e: int) -> int:
         """Bytes expert e of `layer` holds once loaded (what a token that uses it reads)."""
@@ -445,7 +446,8 @@ class ExpertStore:
         overall = total.as_dict()
         return {
             "policy": self.policy,
-            "slots_per_layer": self.slots,
+            "slots_per_layer": self.slots,  # the equal share (a split moves slots between layers, not their total)
+            "slots_by_layer": {str(l): n for l, n in self.slots_by_layer.items()} if self.slots_by_layer else None,
             "prefetch": self.prefetch,
             "expert_bytes": self.expert_bytes,
             "expert_precision": self.precision,

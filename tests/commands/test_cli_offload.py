@@ -69,6 +69,7 @@ def test_profile_writes_pins_that_run_accepts(capsys, ckpt, tmp_path):
         (["--expert-memory", "25%", "--read-ahead", "-1"], "--read-ahead must be 0 or more"),
         (["--expert-memory", "25%", "--expert-split", "/nonexistent/profile.json"], "no such profile"),
         (["--expert-split", "/nonexistent/profile.json"], "need --expert-memory"),
+        (["--direct-io"], "need --expert-memory"),
     ],
 )
 def test_bad_offload_options_are_one_line_errors(capsys, ckpt, args, message):

@@ -269,3 +269,11 @@ def test_a_split_profile_for_another_model_is_refused(qwen, tmp_path):
     profile.write_text(json.dumps(doc))
     with pytest.raises(MoekitError, match="profile was made for another model"):
         load_engine(qwen, offload=OffloadOptions("50%", split=profile), compile=False)
+
+
+def test_direct_io_reads_give_the_resident_tokens_and_the_same_hits(qwen):
+    plain = _ids(qwen, OffloadOptions("25%"))
+    direct = _ids(qwen, OffloadOptions("25%", direct_io=True))
+    assert direct[:2] == plain[:2] == _ids(qwen)[:2]
+    for name in ("accesses", "hit_rate", "loads", "disk_bytes"):
+        assert direct[2][name] == plain[2][name], name

@@ -277,7 +277,8 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     probe_down = torch.empty(d, f, dtype=decoder.dtype, device=decoder.device)
     kinds = {key: stored_kind(ex) for key, ex in manifest.experts.items()}
     formats = packed_formats(decoder, kinds)  # MXFP4 / FP8 experts: as the resident load keeps them
-    reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
+    reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None,
+                          direct=options.direct_io)
     kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
                for kind in sorted(set(kinds.values()), key=str)}
     read = _ExpertLoader(reader, kinds, kernels, verify=verify)

@@ -28,4 +28,7 @@ class OffloadOptions:
     # A profile from `moekit profile`: the budget's slots are split across layers by its measured
     # uses (more where a layer's uses spread over many experts) instead of equally.
     split: Optional[Path] = None
+    # Read experts with O_DIRECT: the page cache keeps no second copy of what the store holds (the
+    # machine's memory, not this process's RSS); each read costs a copy out of a bounce buffer.
+    direct_io: bool = False
     substitute: Optional[str] = None  # "int4": a miss runs the expert's resident int4 copy (offload/substitute.py)

@@ -11,6 +11,9 @@ benchmarks/build_llama_cpp.sh) with -p PROMPT -n TOKENS -t THREADS -r 1 (its war
 as it does by default), under /usr/bin/time for its peak RSS and file-system reads; --llama-args
 adds its options (a larger-than-memory run wants `--repack 0 -lm mmap`: repacking copies every
 weight into anonymous memory). `uptime` is printed before each run: the machine is shared.
+A random-weight checkpoint routes uniformly and repeats one greedy token; `--route-skew S
+--temperature T` gives moekit's side Zipf-like routers and sampled, varied tokens
+(benchmarks/skewed_routing.py), for the hit rate a user's text would see: llama.cpp's side stays greedy.
 Nothing here is imported by moekit.
 """
 
@@ -50,8 +53,11 @@ def _hwm() -> int:
     return 0
 
 
-def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int]) -> dict:
+def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int], skew: float = 0.0,
+                 temperature: float = 0.0, seed: int = 0) -> dict:
     import torch
+
+    from moekit.engine.sampling import SamplingParams
 
     from moekit.engine.loader import load_engine
     from moekit.offload.options import OffloadOptions
@@ -59,21 +65,29 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     torch.set_num_threads(threads)
     opts = dict(zip(options[::2], options[1::2]))
     offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
-                              read_ahead=int(opts.get("--read-ahead", 2)))
+                              read_ahead=int(opts.get("--read-ahead", 2)),
+                              split=Path(opts["--expert-split"]) if "--expert-split" in opts else None,
+                              direct_io=opts.get("--direct-io") == "on")
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
     engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)
     load_s = time.perf_counter() - t0
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+    if skew:
+        from skewed_routing import skew_routers
+
+        skew_routers(engine.decoder, skew)
+    sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
     before = _io_read()
-    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=())
+    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling)
     read = _io_read() - before
     t = gen.timing
     acts = engine.meter(gen)[1:]  # the decoded tokens (the first comes from the prompt pass)
     out = {"engine": "moekit", "bytes_touched_per_token": sum(a.bytes_touched for a in acts) / max(1, len(acts)),
            "active_share": sum(a.share for a in acts) / max(1, len(acts)), "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
-           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes)}
+           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
+           "route_skew": skew, "temperature": temperature}
     if engine.store is not None:
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
@@ -111,12 +125,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=len(PROMPT), help="prompt ids (prompt_ids)")
     ap.add_argument("--llama-args", default="", help="llama-bench's extra options, e.g. '--repack 0 -lm mmap'")
     ap.add_argument("--only", choices=("moekit", "llama.cpp"))
+    ap.add_argument("--route-skew", type=float, default=0.0,
+                    help="moekit side: add a Zipf-like logit bias of exponent S to every router (benchmarks/skewed_routing.py)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="moekit side: sample at T (seeded) instead of greedy")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", choices=("moekit",), help=argparse.SUPPRESS)
     args = ap.parse_args()
     prompt = prompt_ids(args.prompt_len)
     if args.child == "moekit":
         print(json.dumps(child_moekit(args.moekit_path or args.gguf, args.tokens, args.threads, shlex.split(args.moekit),
-                                      prompt)))
+                                      prompt, args.route_skew, args.temperature, args.seed)))
         return
     runs = []
     engines = [e for e in ("llama.cpp", "moekit") if args.only in (None, e)]
@@ -129,7 +147,8 @@ def main() -> None:
                 print(json.dumps(runs[-1]), flush=True)
                 continue
             cmd = [sys.executable, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len)]
+                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len),
+                   "--route-skew", str(args.route_skew), "--temperature", str(args.temperature), "--seed", str(args.seed)]
             if args.moekit_path:
                 cmd += ["--moekit-path", args.moekit_path]
             env = dict(os.environ, PYTHONPATH=str(REPO / "src"))

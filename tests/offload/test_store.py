@@ -236,39 +236,42 @@ def test_a_prompt_read_ahead_wider_than_the_slots_runs_evicted_experts_on_their_
         assert stats[name] == serial_stats[name], name
 
 
-@pytest.mark.parametrize("budget", ["25%", "50%"])
-@pytest.mark.parametrize("measured", ["run", "crowded first layer"])
-def test_a_budget_split_by_a_profile_gives_each_layer_its_measured_share_and_the_resident_tokens(
-        qwen, tmp_path, budget, measured):
+def _trace(folder, tmp_path, prompts=PROMPTS) -> "Path":
+    """A routing trace of greedy runs of `prompts`, as `moekit run --trace` writes it."""
+    from moekit.engine.trace import trace_model, write_trace
+
+    engine = load_engine(folder, compile=False)
+    path = tmp_path / "t.parquet"
+    try:
+        gen = engine.generate(prompts, max_new_tokens=12, stop_ids=())
+        write_trace(gen, path, trace_model(engine.spec, folder))
+    finally:
+        engine.close()
+    return path
+
+
+@pytest.mark.parametrize("budget", ["25%", "75%"])  # 2 slots a layer (the minimum: equal) and 6 (split 7 + 5)
+def test_a_budget_split_by_a_trace_gives_each_layer_its_measured_share_and_the_resident_tokens(qwen, tmp_path, budget):
     from moekit.offload.budget import split_slots
-    from moekit.offload.pins import model_identity, profile_document
-    from moekit.spec import load_spec
+    from moekit.offload.trace_split import hit_curves
 
-    doc, profile = _pin_profile(qwen, tmp_path)
-    if measured == "crowded first layer":  # layer 0's uses on two experts, layer 1's spread: slots move to 1
-        counts = {0: [50, 40, 1, 1, 0, 0, 0, 0], 1: [9, 9, 8, 8, 8, 7, 7, 7]}
-        doc = profile_document(model_identity(qwen, load_spec(qwen)), counts, top=2, workload={})
-        profile.write_text(json.dumps(doc))
-    single, batch, stats = _ids(qwen, OffloadOptions(budget, split=profile))
+    trace = _trace(qwen, tmp_path)
+    single, batch, stats = _ids(qwen, OffloadOptions(budget, split=trace))
     assert (single, batch) == _ids(qwen)[:2]
-    counts = {int(l): row for l, row in doc["counts"].items()}
-    want = split_slots(counts, stats["slots_per_layer"], low=2)
+    curves = hit_curves(trace, [0, 1], 8, "lru")
+    assert all(c[0] == 0 and c == sorted(c) for c in curves.values()) and curves[0][8] > 0
+    want = split_slots(curves, stats["slots_per_layer"], low=2)
     assert stats["slots_by_layer"] == {str(l): n for l, n in want.items()}
-    assert sum(want.values()) == stats["slots_per_layer"] * len(counts)
-    if measured == "crowded first layer" and budget == "50%":  # at 25% both layers hold the minimum, K = 2
-        assert want == {0: 2, 1: 6}
+    assert sum(want.values()) == stats["slots_per_layer"] * 2
+    if budget == "75%":
+        assert len(set(want.values())) == 2  # uneven: the slot memory is carved per layer
 
 
-def test_a_split_profile_for_another_model_is_refused(qwen, tmp_path):
-    other = write_checkpoint("qwen3_moe", tmp_path / "other", seed=1, num_experts=16)
-    from moekit.offload.pins import model_identity, profile_document
-    from moekit.spec import load_spec
-
-    doc = profile_document(model_identity(other, load_spec(other)), {0: [1] * 16, 1: [1] * 16}, top=2, workload={})
-    profile = tmp_path / "p.json"
-    profile.write_text(json.dumps(doc))
-    with pytest.raises(MoekitError, match="profile was made for another model"):
-        load_engine(qwen, offload=OffloadOptions("50%", split=profile), compile=False)
+def test_a_split_trace_from_another_model_is_refused(qwen, tmp_path):
+    other = write_checkpoint("qwen3_moe", tmp_path / "other", seed=1, num_experts=16, num_hidden_layers=3)
+    trace = _trace(other, tmp_path)
+    with pytest.raises(MoekitError, match="not this model's"):
+        load_engine(qwen, offload=OffloadOptions("50%", split=trace), compile=False)
 
 
 def test_direct_io_reads_give_the_resident_tokens_and_the_same_hits(qwen):

@@ -203,8 +203,8 @@ def run(
     read_ahead: int = typer.Option(2, "--read-ahead", help="With --expert-memory: misses read in parallel on worker "
                                    "threads behind the compute (a prompt keeps N reads ahead); 0 reads them one by one."),
     expert_split: Optional[Path] = typer.Option(
-        None, "--expert-split", metavar="PROFILE", help="With --expert-memory: split the budget's slots across layers "
-        "by a `moekit profile`'s measured uses (more where a layer's uses spread) instead of equally."),
+        None, "--expert-split", metavar="TRACE", help="With --expert-memory: split the budget's slots across layers "
+        "by the hit rate each scores on a routing trace (`moekit run --trace`) instead of equally."),
     direct_io: bool = typer.Option(False, "--direct-io", help="With --expert-memory: read experts with O_DIRECT, "
                                    "so the page cache holds no second copy of them."),
     substitute: Optional[str] = typer.Option(None, "--substitute", metavar="int4", help="With --expert-memory: keep an "

@@ -35,7 +35,7 @@ from moekit.model.linear import INT4, int8_kernel_for, kernel_for
 from moekit.offload.budget import SlotPlan, parse_budget, plan_slots, split_slots
 from moekit.offload.memory import pin_mmap_threshold
 from moekit.offload.options import NO_CACHE, OffloadOptions
-from moekit.offload.pins import read_counts, read_pins
+from moekit.offload.pins import read_pins
 from moekit.offload.precision import describe, memory_bytes, stored_kind
 from moekit.offload.policies import LIVE_POLICIES, make_policy
 from moekit.offload.prefetch import install_prefetch
@@ -247,14 +247,17 @@ def _laid_out(kernel, hub: torch.Tensor, slot: Optional[torch.Tensor], dtype: to
         return ops.copy_into(slot, view)
 
 
-def slots_by_layer(options: OffloadOptions, folder: Path, spec: ModelSpec, plan: SlotPlan) -> dict[int, int]:
-    """MoE layer → its slots: the plan's in each (equal), or, with `--expert-split PROFILE`, the
-    same total split by the profile's measured uses (moekit.offload.budget.split_slots)."""
+def slots_by_layer(options: OffloadOptions, spec: ModelSpec, plan: SlotPlan) -> dict[int, int]:
+    """MoE layer → its slots: the plan's in each (equal), or, with `--expert-split TRACE`, the same
+    total split by the hit curves the trace's routing gives each layer (moekit.offload.trace_split)."""
+    from moekit.offload.trace_split import hit_curves
+
     layers = moe_layers(spec)
     if options.split is None or plan.fully_resident:
         return {i: plan.slots for i in layers}
-    top_k = spec.layers[layers[0]].ffn.router.top_k
-    return split_slots(read_counts(options.split, folder, spec), plan.slots, top_k)
+    router = spec.layers[layers[0]].ffn.router
+    policy = "lru" if options.policy == NO_CACHE else options.policy
+    return split_slots(hit_curves(options.split, layers, router.num_experts, policy), plan.slots, router.top_k)
 
 
 def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None,
@@ -295,7 +298,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         notes.append(f"routed experts paged as {precision}")
     if plan.clamped:
         notes.append("the budget is larger than all routed experts: capped at their total")
-    layer_slots = slots_by_layer(options, folder, spec, plan)
+    layer_slots = slots_by_layer(options, spec, plan)
     pins = read_pins(options.pin, folder, spec) if options.pin is not None else {}
     if any(len(v) > pins_allowed(layer_slots[i]) for i, v in pins.items() if i in layer_slots):
         notes.append(f"pins capped at half of each layer's slots ({pins_allowed(min(layer_slots.values()))} "

@@ -120,36 +120,36 @@ def plan_slots(
     )
 
 
-def split_slots(counts: dict[int, list[int]], slots: int, low: int) -> dict[int, int]:
-    """`slots` × layers split by measured use (a profile's per-layer expert counts), rather than
-    `slots` each: a layer whose uses crowd on a few experts gains little from more slots, a layer
-    that spreads them gains more. Under the model that each use is drawn from the layer's measured
-    shares, a layer holding its s most used experts hits sum(top s shares) of its uses; each slot
-    goes, one at a time, where the next expert's share is the largest (ties: the layer with fewer
-    slots, then the lower), so
-    the split maximizes the summed hit rate. Every layer keeps at least `low` (top-k), at most its
-    experts. A layer with no uses measured counts as uniform (every share equal). No torch here."""
-    if not counts:
+def split_slots(curves: dict[int, list[int]], slots: int, low: int) -> dict[int, int]:
+    """`slots` × layers split by measured hit curves rather than `slots` each. curves[layer][s]: the
+    hits that layer's accesses of a routing trace score with s slots (moekit.offload.trace_split
+    replays them through the store's own SlotCache), s = 0..E. A layer whose accesses come back to
+    a few experts gains little from more slots; one that cycles through many gains more.
+
+    Greedy with look-ahead (utility-based cache partitioning, Qureshi & Patt 2006): each move
+    gives the k slots with the most hits per slot to one layer (ties: fewer slots k, then the layer
+    holding fewer, then the lower), so a curve that is flat before a step still gets its step.
+    Every layer keeps at least `low` (top-k); if the split would score fewer hits on the curves
+    than the equal one, the equal one is returned. No torch here."""
+    if not curves:
         return {}
-    total = slots * len(counts)
-    shares = {}
-    for layer, row in counts.items():
-        uses = sum(row)
-        ranked = sorted(row, reverse=True)
-        shares[layer] = [c / uses for c in ranked] if uses else [1 / len(row)] * len(row)
-    out = {layer: min(low, len(row)) for layer, row in shares.items()}
-    left = total - sum(out.values())
+    equal = {layer: min(slots, len(c) - 1) for layer, c in curves.items()}
+    out = {layer: min(low, len(c) - 1) for layer, c in curves.items()}
+    left = sum(equal.values()) - sum(out.values())
     while left > 0:
-        open_ = [l for l in sorted(shares) if out[l] < len(shares[l])]
-        if not open_:
+        best, best_key = None, None
+        for layer in sorted(curves):
+            c, n = curves[layer], out[layer]
+            for k in range(1, min(left, len(c) - 1 - n) + 1):
+                key = ((c[n + k] - c[n]) / k, -k, -n, -layer)
+                if best_key is None or key > best_key:
+                    best, best_key = (layer, k), key
+        if best is None:
             break
-        best = max(open_, key=lambda l: (shares[l][out[l]], -out[l], -l))
-        out[best] += 1
-        left -= 1
-    return out
+        out[best[0]] += best[1]
+        left -= best[1]
 
+    def hits(split: dict[int, int]) -> int:
+        return sum(curves[layer][n] for layer, n in split.items())
 
-def predicted_hit_rate(counts: list[int], slots: int) -> float:
-    """The share of a layer's measured uses that its `slots` most used experts cover."""
-    uses = sum(counts)
-    return sum(sorted(counts, reverse=True)[:slots]) / uses if uses else min(1.0, slots / len(counts))
+    return out if hits(out) >= hits(equal) else equal

@@ -25,8 +25,8 @@ class OffloadOptions:
     # ahead of the expert running.
     # 0 reads each miss inline, one after another (the reference; the same tokens either way).
     read_ahead: int = 2
-    # A profile from `moekit profile`: the budget's slots are split across layers by its measured
-    # uses (more where a layer's uses spread over many experts) instead of equally.
+    # A routing trace (`moekit run --trace`): the budget's slots are split across layers by the hit
+    # rate each layer scores on it at every slot count, instead of equally.
     split: Optional[Path] = None
     # Read experts with O_DIRECT: the page cache keeps no second copy of what the store holds (the
     # machine's memory, not this process's RSS); each read costs a copy out of a bounce buffer.

@@ -47,42 +47,24 @@ def profile_document(identity: dict, counts: dict[int, list[int]], top: int, wor
     }
 
 
-def _read_profile(path: Path, folder: Path, spec: ModelSpec, key: str, what: str) -> dict[int, list[int]]:
-    """layer → the profile's `key` ("pins" or "counts") as ints, after checking it is for this model.
-    `what`: the file as the error names it ("pin file", "profile")."""
+def read_pins(path: Path, folder: Path, spec: ModelSpec) -> dict[int, list[int]]:
+    """layer → pinned expert ids (most used first), after checking the profile is for this model."""
     path = Path(path)
     if not path.is_file():
-        raise MoekitError(f"{path}: no such {what}")
+        raise MoekitError(f"{path}: no such pin file")
     try:
         doc = json.loads(path.read_text())
-        model, rows = doc["model"], doc[key]
-        rows = {int(l): [int(v) for v in row] for l, row in rows.items()}
+        model, pins = doc["model"], doc["pins"]
+        pins = {int(l): [int(e) for e in ids] for l, ids in pins.items()}
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
-        raise MoekitError(f"{path}: not a moekit profile (expected JSON with 'model' and '{key}'; "
+        raise MoekitError(f"{path}: not a moekit profile (expected JSON with 'model' and 'pins'; "
                           "write one with `moekit profile`)") from None
     ours = model_identity(folder, spec)
     differs = [k for k in ours if model.get(k) != ours[k]]
     if differs:
-        raise MoekitError(f"{path}: this {what} was made for another model ({', '.join(differs)} differ from {folder})")
-    return rows
-
-
-def read_pins(path: Path, folder: Path, spec: ModelSpec) -> dict[int, list[int]]:
-    """layer → pinned expert ids (most used first), after checking the profile is for this model."""
-    pins = _read_profile(path, folder, spec, "pins", "pin file")
+        raise MoekitError(f"{path}: this pin file was made for another model ({', '.join(differs)} differ from {folder})")
     moe = {i for i, layer in enumerate(spec.layers) if layer.is_moe}
-    width = model_identity(folder, spec)["num_experts"]
     for layer, ids in pins.items():
-        if layer not in moe or any(not 0 <= e < width for e in ids):
+        if layer not in moe or any(not 0 <= e < ours["num_experts"] for e in ids):
             raise MoekitError(f"{path}: pins name layer {layer} or experts outside this model")
     return pins
-
-
-def read_counts(path: Path, folder: Path, spec: ModelSpec) -> dict[int, list[int]]:
-    """layer → each expert's measured uses, for every MoE layer (what --expert-split splits by)."""
-    counts = _read_profile(path, folder, spec, "counts", "profile")
-    moe = [i for i, layer in enumerate(spec.layers) if layer.is_moe]
-    width = model_identity(folder, spec)["num_experts"]
-    if sorted(counts) != moe or any(len(row) != width or min(row) < 0 for row in counts.values()):
-        raise MoekitError(f"{path}: its counts do not cover this model's {len(moe)} MoE layers × {width} experts")
-    return counts

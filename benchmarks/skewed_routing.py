@@ -9,11 +9,13 @@ routers show), and sampling at a temperature (real_scale.py --temperature) varie
 the decode's routing varies too. It changes the model's weights (a router bias), never moekit's
 code; nothing in moekit imports it.
 
-Calibration: top-8 of 128 experts from logits of std 0.9 (0.02-std weights over D = 2048, the
-writer's) plus this bias, replayed through an LRU of 44 slots (Qwen3-30B-A3B at 10 GiB) in numpy:
-hit rate 33% at s = 0, 67% at s = 0.5, 95% at s = 1; s = 0.4 lands near the ~60% decode hit rate
-that `moekit cache-sim` gives for the bundled model's varied text at the same share
-(docs/BENCHMARKS.md, "Real size").
+Measured, the bias alone is not enough: a random-weight model's hidden states share one direction,
+so its tokens route nearly alike whatever they are (Qwen3-30B-A3B at 10 GiB, s = 0.4 and sampled
+tokens: 95% decode hits). With real_scale.py's `--route-noise 1` (moekit's gumbel routing policy:
+each token's experts drawn on their own) a numpy replay (top-8 of 128 on a fixed per-layer logit
+of std 0.9 + this bias + Gumbel noise, LRU of 44 slots) gives 52% hits at s = 0, 60% at s = 0.5,
+73% at s = 1: s = 0.5 is near the ~60% decode hit rate `moekit cache-sim` gives for the bundled
+model's varied text at the same share (docs/BENCHMARKS.md, "Real size"). Not yet run at that size.
 """
 
 from __future__ import annotations

@@ -181,6 +181,8 @@ def serve(
                                  prefetch_extra=prefetch_extra, read_ahead=read_ahead, split=expert_split, direct_io=direct_io)
         if pin is not None and not pin.is_file():
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
+        if expert_split is not None and not expert_split.is_file():
+            raise MoekitError(f"--expert-split {expert_split}: no such trace file (write one with `moekit run ... --trace t.parquet`)")
     from moekit.model.combinations import Options, check, decode_compiled, store_flags
 
     compiled = decode_compiled(compile_step, kernels)

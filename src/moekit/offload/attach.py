@@ -301,8 +301,9 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     layer_slots = slots_by_layer(options, spec, plan)
     pins = read_pins(options.pin, folder, spec) if options.pin is not None else {}
     if any(len(v) > pins_allowed(layer_slots[i]) for i, v in pins.items() if i in layer_slots):
-        notes.append(f"pins capped at half of each layer's slots ({pins_allowed(min(layer_slots.values()))} "
-                     f"where it holds {min(layer_slots.values())})")
+        fewest = min(layer_slots.values())
+        notes.append(f"pins capped at {pins_allowed(fewest)} per layer (half of the {fewest} slots)" if options.split is None
+                     else f"pins capped at half of each layer's slots ({pins_allowed(fewest)} where it holds {fewest})")
     retain = options.policy != NO_CACHE
     # One intra-op thread per worker: a fresh thread's OpenMP default (every core) made a 0.2 ms
     # weight reorder take 15-75 ms on a busy machine (barrier waits), measured.

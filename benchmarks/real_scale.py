@@ -55,6 +55,17 @@ def _hwm() -> int:
     return 0
 
 
+def moekit_options(words: list[str]) -> dict[str, str]:
+    """`moekit run`'s options as given to --moekit: "--flag value" pairs, and bare flags
+    (--direct-io) as "" values."""
+    opts, i = {}, 0
+    while i < len(words):
+        takes = i + 1 < len(words) and not words[i + 1].startswith("--")
+        opts[words[i]] = words[i + 1] if takes else ""
+        i += 2 if takes else 1
+    return opts
+
+
 def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int], skew: float = 0.0,
                  temperature: float = 0.0, seed: int = 0, noise: float = 0.0) -> dict:
     import torch
@@ -65,11 +76,11 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     from moekit.offload.options import OffloadOptions
 
     torch.set_num_threads(threads)
-    opts = dict(zip(options[::2], options[1::2]))
+    opts = moekit_options(options)
     offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
                               read_ahead=int(opts.get("--read-ahead", 2)),
                               split=Path(opts["--expert-split"]) if "--expert-split" in opts else None,
-                              direct_io=opts.get("--direct-io") == "on")
+                              direct_io="--direct-io" in opts)
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
     engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)

@@ -11,6 +11,11 @@ benchmarks/build_llama_cpp.sh) with -p PROMPT -n TOKENS -t THREADS -r 1 (its war
 as it does by default), under /usr/bin/time for its peak RSS and file-system reads; --llama-args
 adds its options (a larger-than-memory run wants `--repack 0 -lm mmap`: repacking copies every
 weight into anonymous memory). `uptime` is printed before each run: the machine is shared.
+A random-weight checkpoint's tokens route nearly alike (its hidden states share one direction) and
+repeat one greedy token; for the hit rate a user's text would see, moekit's side takes
+`--route-noise σ` (moekit's gumbel:σ:seed routing policy: each token's experts drawn on their own),
+`--route-skew S` (Zipf-like router biases, benchmarks/skewed_routing.py) and `--temperature T`
+(sampled tokens). llama.cpp's side stays greedy and exact.
 Nothing here is imported by moekit.
 """
 
@@ -50,30 +55,60 @@ def _hwm() -> int:
     return 0
 
 
-def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int]) -> dict:
+def moekit_options(words: list[str]) -> dict[str, str]:
+    """`moekit run`'s options as given to --moekit: "--flag value" pairs, and bare flags
+    (--direct-io) as "" values."""
+    opts, i = {}, 0
+    while i < len(words):
+        takes = i + 1 < len(words) and not words[i + 1].startswith("--")
+        opts[words[i]] = words[i + 1] if takes else ""
+        i += 2 if takes else 1
+    return opts
+
+
+def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int], skew: float = 0.0,
+                 temperature: float = 0.0, seed: int = 0, noise: float = 0.0) -> dict:
     import torch
+
+    from moekit.engine.sampling import SamplingParams
 
     from moekit.engine.loader import load_engine
     from moekit.offload.options import OffloadOptions
 
     torch.set_num_threads(threads)
-    opts = dict(zip(options[::2], options[1::2]))
+    opts = moekit_options(options)
     offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
-                              read_ahead=int(opts.get("--read-ahead", 2)))
+                              read_ahead=int(opts.get("--read-ahead", 2)),
+                              split=Path(opts["--expert-split"]) if "--expert-split" in opts else None,
+                              direct_io="--direct-io" in opts)
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
     engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)
     load_s = time.perf_counter() - t0
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+    if skew:
+        from skewed_routing import skew_routers
+
+        skew_routers(engine.decoder, skew)
+    sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
+    policy = None
+    if noise:
+        # moekit's own routing policy gumbel:σ:seed: top-K on logits + σ·Gumbel noise is a draw per
+        # token from softmax(logits / σ), so each token routes independently of the one before.
+        from moekit.model.routing import parse_policy
+
+        router = engine.spec.layers[engine.spec.moe_layers[0]].ffn.router
+        policy = parse_policy(f"gumbel:{noise:g}:{seed}", router.top_k, router.num_experts)
     before = _io_read()
-    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=())
+    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling, policy=policy)
     read = _io_read() - before
     t = gen.timing
     acts = engine.meter(gen)[1:]  # the decoded tokens (the first comes from the prompt pass)
     out = {"engine": "moekit", "bytes_touched_per_token": sum(a.bytes_touched for a in acts) / max(1, len(acts)),
            "active_share": sum(a.share for a in acts) / max(1, len(acts)), "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
-           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes)}
+           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
+           "route_skew": skew, "route_noise": noise, "temperature": temperature}
     if engine.store is not None:
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
@@ -111,12 +146,18 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=len(PROMPT), help="prompt ids (prompt_ids)")
     ap.add_argument("--llama-args", default="", help="llama-bench's extra options, e.g. '--repack 0 -lm mmap'")
     ap.add_argument("--only", choices=("moekit", "llama.cpp"))
+    ap.add_argument("--route-skew", type=float, default=0.0,
+                    help="moekit side: add a Zipf-like logit bias of exponent S to every router (benchmarks/skewed_routing.py)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="moekit side: sample at T (seeded) instead of greedy")
+    ap.add_argument("--route-noise", type=float, default=0.0,
+                    help="moekit side: route with moekit's gumbel:σ:seed policy (each token drawn on its own)")
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--child", choices=("moekit",), help=argparse.SUPPRESS)
     args = ap.parse_args()
     prompt = prompt_ids(args.prompt_len)
     if args.child == "moekit":
         print(json.dumps(child_moekit(args.moekit_path or args.gguf, args.tokens, args.threads, shlex.split(args.moekit),
-                                      prompt)))
+                                      prompt, args.route_skew, args.temperature, args.seed, args.route_noise)))
         return
     runs = []
     engines = [e for e in ("llama.cpp", "moekit") if args.only in (None, e)]
@@ -129,7 +170,9 @@ def main() -> None:
                 print(json.dumps(runs[-1]), flush=True)
                 continue
             cmd = [sys.executable, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len)]
+                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len),
+                   "--route-skew", str(args.route_skew), "--temperature", str(args.temperature), "--seed", str(args.seed),
+                   "--route-noise", str(args.route_noise)]
             if args.moekit_path:
                 cmd += ["--moekit-path", args.moekit_path]
             env = dict(os.environ, PYTHONPATH=str(REPO / "src"))

@@ -67,6 +67,9 @@ def test_profile_writes_pins_that_run_accepts(capsys, ckpt, tmp_path):
         (["--cache", "lfu"], "need --expert-memory"),
         (["--expert-memory", "25%", "--pin", "/nonexistent/profile.json"], "no such pin file"),
         (["--expert-memory", "25%", "--read-ahead", "-1"], "--read-ahead must be 0 or more"),
+        (["--expert-memory", "25%", "--expert-split", "/nonexistent/t.parquet"], "no such trace file"),
+        (["--expert-split", "/nonexistent/t.parquet"], "need --expert-memory"),
+        (["--direct-io"], "need --expert-memory"),
     ],
 )
 def test_bad_offload_options_are_one_line_errors(capsys, ckpt, args, message):

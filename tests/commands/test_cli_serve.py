@@ -18,6 +18,8 @@ from cli_runner import moekit
         (["--max-batch", "0"], "--max-batch must be at least 1"),
         (["--queue-limit", "0"], "--queue-limit must be at least 1"),
         (["--grace", "-1"], "--grace must be >= 0"),
+        (["--expert-memory", "25%", "--expert-split", "/nonexistent/t.parquet"], "--expert-split /nonexistent/t.parquet: no such trace file"),
+        (["--direct-io"], "need --expert-memory"),
     ],
 )
 def test_bad_options(args, message, capsys):

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moekit.errors import MoekitError
-from moekit.offload.budget import parse_budget, parse_size, plan_slots
+from moekit.offload.budget import parse_budget, parse_size, plan_slots, split_slots
 
 TOTAL = 64 * 2**30  # 64 GiB of routed experts
 
@@ -110,3 +110,38 @@ def test_parse_size_takes_sizes_and_zero(text, size):
 def test_parse_size_refuses_shares_and_nonsense(text, message):
     with pytest.raises(MoekitError, match=message):
         parse_size(text, "--prefix-cache-memory")
+
+
+def _curve(needed_per_slot: list[int]) -> list[int]:
+    """A hit curve from the hits each added slot brings: curve[s] = sum of the first s."""
+    out = [0]
+    for gain in needed_per_slot:
+        out.append(out[-1] + gain)
+    return out
+
+
+def test_a_split_moves_slots_from_a_layer_that_reuses_few_experts_to_one_that_cycles_through_many():
+    few = _curve([50, 40, 1, 1, 0, 0, 0, 0])  # two slots catch nearly every reuse
+    many = _curve([20, 19, 18, 17, 16, 15, 14, 13])
+    split = split_slots({0: few, 1: many}, slots=4, low=2)
+    assert split == {0: 2, 1: 6}
+    assert few[2] + many[6] > few[4] + many[4]
+
+
+def test_a_step_after_a_flat_stretch_is_still_found_and_flat_curves_split_equally():
+    # Layer 1 gains nothing from slots 3 and 4 and everything from the 5th (a cycle of 5 experts).
+    split = split_slots({0: _curve([9, 9, 1, 1, 1, 1]), 1: _curve([9, 9, 0, 0, 60, 0])}, slots=4, low=2)
+    assert split == {0: 3, 1: 5}
+    assert split_slots({0: [0] * 5, 1: [0] * 5}, slots=3, low=2) == {0: 3, 1: 3}
+
+
+@given(
+    gains=st.lists(st.lists(st.integers(0, 1000), min_size=8, max_size=8), min_size=1, max_size=6),
+    slots=st.integers(2, 8),
+)
+def test_a_split_keeps_the_total_and_the_bounds_and_never_scores_fewer_hits_than_equal(gains, slots):
+    curves = {l: _curve(g) for l, g in enumerate(gains)}
+    split = split_slots(curves, slots=slots, low=2)
+    assert sum(split.values()) == slots * len(curves)
+    assert all(2 <= n <= 8 for n in split.values())
+    assert sum(curves[l][n] for l, n in split.items()) >= sum(c[slots] for c in curves.values())

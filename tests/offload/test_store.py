@@ -206,3 +206,77 @@ def test_parallel_reads_give_the_serial_reads_tokens_and_hits(qwen, budget, read
     assert parallel[:2] == serial[:2] == _ids(qwen)[:2]
     for name in ("accesses", "hit_rate", "decode_hit_rate", "loads", "disk_bytes"):
         assert parallel[2][name] == serial[2][name], name
+
+
+def _singles_and_slots(folder, options):
+    """Each prompt alone through one paged engine: (token ids, store stats, whether every slot is
+    held again, by an expert or as a spare, and no more memory than the slots)."""
+    engine = load_engine(folder, offload=options, compile=False)
+    try:
+        single = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).token_ids[0] for p in PROMPTS]
+        slots_back = True
+        for store in engine.store.layers.values():
+            held = [w[0].data_ptr() for w in store._spare] + [f.result()[0].data_ptr() for f in store._weights.values()]
+            slots_back &= bool(store._slot_ptrs) and store._slot_ptrs <= set(held) and len(held) <= store._slot_count
+        return single, engine.store.stats(), slots_back
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_a_prompt_read_ahead_wider_than_the_slots_runs_evicted_experts_on_their_own_weights(qwen, policy):
+    """At the minimum budget (2 slots) a 7-token prompt needs up to 8 experts and a read-ahead of 3
+    walks 4 at a time, so the walk evicts experts it has read but not run yet: they run on what was
+    read for them, and the memory goes back to the slots when the forward ends."""
+    tokens, stats, slots_back = _singles_and_slots(qwen, OffloadOptions("25%", policy=policy, read_ahead=3))
+    serial, serial_stats, _ = _singles_and_slots(qwen, OffloadOptions("25%", policy=policy, read_ahead=0))
+    assert stats["slots_per_layer"] == 2 and slots_back
+    assert tokens == serial == _ids(qwen)[0]
+    for name in ("accesses", "hit_rate", "loads", "disk_bytes"):
+        assert stats[name] == serial_stats[name], name
+
+
+def _trace(folder, tmp_path, prompts=PROMPTS) -> "Path":
+    """A routing trace of greedy runs of `prompts`, as `moekit run --trace` writes it."""
+    from moekit.engine.trace import trace_model, write_trace
+
+    engine = load_engine(folder, compile=False)
+    path = tmp_path / "t.parquet"
+    try:
+        gen = engine.generate(prompts, max_new_tokens=12, stop_ids=())
+        write_trace(gen, path, trace_model(engine.spec, folder))
+    finally:
+        engine.close()
+    return path
+
+
+@pytest.mark.parametrize("budget", ["25%", "75%"])  # 2 slots a layer (the minimum: equal) and 6 (split 7 + 5)
+def test_a_budget_split_by_a_trace_gives_each_layer_its_measured_share_and_the_resident_tokens(qwen, tmp_path, budget):
+    from moekit.offload.budget import split_slots
+    from moekit.offload.trace_split import hit_curves
+
+    trace = _trace(qwen, tmp_path)
+    single, batch, stats = _ids(qwen, OffloadOptions(budget, split=trace))
+    assert (single, batch) == _ids(qwen)[:2]
+    curves = hit_curves(trace, [0, 1], 8, "lru")
+    assert all(c[0] == 0 and c == sorted(c) for c in curves.values()) and curves[0][8] > 0
+    want = split_slots(curves, stats["slots_per_layer"], low=2)
+    assert stats["slots_by_layer"] == {str(l): n for l, n in want.items()}
+    assert sum(want.values()) == stats["slots_per_layer"] * 2
+    if budget == "75%":
+        assert len(set(want.values())) == 2  # uneven: the slot memory is carved per layer
+
+
+def test_a_split_trace_from_another_model_is_refused(qwen, tmp_path):
+    other = write_checkpoint("qwen3_moe", tmp_path / "other", seed=1, num_experts=16, num_hidden_layers=3)
+    trace = _trace(other, tmp_path)
+    with pytest.raises(MoekitError, match="not this model's"):
+        load_engine(qwen, offload=OffloadOptions("50%", split=trace), compile=False)
+
+
+def test_direct_io_reads_give_the_resident_tokens_and_the_same_hits(qwen):
+    plain = _ids(qwen, OffloadOptions("25%"))
+    direct = _ids(qwen, OffloadOptions("25%", direct_io=True))
+    assert direct[:2] == plain[:2] == _ids(qwen)[:2]
+    for name in ("accesses", "hit_rate", "loads", "disk_bytes"):
+        assert direct[2][name] == plain[2][name], name

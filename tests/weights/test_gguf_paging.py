@@ -142,6 +142,24 @@ def test_k_quant_experts_are_paged_dequantized_as_the_resident_load_dequantizes(
         paged.close()
 
 
+@pytest.mark.parametrize("options", [dict(read_ahead=3), dict(read_ahead=3, direct_io=True)], ids=["read-ahead", "o_direct"])
+def test_q8_0_experts_read_ahead_of_a_prompt_wider_than_the_slots_give_the_serial_tokens(ggufs, options):
+    """Q8_0 experts are held as read (no slot memory): an 8-id prompt needs up to 8 experts a layer
+    of 2 slots, so a read-ahead of 3 evicts experts it walked and has not run; they run on their own
+    reads. The same tokens, loads and bytes as one inline read after another; O_DIRECT alike."""
+    gguf = ggufs("q8_0")
+    runs = []
+    for opts in (dict(read_ahead=0), options):
+        engine = load_engine(gguf, offload=OffloadOptions(SMALL, **opts), compile=False)
+        try:
+            runs.append((greedy(engine), engine.store.stats()))
+        finally:
+            engine.close()
+    (serial, a), (ahead, b) = runs
+    assert ahead == serial
+    assert [a[k] for k in ("accesses", "hit_rate", "loads", "disk_bytes")] == [b[k] for k in ("accesses", "hit_rate", "loads", "disk_bytes")]
+
+
 def test_q8_0_experts_are_the_int8_kernels_bytes(ggufs):
     """The store multiplies the GGUF's Q8_0 blocks as read: the engine is the resident one with its
     experts quantized to q8_0 by moekit (which gives the GGUF's bytes back), logit for logit."""

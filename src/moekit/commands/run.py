@@ -202,6 +202,11 @@ def run(
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
     read_ahead: int = typer.Option(2, "--read-ahead", help="With --expert-memory: misses read in parallel on worker "
                                    "threads behind the compute (a prompt keeps N reads ahead); 0 reads them one by one."),
+    expert_split: Optional[Path] = typer.Option(
+        None, "--expert-split", metavar="TRACE", help="With --expert-memory: split the budget's slots across layers "
+        "by the hit rate each scores on a routing trace (`moekit run --trace`) instead of equally."),
+    direct_io: bool = typer.Option(False, "--direct-io", help="With --expert-memory: read experts with O_DIRECT, "
+                                   "so the page cache holds no second copy of them."),
     substitute: Optional[str] = typer.Option(None, "--substitute", metavar="int4", help="With --expert-memory: keep an "
                                              "int4 copy of every expert resident and run it on a miss instead of "
                                              "waiting, the full copy read behind (HOBBIT; docs/ROUTING.md)."),
@@ -246,14 +251,14 @@ def run(
         from moekit.offload.substitute import parse_substitute
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
-                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead,
+                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead, split=expert_split, direct_io=direct_io,
                                  substitute=parse_substitute(substitute) if substitute is not None else None)
     from moekit.model.combinations import Options, check, decode_compiled, store_flags
 
     compiled = decode_compiled(compile_step, kernels)
     check(Options(compile=compile_step is True, paged=offload is not None, expert_parallel=expert_parallel is not None or placement is not None,
                   weights=weights, routing=routing is not None, no_verify=no_verify, device=device,
-                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, substitute=substitute)))
+                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, substitute=substitute, split=expert_split, direct_io=direct_io)))
     if expert_parallel is not None or placement is not None:
         from moekit.dist.cli import run_sharded
 

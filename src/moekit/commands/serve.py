@@ -119,6 +119,11 @@ def serve(
     prefetch_extra: int = typer.Option(4, "--prefetch-extra", help="Experts guessed per token beyond its K when prefetching."),
     read_ahead: int = typer.Option(2, "--read-ahead", help="With --expert-memory: misses read in parallel on worker "
                                    "threads behind the compute (a prompt keeps N reads ahead); 0 reads them one by one."),
+    expert_split: Optional[Path] = typer.Option(
+        None, "--expert-split", metavar="TRACE", help="With --expert-memory: split the budget's slots across layers "
+        "by the hit rate each scores on a routing trace (`moekit run --trace`) instead of equally."),
+    direct_io: bool = typer.Option(False, "--direct-io", help="With --expert-memory: read experts with O_DIRECT, "
+                                   "so the page cache holds no second copy of them."),
     prefix_cache_memory: str = typer.Option(
         DEFAULT_PREFIX_MEMORY, "--prefix-cache-memory", help="Memory for the KV of prompt prefixes reused across "
         "requests (automatic prefix caching, blocks of 16 tokens, least recently used evicted); 0 turns it off."),
@@ -173,14 +178,16 @@ def serve(
         from moekit.offload.options import OffloadOptions
 
         offload = OffloadOptions(expert_memory=expert_memory, policy=cache, pin=pin, prefetch=prefetch,
-                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead)
+                                 prefetch_extra=prefetch_extra, read_ahead=read_ahead, split=expert_split, direct_io=direct_io)
         if pin is not None and not pin.is_file():
             raise MoekitError(f"--pin {pin}: no such file (make one with `moekit profile`)")
+        if expert_split is not None and not expert_split.is_file():
+            raise MoekitError(f"--expert-split {expert_split}: no such trace file (write one with `moekit run ... --trace t.parquet`)")
     from moekit.model.combinations import Options, check, decode_compiled, store_flags
 
     compiled = decode_compiled(compile_step, kernels)
     check(Options(compile=compile_step is True, paged=offload is not None, device=device, weights=weights,
-                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch)))
+                  store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, split=expert_split, direct_io=direct_io)))
     from moekit.ops import operators_used
 
     ranks = None

@@ -33,7 +33,7 @@ class Options:
 
     compile: bool = False  # an explicit --compile (the default's compiled step falls back instead)
     paged: bool = False  # --expert-memory: routed experts paged by the expert store
-    store_flags: tuple[str, ...] = ()  # the store's own flags given (--cache, --pin, --prefetch, --substitute)
+    store_flags: tuple[str, ...] = ()  # the store's own flags given (--cache, --pin, --prefetch, --substitute, --expert-split, --direct-io)
     expert_parallel: bool = False
     weights: str = "dtype"
     routing: bool = False  # a routing policy (--routing)
@@ -68,10 +68,12 @@ def decode_compiled(asked: Optional[bool], kernels: str = "auto") -> bool:
     return kernels != "reference" if asked is None else asked
 
 
-def store_flags(cache: str = "lru", pin=None, prefetch: bool = False, substitute=None) -> tuple[str, ...]:
+def store_flags(cache: str = "lru", pin=None, prefetch: bool = False, substitute=None, split=None,
+                direct_io: bool = False) -> tuple[str, ...]:
     """The expert store's flags a command was given (each at a value other than its default)."""
     given = (("--cache", cache != "lru"), ("--pin", pin is not None), ("--prefetch", bool(prefetch)),
-             ("--substitute", substitute is not None))
+             ("--substitute", substitute is not None), ("--expert-split", split is not None),
+             ("--direct-io", bool(direct_io)))
     return tuple(flag for flag, used in given if used)
 
 

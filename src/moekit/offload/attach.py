@@ -32,7 +32,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.combinations import Options, check
 from moekit.model.expert_forms import Paged
 from moekit.model.linear import INT4, int8_kernel_for, kernel_for
-from moekit.offload.budget import SlotPlan, parse_budget, plan_slots
+from moekit.offload.budget import SlotPlan, parse_budget, plan_slots, split_slots
 from moekit.offload.memory import pin_mmap_threshold
 from moekit.offload.options import NO_CACHE, OffloadOptions
 from moekit.offload.pins import read_pins
@@ -209,24 +209,24 @@ class _ExpertLoader:
         return buf
 
 
-def slot_weights(kernels: Optional[tuple], probes: tuple, per_layer: int, layers: int) -> list[list[tuple]]:
-    """Memory for `layers` layers' resident float experts, `per_layer` each: (gate_up, down) in the
+def slot_weights(kernels: Optional[tuple], probes: tuple, per_layer: list[int]) -> list[list[tuple]]:
+    """Memory for each layer's resident float experts, `per_layer[i]` for the i-th: (gate_up, down) in the
     kernels' layouts at the probes' dtype, carved from one mapping in huge pages, so that slots
     lie side by side rather than one allocation each (a store whose slots were separate
     allocations decoded 3-4% slower with every expert resident; the mapping is backed as slots
     fill). Empty when these kernels have no plain layout to write into (oneDNN's, int8's)."""
-    if kernels is None or any(k.layout is None for k in kernels) or not layers:
+    if kernels is None or any(k.layout is None for k in kernels) or not per_layer:
         return []
     from moekit.model.huge_pages import ALIGN, huge_page_arena
 
     shapes = [tuple(k.layout(p).shape) for k, p in zip(kernels, probes)]
     dtype = probes[0].dtype
     sizes = [-(-math.prod(shape) * dtype.itemsize // ALIGN) * ALIGN for shape in shapes]
-    arena = huge_page_arena(sum(sizes) * per_layer * layers)
+    arena = huge_page_arena(sum(sizes) * sum(per_layer))
     at, out = 0, []
-    for _ in range(layers):
+    for count in per_layer:
         layer = []
-        for _ in range(per_layer):
+        for _ in range(count):
             pair = []
             for shape, size in zip(shapes, sizes):
                 pair.append(arena[at : at + size].view(dtype)[: math.prod(shape)].view(shape))
@@ -245,6 +245,19 @@ def _laid_out(kernel, hub: torch.Tensor, slot: Optional[torch.Tensor], dtype: to
     # A slot made under inference mode (an inline load) may be refilled on a worker, which is not.
     with torch.inference_mode(slot.is_inference()):
         return ops.copy_into(slot, view)
+
+
+def slots_by_layer(options: OffloadOptions, spec: ModelSpec, plan: SlotPlan) -> dict[int, int]:
+    """MoE layer → its slots: the plan's in each (equal), or, with `--expert-split TRACE`, the same
+    total split by the hit curves the trace's routing gives each layer (moekit.offload.trace_split)."""
+    from moekit.offload.trace_split import hit_curves
+
+    layers = moe_layers(spec)
+    if options.split is None or plan.fully_resident:
+        return {i: plan.slots for i in layers}
+    router = spec.layers[layers[0]].ffn.router
+    policy = "lru" if options.policy == NO_CACHE else options.policy
+    return split_slots(hit_curves(options.split, layers, router.num_experts, policy), plan.slots, router.top_k)
 
 
 def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions, progress=None,
@@ -267,7 +280,8 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     probe_down = torch.empty(d, f, dtype=decoder.dtype, device=decoder.device)
     kinds = {key: stored_kind(ex) for key, ex in manifest.experts.items()}
     formats = packed_formats(decoder, kinds)  # MXFP4 / FP8 experts: as the resident load keeps them
-    reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None)
+    reader = ExpertReader(folder, manifest, decoder.dtype, fp8_block=formats["FP8"].block if "FP8" in formats else None,
+                          direct=options.direct_io)
     kernels = {kind: formats[kind].kernels if kind in formats else expert_kernels(kind, probe_up, probe_down, quantize)
                for kind in sorted(set(kinds.values()), key=str)}
     read = _ExpertLoader(reader, kinds, kernels, verify=verify)
@@ -284,10 +298,12 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         notes.append(f"routed experts paged as {precision}")
     if plan.clamped:
         notes.append("the budget is larger than all routed experts: capped at their total")
+    layer_slots = slots_by_layer(options, spec, plan)
     pins = read_pins(options.pin, folder, spec) if options.pin is not None else {}
-    most_pins = pins_allowed(plan.slots)
-    if any(len(v) > most_pins for v in pins.values()):
-        notes.append(f"pins capped at {most_pins} per layer (half of the {plan.slots} slots)")
+    if any(len(v) > pins_allowed(layer_slots[i]) for i, v in pins.items() if i in layer_slots):
+        fewest = min(layer_slots.values())
+        notes.append(f"pins capped at {pins_allowed(fewest)} per layer (half of the {fewest} slots)" if options.split is None
+                     else f"pins capped at half of each layer's slots ({pins_allowed(fewest)} where it holds {fewest})")
     retain = options.policy != NO_CACHE
     # One intra-op thread per worker: a fresh thread's OpenMP default (every core) made a 0.2 ms
     # weight reorder take 15-75 ms on a busy machine (barrier waits), measured.
@@ -297,15 +313,15 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
     stores: dict[int, LayerStore] = {}
     pinned: dict[int, list[int]] = {}
     slotted = [i for i in moe_layers(spec) if all(kinds[i, e] is None for e in range(spec.layers[i].ffn.num_experts))]
-    slots = slot_weights(kernels.get(None), (probe_up, probe_down), plan.slots, len(slotted))
+    slots = slot_weights(kernels.get(None), (probe_up, probe_down), [layer_slots[i] for i in slotted])
     substitute_bytes = 0
     for i in moe_layers(spec):
         experts: RoutedExperts = decoder.layers[i].ffn.experts
         width = experts.num_experts
         layer_kinds = [kinds[i, e] for e in range(width)]
-        layer_pins = pins.get(i, [])[:most_pins] if retain else []
+        layer_pins = pins.get(i, [])[:pins_allowed(layer_slots[i])] if retain else []
         policy = make_policy("lru" if not retain else options.policy)
-        cache = SlotCache(plan.slots, policy, pinned=layer_pins)
+        cache = SlotCache(layer_slots[i], policy, pinned=layer_pins)
         disk = [manifest.experts[i, e].nbytes for e in range(width)]
         held = [sizes[i, e] for e in range(width)]
         ins = stand_ins(reader, kinds, i, width, verify) if options.substitute else []
@@ -328,7 +344,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         if options.prefetch_extra < 0:
             raise MoekitError(f"--prefetch-extra must be 0 or more, got {options.prefetch_extra}")
         # A guess may fill the slots pins leave; more would evict part of itself.
-        free = plan.slots - max((len(v) for v in pinned.values()), default=0)
+        free = min(layer_slots[i] - len(pinned[i]) for i in stores)
         install_prefetch(decoder, stores, extra=options.prefetch_extra, limit=max(1, free))
     return ExpertStore(
         layers=stores,
@@ -336,6 +352,7 @@ def attach_store(decoder, folder: Path, plan: SlotPlan, options: OffloadOptions,
         clock=clock,
         expert_bytes=plan.expert_bytes,
         slots=plan.slots,
+        slots_by_layer=layer_slots if options.split is not None else None,
         policy=options.policy,
         prefetch=prefetch,
         pinned=pinned,

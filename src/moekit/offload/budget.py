@@ -118,3 +118,38 @@ def plan_slots(
         fully_resident=slots == num_experts,
         clamped=budget_bytes > (num_experts * per_slot if total_bytes is None else total_bytes),
     )
+
+
+def split_slots(curves: dict[int, list[int]], slots: int, low: int) -> dict[int, int]:
+    """`slots` × layers split by measured hit curves rather than `slots` each. curves[layer][s]: the
+    hits that layer's accesses of a routing trace score with s slots (moekit.offload.trace_split
+    replays them through the store's own SlotCache), s = 0..E. A layer whose accesses come back to
+    a few experts gains little from more slots; one that cycles through many gains more.
+
+    Greedy with look-ahead (utility-based cache partitioning, Qureshi & Patt 2006): each move
+    gives the k slots with the most hits per slot to one layer (ties: fewer slots k, then the layer
+    holding fewer, then the lower), so a curve that is flat before a step still gets its step.
+    Every layer keeps at least `low` (top-k); if the split would score fewer hits on the curves
+    than the equal one, the equal one is returned. No torch here."""
+    if not curves:
+        return {}
+    equal = {layer: min(slots, len(c) - 1) for layer, c in curves.items()}
+    out = {layer: min(low, len(c) - 1) for layer, c in curves.items()}
+    left = sum(equal.values()) - sum(out.values())
+    while left > 0:
+        best, best_key = None, None
+        for layer in sorted(curves):
+            c, n = curves[layer], out[layer]
+            for k in range(1, min(left, len(c) - 1 - n) + 1):
+                key = ((c[n + k] - c[n]) / k, -k, -n, -layer)
+                if best_key is None or key > best_key:
+                    best, best_key = (layer, k), key
+        if best is None:
+            break
+        out[best[0]] += best[1]
+        left -= best[1]
+
+    def hits(split: dict[int, int]) -> int:
+        return sum(curves[layer][n] for layer, n in split.items())
+
+    return out if hits(out) >= hits(equal) else equal

@@ -20,8 +20,15 @@ class OffloadOptions:
     prefetch: bool = False
     prefetch_extra: int = 4  # experts guessed per token beyond its K: recall 87% on the demo model
     workers: int = 2  # threads reading experts from disk
-    # Misses read on the workers in parallel and behind the compute: one token starts all its
-    # misses at once; a prompt keeps this many reads under way ahead of the expert running.
+    # Misses read on the workers in parallel and behind the compute: a forward whose experts fit
+    # the slots starts all its misses at once; a longer prompt keeps this many reads under way
+    # ahead of the expert running.
     # 0 reads each miss inline, one after another (the reference; the same tokens either way).
     read_ahead: int = 2
+    # A routing trace (`moekit run --trace`): the budget's slots are split across layers by the hit
+    # rate each layer scores on it at every slot count, instead of equally.
+    split: Optional[Path] = None
+    # Read experts with O_DIRECT: the page cache keeps no second copy of what the store holds (the
+    # machine's memory, not this process's RSS); each read costs a copy out of a bounce buffer.
+    direct_io: bool = False
     substitute: Optional[str] = None  # "int4": a miss runs the expert's resident int4 copy (offload/substitute.py)

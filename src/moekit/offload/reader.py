@@ -21,12 +21,16 @@ checksums what it writes).
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+import numpy as np
 import torch
 
 from moekit.errors import CheckpointError, ExpertIntegrityError, MoekitError
@@ -52,6 +56,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "Q6_K": torch.uint8,
 }
 ALIGN = 64  # each span starts on a cache line of the expert's buffer
+DIRECT_ALIGN = 4096  # O_DIRECT: file offset, length and memory on the device's block (4 KiB covers 512 B ones)
 
 _CHANGED = f"the file changed since the manifest was written — re-run `moekit pack` or delete {MANIFEST_NAME}"
 
@@ -105,11 +110,15 @@ class ExpertReader:
     """Routed experts read from disk (the checkpoint's safetensors or a packed file)."""
 
     def __init__(self, folder: Union[str, Path], source: Union[Manifest, ExtentMap], dtype: Optional[torch.dtype],
-                 fp8_block: Optional[tuple[int, int]] = None):
+                 fp8_block: Optional[tuple[int, int]] = None, direct: bool = False):
         """dtype: what read() returns; None keeps each extent's stored dtype (for packing).
         fp8_block: config.json's weight_block_size, which FP8 experts' rows need (a scale grid
-        alone does not say which rows share a scale)."""
+        alone does not say which rows share a scale). direct: read with O_DIRECT, past the page
+        cache (which would otherwise keep a second copy of every expert read): each span's
+        enclosing 4 KiB blocks land in a page-aligned buffer of the thread's and are copied out."""
         self._fds: dict[str, int] = {}
+        self.direct = direct
+        self._bounce = threading.local()
         self.folder = Path(folder)
         self.dtype = dtype
         self.fp8_block = fp8_block
@@ -122,7 +131,7 @@ class ExpertReader:
     def _open(self, file: str) -> int:
         path = self.folder / file
         try:
-            return os.open(path, os.O_RDONLY)
+            return os.open(path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
             self.close()
             m = self.manifest
@@ -132,6 +141,8 @@ class ExpertReader:
             raise CheckpointError(f"{self.folder}: {file} is missing (it holds routed experts)") from None
         except OSError as err:
             self.close()
+            if self.direct and err.errno == errno.EINVAL:
+                raise MoekitError(f"{path}: its file system does not take O_DIRECT reads; drop --direct-io") from None
             raise CheckpointError(f"{path}: cannot open ({err.strerror})") from None
 
     def close(self) -> None:
@@ -209,6 +220,8 @@ class ExpertReader:
         return _CHANGED
 
     def _pread(self, into, span: _Span, layer: int, e: int) -> None:
+        if self.direct:
+            return self._pread_direct(into, span, layer, e)
         done = 0
         while done < span.length:  # Linux reads at most ~2 GiB per call
             try:
@@ -224,6 +237,37 @@ class ExpertReader:
                     f"{span.offset + done}); {self._changed(span.file)}"
                 )
             done += n
+
+    def _pread_direct(self, into, span: _Span, layer: int, e: int) -> None:
+        """span's bytes through O_DIRECT: its enclosing aligned blocks into the bounce buffer, then
+        the span copied out (the copy is the price of skipping the page cache)."""
+        begin = span.offset - span.offset % DIRECT_ALIGN
+        end = -(-(span.offset + span.length) // DIRECT_ALIGN) * DIRECT_ALIGN
+        bounce = self._bounce_of(end - begin)
+        done = 0
+        while begin + done < span.offset + span.length:
+            try:
+                n = os.preadv(self._fds[span.file], [memoryview(bounce)[done : end - begin]], begin + done)
+            except OSError as err:
+                raise MoekitError(
+                    f"{self.folder}: layer {layer} expert {e}: cannot read {span.file} with O_DIRECT ({err.strerror})"
+                ) from None
+            if n == 0:
+                raise ExpertIntegrityError(
+                    f"{self.folder}: layer {layer} expert {e}: {span.file} is truncated "
+                    f"(bytes {span.offset}..{span.offset + span.length} wanted, file ends at "
+                    f"{begin + done}); {self._changed(span.file)}"
+                )
+            done += n
+        skip = span.offset - begin
+        into[:] = np.frombuffer(bounce, dtype=np.uint8, count=span.length, offset=skip)
+
+    def _bounce_of(self, size: int) -> mmap.mmap:
+        """This thread's page-aligned buffer (an anonymous mapping) of at least size bytes."""
+        buf = getattr(self._bounce, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._bounce.buf = mmap.mmap(-1, -(-size // DIRECT_ALIGN) * DIRECT_ALIGN)
+        return buf
 
     def read(self, layer: int, e: int, verify: bool = True, cast: bool = True,
              scratch: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

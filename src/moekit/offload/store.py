@@ -9,9 +9,10 @@ engine's own code with the weights supplied from here, which keeps generation bi
 
 Loads run on worker threads (pread + crc32 + cast + kernel layout release the GIL); the forward
 waits only for the experts it needs now, and the wait is the stall time. With `read_ahead` R > 0 a
-forward's misses are read in parallel and behind its compute: one token starts every miss on the
-workers at once and runs each expert as its read lands; several tokens keep the reads of the next
-R experts of the ascending walk under way while one runs. R = 0 reads each miss on the forward's
+forward's misses are read in parallel and behind its compute: a forward whose experts fit beside
+the pins (a token, a short prompt) starts every miss on the workers at once and runs each expert
+as its read lands; a prompt that needs more experts than that keeps the reads of the next R
+experts of the ascending walk under way while one runs. R = 0 reads each miss on the forward's
 own thread, one after another (the plain reference: both give the same tokens, tests/offload). A failed load (checksum,
 short read) leaves the expert out of the cache and fails the forward: wrong weights are never used.
 
@@ -337,10 +338,12 @@ class LayerStore:
     def _combine(self, experts, x: Tensor, decision: RoutingDecision, needed: list[int]) -> Tensor:
         walk = self.cache.forward(needed)  # the accesses cache-sim replays, in ascending ids
         fits = len(needed) <= self.cache.slots - len(self.cache.pinned)
-        if self.read_ahead and fits and not self.stand_ins:
-            if x.shape[0] == 1:
+        if self.read_ahead and not self.stand_ins:
+            if fits:
+                # Every victim is an expert outside the forward: all its misses can be read at once.
                 return experts.combine(x, decision, self._all_started(walk))
-            return experts.combine(x, decision, self._reading_ahead(walk))
+            if x.shape[0] > 1:
+                return experts.combine(x, decision, self._reading_ahead(walk))
         if x.shape[0] == 1:
             # RoutedExperts runs one token's experts in router order: take them all first (K fit
             # in the slots, and the walk protects the ones still to come).
@@ -357,9 +360,10 @@ class LayerStore:
         return experts.combine(x, decision, weights)
 
     def _all_started(self, walk) -> Callable[[int], Weights]:
-        """One token: every access made (the same as the serial walk's; the forward fits, so none
-        evicts another of its experts), every miss's read started on the workers, and the weights taken as the router's order asks for them, so expert k
-        runs while k+1.. are still being read. A read still queued when asked for is done here."""
+        """A forward whose experts all fit beside the pins: every access made (the serial walk's
+        own; none evicts another of the forward's experts), every miss's read started on the
+        workers, and the weights taken as the combine asks for them, so expert k runs while k+1..
+        are still being read. A read still queued when asked for is done here."""
         for e, access in walk:
             self._account(e, access)
             if e not in self._weights:
@@ -367,22 +371,41 @@ class LayerStore:
         return self._take
 
     def _reading_ahead(self, walk) -> Callable[[int], Weights]:
-        """Several tokens: the walk advanced up to read_ahead experts beyond the one asked for, their
-        reads started. Only for a forward whose experts all fit beside the pins (_combine checks):
-        then every victim is an expert outside the forward, never one walked and not yet run."""
-        pending: list[int] = []
+        """Several tokens whose experts outnumber the free slots (a long prompt): the walk advanced
+        up to read_ahead experts beyond the one asked for, their reads started. An access may then
+        evict an expert walked but not yet run; its weights are kept (held by `pending`, and its
+        memory returned only when the forward ends, as a token's fetched experts are), so it runs
+        on what was read for it. The accesses are the serial walk's, so are hits and loads."""
+        pending: list[tuple[int, Future]] = []  # walked, not yet run: (expert, its weights)
 
         def weights(e: int) -> Weights:
             for taken, access in itertools.islice(walk, self.read_ahead + 1 - len(pending)):
+                self._in_use = frozenset(p for p, _ in pending) | {taken}
                 self._account(taken, access)
                 if taken not in self._weights:
                     self._start_load(taken, background=True)
-                pending.append(taken)
-            taken = pending.pop(0)
+                pending.append((taken, self._weights[taken]))
+            taken, future = pending.pop(0)
             assert taken == e, f"expert {e} asked, the walk is at {taken}"  # both ascend over `needed`
-            return self._take(e)
+            if self._weights.get(e) is future:
+                return self._take(e)
+            return self._evicted_result(e, future)  # a later access of the walk evicted it
 
         return weights
+
+    def _evicted_result(self, e: int, future: Future) -> Weights:
+        """The weights read for e, which the walk evicted before e ran (its memory is deferred)."""
+        if future.cancel():
+            # Still queued: read it here into fresh memory (its spare went back with the drop).
+            future = self._inline(e)
+            if self._slot_count:
+                self._deferred.append((future, None))
+            return future.result()
+        began = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._clock.stall_s += time.perf_counter() - began
 
 
 @dataclass
@@ -403,6 +426,7 @@ class ExpertStore:
     substitute: str = ""  # "int4": every expert's stand-in resident (moekit.offload.substitute)
     substitute_bytes: int = 0  # what the stand-ins hold, beyond the budget
     overlay: Optional[object] = None  # moekit.offload.overlay.ExpertOverlay: hot-swapped experts' files
+    slots_by_layer: Optional[dict[int, int]] = None  # --expert-split: each layer's slots (else `slots` each)
 
     def expert_nbytes(self, layer: int, e: int) -> int:
         """Bytes expert e of `layer` holds once loaded (what a token that uses it reads)."""
@@ -422,7 +446,8 @@ class ExpertStore:
         overall = total.as_dict()
         return {
             "policy": self.policy,
-            "slots_per_layer": self.slots,
+            "slots_per_layer": self.slots,  # the equal share (a split moves slots between layers, not their total)
+            "slots_by_layer": {str(l): n for l, n in self.slots_by_layer.items()} if self.slots_by_layer else None,
             "prefetch": self.prefetch,
             "expert_bytes": self.expert_bytes,
             "expert_precision": self.precision,

@@ -1,9 +1,11 @@
 """moekit against llama.cpp on one GGUF at real size, each engine in its own process, runs alternated.
 
     .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "--expert-memory 10GiB" --rounds 2 --tokens 16
-    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "" --rounds 2      # resident (gpt-oss)
+    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "" --rounds 2      # resident (gpt-oss), compiled step
+    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "--eager" --rounds 2   # the eager step
 
-Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids), peak RSS
+Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids; moekit after one
+untimed run of the prompt and 2 tokens, in which a compiled step compiles or loads its graph), peak RSS
 (VmHWM: for llama.cpp's mmap it counts the file pages it touched), bytes read from the block device
 per decoded token (/proc/self/io read_bytes: page-cache hits are not counted, for either engine) and,
 for moekit's store, the hit rate. llama.cpp runs as its own `llama-bench` binary (built by
@@ -50,6 +52,18 @@ def _hwm() -> int:
     return 0
 
 
+def moekit_options(options: list[str]) -> argparse.Namespace:
+    """--moekit's options, as `moekit run` spells them."""
+    ap = argparse.ArgumentParser(prog="--moekit")
+    ap.add_argument("--expert-memory")
+    ap.add_argument("--cache", default="lru")
+    ap.add_argument("--read-ahead", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="the eager decode step (default: the compiled one)")
+    ap.add_argument("--kernels", default="auto")
+    return ap.parse_args(options)
+
+
 def child_moekit(path: str, tokens: int, threads: int, options: list[str], prompt: list[int]) -> dict:
     import torch
 
@@ -57,14 +71,18 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     from moekit.offload.options import OffloadOptions
 
     torch.set_num_threads(threads)
-    opts = dict(zip(options[::2], options[1::2]))
-    offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
-                              read_ahead=int(opts.get("--read-ahead", 2)))
-               if "--expert-memory" in opts else None)
+    opts = moekit_options(options)
+    offload = (OffloadOptions(opts.expert_memory, policy=opts.cache, read_ahead=opts.read_ahead)
+               if opts.expert_memory else None)
     t0 = time.perf_counter()
-    engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)
+    # compile None: moekit's default (the compiled decode step where the model allows it), as `moekit run`.
+    engine = load_engine(Path(path), dtype=opts.dtype, offload=offload, compile=False if opts.eager else None,
+                         kernels=opts.kernels)
     load_s = time.perf_counter() - t0
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
+    # One untimed run first, as llama-bench warms up: the compiled step compiles (or loads) its graph
+    # on its first step, which is start-up, not decoding.
+    engine.generate([prompt], max_new_tokens=2, stop_ids=())
     before = _io_read()
     gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=())
     read = _io_read() - before
@@ -73,7 +91,8 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
     out = {"engine": "moekit", "bytes_touched_per_token": sum(a.bytes_touched for a in acts) / max(1, len(acts)),
            "active_share": sum(a.share for a in acts) / max(1, len(acts)), "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
-           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes)}
+           "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
+           "compiled": engine.decoder.compiled is not None}
     if engine.store is not None:
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],

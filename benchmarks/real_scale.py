@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "--expert-memory 10GiB" --rounds 2 --tokens 16
     .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "" --rounds 2      # resident (gpt-oss), compiled step
-    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "--eager" --rounds 2   # the eager step
+    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit=--eager --rounds 2     # the eager step
 
 Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids; moekit after one
 untimed run of the prompt and 2 tokens, in which a compiled step compiles or loads its graph), peak RSS
@@ -122,7 +122,7 @@ def run_llama_bench(path: str, prompt_len: int, tokens: int, threads: int, extra
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")
-    ap.add_argument("--moekit", default="--expert-memory 10GiB", help="moekit's options (empty: resident)")
+    ap.add_argument("--moekit", default="--expert-memory 10GiB", help="moekit's options (empty: resident); one starting with -- as --moekit=--eager")
     ap.add_argument("--moekit-path", help="moekit reads this instead (e.g. the mxfp4 safetensors of the same weights)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
@@ -148,7 +148,7 @@ def main() -> None:
                 print(json.dumps(runs[-1]), flush=True)
                 continue
             cmd = [sys.executable, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len)]
+                   "--threads", str(args.threads), f"--moekit={args.moekit}", "--prompt-len", str(args.prompt_len)]
             if args.moekit_path:
                 cmd += ["--moekit-path", args.moekit_path]
             env = dict(os.environ, PYTHONPATH=str(REPO / "src"))

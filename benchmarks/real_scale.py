@@ -1,9 +1,11 @@
 """moekit against llama.cpp on one GGUF at real size, each engine in its own process, runs alternated.
 
     .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "--expert-memory 10GiB" --rounds 2 --tokens 16
-    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "" --rounds 2      # resident (gpt-oss)
+    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit "" --rounds 2      # resident (gpt-oss), compiled step
+    .venv/bin/python benchmarks/real_scale.py FILE.gguf --moekit=--eager --rounds 2     # the eager step
 
-Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids), peak RSS
+Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt ids; moekit after one
+untimed run of the prompt and 2 tokens, in which a compiled step compiles or loads its graph), peak RSS
 (VmHWM: for llama.cpp's mmap it counts the file pages it touched), bytes read from the block device
 per decoded token (/proc/self/io read_bytes: page-cache hits are not counted, for either engine) and,
 for moekit's store, the hit rate. llama.cpp runs as its own `llama-bench` binary (built by
@@ -83,7 +85,10 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
                               direct_io="--direct-io" in opts)
                if "--expert-memory" in opts else None)
     t0 = time.perf_counter()
-    engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload, compile=False)
+    # compile None: moekit's default (the compiled decode step where the model allows it), as `moekit run`.
+    engine = load_engine(Path(path), dtype=opts.get("--dtype", "bfloat16"), offload=offload,
+                         compile=False if "--eager" in opts else None, kernels=opts.get("--kernels", "auto"),
+                         weights=opts.get("--weights", "dtype"))
     load_s = time.perf_counter() - t0
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
     if skew:
@@ -99,6 +104,9 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
 
         router = engine.spec.layers[engine.spec.moe_layers[0]].ffn.router
         policy = parse_policy(f"gumbel:{noise:g}:{seed}", router.top_k, router.num_experts)
+    # One untimed run first, as llama-bench warms up: the compiled step compiles (or loads) its graph
+    # on its first step, which is start-up, not decoding.
+    engine.generate([prompt], max_new_tokens=2, stop_ids=())
     before = _io_read()
     gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling, policy=policy)
     read = _io_read() - before
@@ -108,7 +116,8 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
            "active_share": sum(a.share for a in acts) / max(1, len(acts)), "load_s": load_s, "prefill_tok_s": len(prompt) / t.prefill_s,
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
            "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
-           "route_skew": skew, "route_noise": noise, "temperature": temperature}
+           "route_skew": skew, "route_noise": noise, "temperature": temperature,
+           "compiled": engine.decoder.compiled is not None}
     if engine.store is not None:
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
@@ -138,7 +147,7 @@ def run_llama_bench(path: str, prompt_len: int, tokens: int, threads: int, extra
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")
-    ap.add_argument("--moekit", default="--expert-memory 10GiB", help="moekit's options (empty: resident)")
+    ap.add_argument("--moekit", default="--expert-memory 10GiB", help="moekit's options (empty: resident); one starting with -- as --moekit=--eager")
     ap.add_argument("--moekit-path", help="moekit reads this instead (e.g. the mxfp4 safetensors of the same weights)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=16)
@@ -170,7 +179,7 @@ def main() -> None:
                 print(json.dumps(runs[-1]), flush=True)
                 continue
             cmd = [sys.executable, __file__, args.gguf, "--child", engine, "--tokens", str(args.tokens),
-                   "--threads", str(args.threads), "--moekit", args.moekit, "--prompt-len", str(args.prompt_len),
+                   "--threads", str(args.threads), f"--moekit={args.moekit}", "--prompt-len", str(args.prompt_len),
                    "--route-skew", str(args.route_skew), "--temperature", str(args.temperature), "--seed", str(args.seed),
                    "--route-noise", str(args.route_noise)]
             if args.moekit_path:

@@ -11,8 +11,8 @@ import pytest
 from cli_runner import moekit
 from moekit.bench import vllm_cpu
 from moekit.bench.serve import RequestResult, summarize
-from moekit.bench.serve_peers import (EngineChoice, EngineRun, ServeSetup, Workload, engine_command, markdown_table,
-                                      parse_vs, ratio_pairs, ratio_rows, round_order, run_peers)
+from moekit.bench.serve_peers import (EngineChoice, EngineRun, ServeSetup, Workload, checkpoint_vocab, engine_command,
+                                      markdown_table, parse_vs, ratio_pairs, ratio_rows, round_order, run_peers)
 from moekit.errors import MoekitError
 
 
@@ -192,3 +192,14 @@ def test_a_gguf_checkpoint_is_served_by_llama_server_as_it_is(tmp_path):
                           roots={"llama-server": build.root}).argv
     assert argv[argv.index("-m") + 1] == str(gguf)  # no conversion: moekit serves this same file
     assert not (build.root / "gguf").exists()
+
+
+def test_a_gguf_checkpoints_vocabulary_comes_from_its_header(tmp_path):
+    """`bench serve FILE.gguf --vs llama-server` draws prompt ids below the GGUF's own vocabulary."""
+    from moekit.bench.make_checkpoint import make_checkpoint
+
+    shape = dict(model_type="gpt_oss", vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=4, layer_types=["sliding_attention"], tie_word_embeddings=False)
+    gguf = make_checkpoint(shape, "gguf-mxfp4", tmp_path / "m.gguf", seed=1).path
+    assert checkpoint_vocab(gguf) == 384

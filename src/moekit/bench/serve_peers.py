@@ -252,6 +252,10 @@ def run_peers(engines: list[EngineChoice], setup: ServeSetup, workload: Workload
 
 
 def checkpoint_vocab(checkpoint: Path) -> int:
+    if Path(checkpoint).suffix == ".gguf" and Path(checkpoint).is_file():  # its config is in its header
+        from moekit.weights.gguf_spec import spec_from_gguf
+
+        return spec_from_gguf(Path(checkpoint)).vocab_size
     config = Path(checkpoint) / "config.json"
     if not config.is_file():
         raise MoekitError(f"{checkpoint}: not a checkpoint folder (no config.json)")

@@ -140,8 +140,8 @@ def _peers(checkpoint: Path, vs: str, levels: list[int], max_tokens: int,
     # SIGTERM unwinds like Ctrl-C, so the server this run started is stopped too, not orphaned.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
-    if not (checkpoint / "config.json").is_file():
-        raise MoekitError(f"{checkpoint}: --vs needs a checkpoint folder (with config.json), not a URL")
+    if not ((checkpoint / "config.json").is_file() or (checkpoint.suffix == ".gguf" and checkpoint.is_file())):
+        raise MoekitError(f"{checkpoint}: --vs needs a checkpoint folder (with config.json) or a .gguf file, not a URL")
     if threads < 1 or max_batch < 1 or warmup < 0:
         raise MoekitError("--threads and --max-batch must be at least 1, --warmup at least 0")
     workload = Workload(prompt_len=prompt_len or 8, max_tokens=max_tokens, requests_per_client=per_client,

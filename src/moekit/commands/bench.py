@@ -98,10 +98,7 @@ def decode(
     for note in engine.notes:
         typer.echo(note, err=True)
     if engine.decoder.compiled is not None:  # compiled here, with its line and time, not inside a warm-up run
-        from moekit.model.compiled_step import PrefillShape
-
-        batches = tuple(sorted({min(b, 2) for b in settings.batches}))
-        engine.decoder.compiled.warm_up(batches, say=say_progress, prefills=tuple(PrefillShape(b, False) for b in batches))
+        engine.decoder.compiled.warm_up(tuple(sorted({min(b, 2) for b in settings.batches})), say=say_progress)
     baseline = decode_baseline(vs, engine, weights, llama_cpp_dir)
     bandwidth, source = roofline_bandwidth() if engine.device == "cpu" else (None, "roofline: CPU only for now")
     results = decode_in_steps(lambda s: bench_decode(engine, s, baseline=baseline, bandwidth_bytes_s=bandwidth),

@@ -262,6 +262,10 @@ class CompiledStep:
         self._constants = saved_graphs.step_constants({**trace_constants(cpp_wrapper), **self._load_options}, decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
+        # Whether prompts are prefilled by a graph (moekit.model.prefill_step), which warm_up turns on
+        # where it is given prefill shapes: a server's many prompts repay its compile or load; one
+        # `moekit run` prompt, prefilled eagerly in tens of ms, does not (its start-up target: 5 s).
+        self.prefills = False
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
         own = types.FunctionType(prefill_step.__code__.replace(), prefill_step.__globals__, prefill_step.__name__,
@@ -386,14 +390,14 @@ class CompiledStep:
         return self._tables[1:]
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False,
-                say: Optional[Callable[[str], None]] = None,
-                prefills: tuple[PrefillShape, ...] = (PrefillShape(1, False),)) -> float:
+                say: Optional[Callable[[str], None]] = None, prefills: tuple[PrefillShape, ...] = ()) -> float:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
         that no request waits for a compile and no timing includes one. per_row_k: the graphs of
         steps with each row's K (expert-budget tiers) too. prefills: the prefill graphs' shapes
-        (PrefillShape). say: told what it is doing, before (a line ending in "...") and after (its
-        time). Returns the seconds it took. The graphs carry routing entropy where the decoder's
-        routers are watched now (router health)."""
+        (PrefillShape); given, prompts are prefilled compiled from then on (`prefills`), a shape
+        not warmed up compiling on its first prompt. say: told what it is doing, before (a line
+        ending in "...") and after (its time). Returns the seconds it took. The graphs carry
+        routing entropy where the decoder's routers are watched now (router health)."""
         device = self.decoder.device
         routing = StepRouting(entropy=self.decoder.entropy_watched)
         if say is not None:
@@ -406,6 +410,7 @@ class CompiledStep:
                     slot = torch.ones(b, dtype=torch.int64, device=device)
                     self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k,
                          routing)
+            self.prefills = self.prefills or bool(prefills)
             for shape in prefills:
                 # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
                 # past one), so that the trace ties none of them to another (Dynamo's duck sizing).

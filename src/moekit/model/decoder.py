@@ -238,7 +238,8 @@ class Decoder(nn.Module):
                                 policy)
             cache.length = start + 1
             return logits
-        if t > 1 and self.compiled is not None and self.steps_in_form(cache) and self._prefill_form(top_k, policy, last_only):
+        if t > 1 and self.compiled is not None and self.compiled.prefills and self.steps_in_form(cache) \
+                and self._prefill_form(top_k, policy, last_only):
             result = self.compiled.prefill(input_ids, cache, positions, cache.key_mask[:, : start + t],
                                            StepRouting(entropy=self.entropy_watched))
             if decisions is not None:
@@ -353,8 +354,9 @@ class Decoder(nn.Module):
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
         """Run every later T = 1 step (generate's decode, continuous batching, routing policies) as one
-        compiled graph (moekit.model.compiled_step), where it applies, and a prompt's prefill as one
-        of its own where it applies (moekit.model.prefill_step.takes; else the modules' forward).
+        compiled graph (moekit.model.compiled_step), where it applies; a prompt's prefill too, as a
+        graph of its own, once CompiledStep.warm_up was given prefill shapes (a server's), where it
+        applies (moekit.model.prefill_step.takes); else the modules' forward.
         Needs a decoder prepared with kernels=False (the Hub layout the compiled step reads).
         cpp_wrapper: see CompiledStep (False compiles faster and runs the same kernels slower)."""
         from moekit.model.compiled_step import CompiledStep

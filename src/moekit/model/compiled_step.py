@@ -176,9 +176,9 @@ class _Recorder:
     step to record. It holds the step weakly: Dynamo keeps every backend it was given for the life of
     the process (torch._dynamo.eval_frame.cached_backends), and the step holds its decoder's weights."""
 
-    def __init__(self, step: "CompiledStep"):
+    def __init__(self, step: "CompiledStep", inductor: dict):
         self._step = weakref.ref(step)
-        self._inductor = step._inductor
+        self._inductor = inductor
 
     def __call__(self, gm, example_inputs):
         step = self._step()
@@ -267,10 +267,14 @@ class CompiledStep:
         # `moekit run` prompt, prefilled eagerly in tens of ms, does not (its start-up target: 5 s).
         self.prefills = False
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
+        self._fn = torch.compile(own, backend=_Recorder(self, self._inductor), fullgraph=True, dynamic=False, options=options)
         own = types.FunctionType(prefill_step.__code__.replace(), prefill_step.__globals__, prefill_step.__name__,
                                  prefill_step.__defaults__)
-        self._prefill_fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
+        # A prefill's graph calls its kernels from Python: its ~0.2 ms of calls is little of a prompt's
+        # milliseconds, and its compile a quarter of the C++ caller's (a server's start-up compiles three).
+        prefill_inductor = {k: v for k, v in self._inductor.items() if k != "aot_inductor.custom_ops_to_c_shims"}
+        self._prefill_fn = torch.compile(own, backend=_Recorder(self, {**prefill_inductor, "cpp_wrapper": False}),
+                                         fullgraph=True, dynamic=False, options=options)
 
     @property
     def graphs(self) -> list[DirectGraph]:

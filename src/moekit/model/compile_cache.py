@@ -91,7 +91,7 @@ def start_line(folder: Path | None, batches: tuple[int, ...], prefills: tuple = 
     prefill graphs' compiled_step.PrefillShape."""
     shapes = "batch " + ", ".join(map(str, batches))
     if prefills:
-        shapes += ") and the prefill (" + ", ".join(f"{p.rows} row{'s' * (p.rows > 1)}{', full' * p.full}" for p in prefills)
+        shapes += ") and the prefill (" + ", ".join(f"{p.rows} row{'s' * (p.rows > 1)}{' full' * p.full}" for p in prefills)
     if folder is None:
         return f"compiling the decode step ({shapes}; torch's cache) ..."
     if is_cached(folder):

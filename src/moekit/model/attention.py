@@ -273,36 +273,11 @@ class Attention(nn.Module):
         the rotation runs in; visible [B, S] bool: the real slots up to each row's own."""
         b = x.shape[0]
         h, hkv, hd = self.heads, self.kv_heads, self.head_dim
-        qkv = step_ops.project(self.qkv, x)  # [B, (H + 2·Hkv)·hd]
-        if self.spec.qk_norm == "full":
-            q, k, v = qkv.split(self.split, dim=-1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
-        if self.clip_qkv is not None:
-            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
-        qkv = qkv.view(b, h + 2 * hkv, hd)
-        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
-        if self.spec.qk_norm == "head":
-            qk = self.qk_norm_weight * rms_normalize(qk, self.q_norm.eps)
-        if self.spec.use_rope:
-            rot, turn = cos.shape[-1], qk.to(cos.dtype)  # llama4 rotates in fp32 whatever the model dtype
-            turned = (turn[..., :rot] * cos + turn[..., :rot].roll(rot // 2, dims=-1) * sin_signed).to(qk.dtype)
-            qk = turned if rot == hd else torch.cat((turned, qk[..., rot:]), dim=-1)
-        if self.l2_eps is not None:
-            qk = rms_normalize(qk, self.l2_eps)  # after RoPE, as llama4 does (see _project)
-        q, k = qk[:, :h], qk[:, h:]
-        if self.spec.query_temperature is not None:
-            scale = query_temperature(positions, *self.spec.query_temperature)  # [B] fp32
-            q = (q * scale[:, None, None]).to(q.dtype)
+        q, k, v = self._step_qkv(x, positions, cos, sin_signed)
         step_ops.write_slots(stack, at, slot, k)  # [B, Hkv, hd] at each row's slot
         step_ops.write_slots(stack, at + 1, slot, v)
         end = visible.shape[1]
-        allowed = visible
-        if self.window is not None or self.chunk is not None:
-            back = slot[:, None] - torch.arange(end, device=x.device)[None, :]  # [B, S] how far back
-            if self.window is not None:
-                allowed = allowed & (back < self.window)
-            if self.chunk is not None:  # llama4: only the query's own chunk of positions (chunk_mask)
-                allowed = allowed & (back <= (positions % self.chunk)[:, None])
+        allowed = self._in_reach(visible, slot[:, None], positions[:, None])
         keys, values = stack[at, :b, :, :end], stack[at + 1, :b, :, :end]  # [B, Hkv, S, hd]
         grouped = q.reshape(b, hkv, h // hkv, hd)  # [B, Hkv, G, hd]
         if self.sinks is None:
@@ -315,3 +290,68 @@ class Attention(nn.Module):
         probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
         out = product("bkgs,bksd->bkgd", probs, values.float()).to(x.dtype)  # [B, Hkv, G, hd]
         return step_ops.project(self.o_proj, out.reshape(b, h * hd))
+
+    def prefill(self, x, stack, at, slots, positions, cos, sin_signed, visible) -> torch.Tensor:
+        """The prefill graph's form (moekit.model.prefill_step): the T tokens of each of B rows,
+        x [B*T, D] row-major at slots [B, T] (consecutive) and RoPE positions [B*T] → [B*T, D];
+        writes their k, v into stack[at], stack[at + 1] and attends over the row's slots, each
+        query up to its own: visible [B, T, S] bool (causal, no padding, a pad query sees itself).
+        Products, mask and softmax in fp32 as the compiled decode step's reference form."""
+        b, t = slots.shape
+        h, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        q, k, v = self._step_qkv(x, positions, cos, sin_signed)
+        step_ops.write_tokens(stack, at, slots, k.view(b, t, hkv, hd))
+        step_ops.write_tokens(stack, at + 1, slots, v.view(b, t, hkv, hd))
+        end = visible.shape[2]
+        allowed = self._in_reach(visible, slots[:, :, None], positions.view(b, t, 1))[:, None, None]  # [B, 1, 1, T, S]
+        keys, values = stack[at, :b, :, :end].float(), stack[at + 1, :b, :, :end].float()  # [B, Hkv, S, hd]
+        grouped = q.view(b, t, hkv, h // hkv, hd).float()  # [B, T, Hkv, G, hd]
+        logits = torch.einsum("btkgd,bksd->bkgts", grouped, keys) * self.scale  # [B, Hkv, G, T, S]
+        logits = logits.masked_fill(~allowed, float("-inf"))
+        if self.sinks is None:
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            sink = self.sinks.float().view(1, hkv, h // hkv, 1, 1).expand(b, hkv, h // hkv, t, 1)
+            probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("bkgts,bksd->btkgd", probs, values).to(x.dtype)  # [B, T, Hkv, G, hd]
+        return step_ops.project(self.o_proj, out.reshape(b * t, h * hd))
+
+    def _step_qkv(self, x, positions, cos, sin_signed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D], one token a row at RoPE positions [N] → q [N, H, hd], k, v [N, Hkv, hd]: the
+        projection, norms and rotation of _project in the step's form (cos, sin_signed [N, 1, rot])."""
+        n = x.shape[0]
+        h, hkv, hd = self.heads, self.kv_heads, self.head_dim
+        qkv = step_ops.project(self.qkv, x)  # [N, (H + 2·Hkv)·hd]
+        if self.spec.qk_norm == "full":
+            q, k, v = qkv.split(self.split, dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(n, h + 2 * hkv, hd)
+        qk, v = qkv[:, : h + hkv], qkv[:, h + hkv :]
+        if self.spec.qk_norm == "head":
+            qk = self.qk_norm_weight * rms_normalize(qk, self.q_norm.eps)
+        if self.spec.use_rope:
+            rot, turn = cos.shape[-1], qk.to(cos.dtype)  # llama4 rotates in fp32 whatever the model dtype
+            turned = (turn[..., :rot] * cos + turn[..., :rot].roll(rot // 2, dims=-1) * sin_signed).to(qk.dtype)
+            qk = turned if rot == hd else torch.cat((turned, qk[..., rot:]), dim=-1)
+        if self.l2_eps is not None:
+            qk = rms_normalize(qk, self.l2_eps)  # after RoPE, as llama4 does (see _project)
+        q, k = qk[:, :h], qk[:, h:]
+        if self.spec.query_temperature is not None:
+            scale = query_temperature(positions, *self.spec.query_temperature)  # [N] fp32
+            q = (q * scale[:, None, None]).to(q.dtype)
+        return q, k, v
+
+    def _in_reach(self, visible, slot, positions) -> torch.Tensor:
+        """visible [.., S] narrowed to this layer's window and llama4's chunk, for queries at slot
+        [.., 1] and RoPE positions [.., 1]."""
+        if self.window is None and self.chunk is None:
+            return visible
+        allowed = visible
+        back = slot - torch.arange(visible.shape[-1], device=slot.device)  # [.., S] how many slots back
+        if self.window is not None:
+            allowed = allowed & (back < self.window)
+        if self.chunk is not None:  # llama4: only the query's own chunk of positions (chunk_mask)
+            allowed = allowed & (back <= positions % self.chunk)
+        return allowed

@@ -85,10 +85,13 @@ def compiling_into(folder: Path) -> Iterator[None]:
         yield
 
 
-def start_line(folder: Path | None, batches: tuple[int, ...]) -> str:
+def start_line(folder: Path | None, batches: tuple[int, ...], prefills: tuple = ()) -> str:
     """What a warm-up is about to do, for the user: compile (first time for this model here), or
-    load what an earlier process compiled. Ends in "..." (the time follows it)."""
+    load what an earlier process compiled. Ends in "..." (the time follows it). prefills: the
+    prefill graphs' compiled_step.PrefillShape."""
     shapes = "batch " + ", ".join(map(str, batches))
+    if prefills:
+        shapes += ") and the prefill (" + ", ".join(f"{p.rows} row{'s' * (p.rows > 1)}{' full' * p.full}" for p in prefills)
     if folder is None:
         return f"compiling the decode step ({shapes}; torch's cache) ..."
     if is_cached(folder):

@@ -48,7 +48,7 @@ import weakref
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -61,6 +61,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.linear import PLAIN, TILES, Linear
 from moekit.model.moe import MoE
 from moekit.model import saved_graphs
+from moekit.model.prefill_step import prefill_step
 from moekit.model.step_ops import (CONSTANT_WHILE_TRACING, _namespace, _widen_batch, grouped, has_attend, has_gemv,
                                    has_latent_attend)
 from moekit.ops.torch_private import (assume_constant_result, compile_fx, inductor_options, mark_dynamic,
@@ -113,6 +114,35 @@ def _mark_step(small) -> None:
         mark(key_mask, 1)
 
 
+def _mark_prefill(small) -> None:
+    """Mark the rows (past 1), the prompt's tokens and the cache length of a prefill's inputs (ids,
+    positions [B, T], key_mask [B, S]) as dynamic sizes: one graph for one row, one for several."""
+    mark = mark_dynamic
+    for t in small:
+        if t.shape[0] > 1:
+            mark(t, 0)
+        mark(t, 1)
+
+
+PREFILL = "prefill"  # the first field of a prefill graph's key (CompiledStep._graphs, saved records' routing)
+
+
+class PrefillShape(NamedTuple):
+    """A prefill graph to compile ahead (CompiledStep.warm_up). A graph serves every prompt length
+    and start, but not every cache: one row (a lone prompt's own cache) or several (a burst of
+    prompts prefilled together), and a prompt that fills its cache (the scheduler's prefills: a
+    cache of the prompt's size) or leaves room (generate's, a chunk before the last): each of
+    those a graph of its own (the graph's shape guards, as a full cache's decode step has its own)."""
+
+    rows: int  # 1, or 2 for every larger count
+    full: bool  # the prompt's last token takes the cache's last slot
+
+
+# A server's prefills (moekit.engine.scheduler): a prompt alone, or the last chunk of one, in a cache
+# of its size; a chunk before the last; a burst of prompts prefilled together, left-padded.
+SERVED_PREFILLS = (PrefillShape(1, True), PrefillShape(1, False), PrefillShape(2, True))
+
+
 def _mark_held(stack, tables) -> None:
     """Mark the cache's rows and slots and the rope tables' length as dynamic sizes. A mark stays on
     its tensor, so these, which live across steps, are marked once (CompiledStep._held)."""
@@ -146,9 +176,9 @@ class _Recorder:
     step to record. It holds the step weakly: Dynamo keeps every backend it was given for the life of
     the process (torch._dynamo.eval_frame.cached_backends), and the step holds its decoder's weights."""
 
-    def __init__(self, step: "CompiledStep"):
+    def __init__(self, step: "CompiledStep", inductor: dict):
         self._step = weakref.ref(step)
-        self._inductor = step._inductor
+        self._inductor = inductor
 
     def __call__(self, gm, example_inputs):
         step = self._step()
@@ -219,9 +249,10 @@ class CompiledStep:
         # again without Dynamo (moekit.model.direct_graph): later steps whose inputs pass a recorded
         # graph's guards call it directly, the rest go through Dynamo.
         self.cache_folder = None if cache is None else cache / step_key(decoder, self._inductor)
-        # Per StepRouting (the step's constants, which direct graphs' guards do not see), its graphs.
-        self._graphs: dict[StepRouting, list[DirectGraph]] = {}
-        self._tracing: Optional[tuple] = None  # (the per-call inputs, the StepRouting) of the call Dynamo may be compiling
+        # Per StepRouting (the step's constants, which direct graphs' guards do not see), its graphs; a
+        # prefill's under (PREFILL, *its StepRouting).
+        self._graphs: dict[tuple, list[DirectGraph]] = {}
+        self._tracing: Optional[tuple] = None  # (the per-call inputs, the key, the outputs) of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
@@ -231,8 +262,19 @@ class CompiledStep:
         self._constants = saved_graphs.step_constants({**trace_constants(cpp_wrapper), **self._load_options}, decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
+        # Whether prompts are prefilled by a graph (moekit.model.prefill_step), which warm_up turns on
+        # where it is given prefill shapes: a server's many prompts repay its compile or load; one
+        # `moekit run` prompt, prefilled eagerly in tens of ms, does not (its start-up target: 5 s).
+        self.prefills = False
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self._fn = torch.compile(own, backend=_Recorder(self), fullgraph=True, dynamic=False, options=options)
+        self._fn = torch.compile(own, backend=_Recorder(self, self._inductor), fullgraph=True, dynamic=False, options=options)
+        own = types.FunctionType(prefill_step.__code__.replace(), prefill_step.__globals__, prefill_step.__name__,
+                                 prefill_step.__defaults__)
+        # A prefill's graph calls its kernels from Python: its ~0.2 ms of calls is little of a prompt's
+        # milliseconds, and its compile a quarter of the C++ caller's (a server's start-up compiles three).
+        prefill_inductor = {k: v for k, v in self._inductor.items() if k != "aot_inductor.custom_ops_to_c_shims"}
+        self._prefill_fn = torch.compile(own, backend=_Recorder(self, {**prefill_inductor, "cpp_wrapper": False}),
+                                         fullgraph=True, dynamic=False, options=options)
 
     @property
     def graphs(self) -> list[DirectGraph]:
@@ -242,16 +284,15 @@ class CompiledStep:
     def _record(self, gm, example_inputs, run) -> None:
         """Keep how to call `run` (just compiled from gm) without Dynamo, where that can be done."""
         if self._tracing is not None:
-            inputs, routing = self._tracing
+            inputs, key, outputs = self._tracing
             named = named_held(self.decoder)
-            graph = direct_graph(gm, example_inputs, run, inputs, {id(t): t for t in named.values()},
-                                 outputs=4 if routing.entropy else 3)
+            graph = direct_graph(gm, example_inputs, run, inputs, {id(t): t for t in named.values()}, outputs=outputs)
             if graph is not None:
-                self._graphs.setdefault(routing, []).append(graph)
+                self._graphs.setdefault(key, []).append(graph)
                 if self.cache_folder is not None and not saved_graphs.keeps_process_objects(gm):
-                    self._save(graph, routing, named)
+                    self._save(graph, key, named)
 
-    def _save(self, graph: DirectGraph, routing: StepRouting, named: dict) -> None:
+    def _save(self, graph: DirectGraph, routing: tuple, named: dict) -> None:
         """Keep graph for later processes. A cache that cannot be written costs only their start-up,
         so nothing here stops the step (a full disk, a read-only home, a graph torch cannot serialise)."""
         try:
@@ -260,7 +301,7 @@ class CompiledStep:
         except Exception:  # noqa: BLE001 — see the docstring
             pass
 
-    def _load_saved(self, inputs: tuple, routing: StepRouting) -> Optional[DirectGraph]:
+    def _load_saved(self, inputs: tuple, routing: tuple) -> Optional[DirectGraph]:
         """A graph an earlier process saved that accepts inputs, loaded, or None. A record that fails
         to load is dropped for this process, and the step traces instead."""
         named = None
@@ -296,25 +337,50 @@ class CompiledStep:
             small = (ids[:, 0], slot, positions, key_mask) + (() if top_k is None else (top_k,))  # ids [B]
             small = tuple(t.clone() for t in small)
             inputs = (*small[:4], cache.stack, *tables, *small[4:])
-            graphs = self._graphs.get(routing, [])
-            graph = next((g for g in graphs if g.accepts(inputs)), None)
-            if graph is None and self._saved:
-                graph = self._load_saved(inputs, routing)
-                graphs = self._graphs.get(routing, [])
-            if graph is not None:
-                if graph is not graphs[0]:  # the graph of the last call is tried first
-                    graphs.remove(graph)
-                    graphs.insert(0, graph)
-                logits, chosen, weights, *entropy = graph(inputs)
-                self.direct_steps += 1
-            else:
-                _mark_step(small)
-                self._tracing = (inputs, routing)
-                try:
-                    logits, chosen, weights, *entropy = self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing)
-                finally:
-                    self._tracing = None
+            logits, chosen, weights, *entropy = self._run(routing, inputs, small, _mark_step, 4 if routing.entropy else 3,
+                                                          lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
+
+    def prefill(self, ids, cache, positions, key_mask, routing: StepRouting = FAMILY) -> StepResult:
+        """A prompt's T > 1 tokens a row as one compiled graph (moekit.model.prefill_step): ids,
+        positions [B, T] int64; key_mask [B, S] bool, S = the slots written before + T (False at
+        left padding); writes slots S-T..S-1 of the stacked cache's first B rows. → StepResult with
+        each row's last token's logits [B, 1, V] and decisions over the B*T tokens (row-major).
+        routing: FAMILY, or with entropy (router health); a graph each."""
+        if cache.stack is None:
+            raise ValueError("the compiled prefill needs a stacked cache (Decoder.new_cache makes one)")
+        with torch.inference_mode():
+            tables = self._held(cache.stack, self.decoder.rope)
+            # Fresh, in the standard layout: a view's clone keeps its strides (a row of a wider tensor),
+            # which the graph's shape guards check.
+            small = tuple(t.clone(memory_format=torch.contiguous_format) for t in (ids, positions, key_mask))
+            inputs = (*small, cache.stack, *tables)
+            key = (PREFILL, *routing)
+            logits, chosen, weights, *entropy = self._run(key, inputs, small, _mark_prefill, 4 if routing.entropy else 3,
+                                                          lambda: self._prefill_fn(self.decoder, *inputs, routing))
+        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
+
+    def _run(self, key, inputs: tuple, small: tuple, mark: Callable, outputs: int, trace: Callable) -> list:
+        """The results of the graph of `key` (a StepRouting, or a prefill's key) that accepts inputs:
+        recorded in this process, saved by an earlier one, or else traced now (trace(), through Dynamo,
+        after mark(small) marks the per-call sizes dynamic)."""
+        graphs = self._graphs.get(key, [])
+        graph = next((g for g in graphs if g.accepts(inputs)), None)
+        if graph is None and self._saved:
+            graph = self._load_saved(inputs, key)
+            graphs = self._graphs.get(key, [])
+        if graph is not None:
+            if graph is not graphs[0]:  # the graph of the last call is tried first
+                graphs.remove(graph)
+                graphs.insert(0, graph)
+            self.direct_steps += 1
+            return graph(inputs)
+        mark(small)
+        self._tracing = (inputs, key, outputs)
+        try:
+            return list(trace())
+        finally:
+            self._tracing = None
 
     def _held(self, stack, rope) -> tuple:
         """The rope tables, and the stack and tables marked dynamic once each (marking them on every
@@ -328,16 +394,18 @@ class CompiledStep:
         return self._tables[1:]
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False,
-                say: Optional[Callable[[str], None]] = None) -> float:
+                say: Optional[Callable[[str], None]] = None, prefills: tuple[PrefillShape, ...] = ()) -> float:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
         that no request waits for a compile and no timing includes one. per_row_k: the graphs of
-        steps with each row's K (expert-budget tiers) too. say: told what it is doing, before (a
-        line ending in "...") and after (its time). Returns the seconds it took. The graphs carry
+        steps with each row's K (expert-budget tiers) too. prefills: the prefill graphs' shapes
+        (PrefillShape); given, prompts are prefilled compiled from then on (`prefills`), a shape
+        not warmed up compiling on its first prompt. say: told what it is doing, before (a line
+        ending in "...") and after (its time). Returns the seconds it took. The graphs carry
         routing entropy where the decoder's routers are watched now (router health)."""
         device = self.decoder.device
         routing = StepRouting(entropy=self.decoder.entropy_watched)
         if say is not None:
-            say(start_line(self.cache_folder, batches))
+            say(start_line(self.cache_folder, batches, prefills))
         start = time.perf_counter()
         with torch.inference_mode(), scratch_steps(self.decoder):
             for b in batches:
@@ -346,6 +414,15 @@ class CompiledStep:
                     slot = torch.ones(b, dtype=torch.int64, device=device)
                     self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k,
                          routing)
+            self.prefills = self.prefills or bool(prefills)
+            for shape in prefills:
+                # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
+                # past one), so that the trace ties none of them to another (Dynamo's duck sizing).
+                b = shape.rows
+                cache = self.decoder.new_cache(b if b == 1 else b + 1, 5 if shape.full else 7)
+                positions = torch.arange(2, 5, device=device).expand(b, 3)
+                self.prefill(torch.zeros(b, 3, dtype=torch.int64, device=device), cache, positions, cache.key_mask[:b, :5],
+                             routing)
         seconds = time.perf_counter() - start
         if say is not None:
             say(f" {seconds:.1f} s")

@@ -107,13 +107,24 @@ class Block(nn.Module):
         """The decode step's form of forward (moekit.model.step_ops): x [B, D] → (x [B, D],
         RoutingDecision or None); the mixer's cache is stack[at..] (see Attention.decode); top_k:
         None, or each row's K [B]; routing: the step's StepRouting (MoE.decode)."""
+        return self._rows(x, lambda h: self.attn.decode(h, stack, at, slot, positions, cos, sin_signed, visible),
+                          top_k, routing)
+
+    def prefill(self, x, stack, at, slots, positions, cos, sin_signed, visible, routing=FAMILY):
+        """The prefill graph's form (moekit.model.prefill_step): x [B*T, D], the T tokens of each
+        of B rows at slots [B, T] → (x [B*T, D], RoutingDecision or None); see Attention.prefill."""
+        return self._rows(x, lambda h: self.attn.prefill(h, stack, at, slots, positions, cos, sin_signed, visible),
+                          None, routing)
+
+    def _rows(self, x, mix, top_k, routing):
+        """One layer over rows of one token each, x [N, D], the mixer being mix(normed x) → [N, D]."""
         residual = self.residual
         # A hook hands the residual back, and the step goes on with what it returned: compiled, the
         # hook is an opaque op (moekit.offload.graph_store), which the graph would drop, or move
         # past what it must run ahead of, if nothing used its output.
         if self.before_attn is not None:
             x = self.before_attn(x)
-        h = self.attn.decode(self.input_norm(x), stack, at, slot, positions, cos, sin_signed, visible)
+        h = mix(self.input_norm(x))
         x = x + (h * residual if residual != 1.0 else h)
         if self.before_ffn is not None:
             x = self.before_ffn(x)
@@ -124,7 +135,6 @@ class Block(nn.Module):
         else:
             h = self.ffn.decode(h)
         return x + (h * residual if residual != 1.0 else h), decision
-
 
 
 def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
@@ -228,7 +238,21 @@ class Decoder(nn.Module):
                                 policy)
             cache.length = start + 1
             return logits
+        if t > 1 and self.compiled is not None and self.compiled.prefills and self.steps_in_form(cache) \
+                and self._prefill_form(top_k, policy, last_only):
+            result = self.compiled.prefill(input_ids, cache, positions, cache.key_mask[:, : start + t],
+                                           StepRouting(entropy=self.entropy_watched))
+            if decisions is not None:
+                decisions.extend(result.decisions)
+            cache.length = start + t
+            return result.logits
         return self.forward_modules(input_ids, cache, positions, decisions, last_only, top_k, policy)
+
+    def _prefill_form(self, top_k, policy, last_only: bool) -> bool:
+        """Whether a compiled decoder's prefill runs as its own graph (moekit.model.prefill_step)."""
+        from moekit.model.prefill_step import takes
+
+        return takes(self, top_k, policy, last_only) is None
 
     def forward_modules(self, input_ids, cache: KVCache, positions, decisions: list | None = None,
                         last_only: bool = False, top_k: list[int] | None = None, policy=None) -> torch.Tensor:
@@ -330,7 +354,9 @@ class Decoder(nn.Module):
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
         """Run every later T = 1 step (generate's decode, continuous batching, routing policies) as one
-        compiled graph (moekit.model.compiled_step), where it applies; prefill stays eager.
+        compiled graph (moekit.model.compiled_step), where it applies; a prompt's prefill too, as a
+        graph of its own, once CompiledStep.warm_up was given prefill shapes (a server's), where it
+        applies (moekit.model.prefill_step.takes); else the modules' forward.
         Needs a decoder prepared with kernels=False (the Hub layout the compiled step reads).
         cpp_wrapper: see CompiledStep (False compiles faster and runs the same kernels slower)."""
         from moekit.model.compiled_step import CompiledStep

@@ -233,23 +233,9 @@ class MLAttention(nn.Module):
         """The absorbed decode in the step's form (moekit.model.step_ops) on x [B, D] → [B, D];
         writes each row's latent and rope key into stack[at] (the cache's [N, B_max, S, R+Rr]) at
         its slot. cos, sin_signed [B, 1, Rr]; visible [B, S] bool (Attention.decode)."""
-        b = x.shape[0]
-        h, nope, rr, r = self.heads, self.nope, self.rope_dim, self.latent_dim
-        q, kv = step_ops.project(self.x_proj, x).split(self.x_split, dim=-1)
-        if self.q_lora_rank is not None:
-            q = step_ops.project(self.q_b_proj, self.q_a_layernorm(q))
-        q = q.view(b, h, nope + rr)
-        latent, k_rope = kv.split([r, rr], dim=-1)
-        turn = torch.cat((q[..., nope:], k_rope[:, None]), dim=1)  # [B, H+1, Rr]: the heads and the shared key
-        if self.interleaved:
-            turn = turn.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
-        turned = turn * cos + turn.roll(rr // 2, dims=-1) * sin_signed
-        new = torch.cat((self.kv_a_layernorm(latent), turned[:, h]), dim=-1)  # [B, R+Rr]
+        b, r = x.shape[0], self.latent_dim
+        query, new = self._step_query(x, cos, sin_signed)
         step_ops.write_slots(stack, at, slot, new)
-        # The absorbed projections have no cache length in them: contract at any batch. As a bmm at
-        # bf16 each was ~60 µs (oneDNN) for a few hundred thousand products; a bf16 batch-8 step 7% faster.
-        absorbed = step_ops.contract("bhn,hnr->bhr", q[..., :nope], self.w_uk)  # [B, H, R]
-        query = torch.cat((absorbed, turned[:, :h]), dim=-1).float()  # [B, H, R+Rr]
         cached = stack[at, :b, : visible.shape[1]]  # [B, S, R+Rr]
         if torch.compiler.is_compiling() and step_ops.has_latent_attend():  # as Attention.decode: compiled only
             # The cache read in place, (row, head) pairs on both threads; Inductor's loops for the
@@ -263,4 +249,42 @@ class MLAttention(nn.Module):
             probs = torch.softmax(scores, dim=-1)
             out = product("bhs,bsr->bhr", probs, cached[..., :r]).to(x.dtype)  # [B, H, R]
         out = step_ops.contract("bhr,hrv->bhv", out, self.w_uv_t)  # [B, H, Dv]
-        return step_ops.project(self.o_proj, out.reshape(b, h * self.v_dim))
+        return step_ops.project(self.o_proj, out.reshape(b, self.heads * self.v_dim))
+
+    def prefill(self, x: Tensor, stack: Tensor, at: int, slots: Tensor, positions: Tensor, cos: Tensor,
+                sin_signed: Tensor, visible: Tensor) -> Tensor:
+        """The prefill graph's form (moekit.model.prefill_step; Attention.prefill): the T tokens of
+        each of B rows, x [B*T, D] row-major at slots [B, T] → [B*T, D], absorbed as the decode step
+        is (for a short prompt, the latents read once beat expanding them per head); visible
+        [B, T, S] bool."""
+        b, t = slots.shape
+        h, r = self.heads, self.latent_dim
+        query, new = self._step_query(x, cos, sin_signed)
+        step_ops.write_tokens(stack, at, slots, new.view(b, t, -1))
+        cached = stack[at, :b, : visible.shape[2]].float()  # [B, S, R+Rr]
+        scores = torch.einsum("bthc,bsc->bhts", query.view(b, t, h, -1), cached) * self.scale  # [B, H, T, S]
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.einsum("bhts,bsr->bthr", probs, cached[..., :r]).to(x.dtype)  # [B, T, H, R]
+        out = step_ops.contract("nhr,hrv->nhv", out.reshape(b * t, h, r), self.w_uv_t)  # [B*T, H, Dv]
+        return step_ops.project(self.o_proj, out.reshape(b * t, h * self.v_dim))
+
+    def _step_query(self, x: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, D], one token a row (cos, sin_signed [N, 1, Rr]) → (the absorbed query [N, H, R+Rr]
+        fp32, what the cache keeps of the token [N, R+Rr]: its normed latent and rope key)."""
+        n = x.shape[0]
+        h, nope, rr, r = self.heads, self.nope, self.rope_dim, self.latent_dim
+        q, kv = step_ops.project(self.x_proj, x).split(self.x_split, dim=-1)
+        if self.q_lora_rank is not None:
+            q = step_ops.project(self.q_b_proj, self.q_a_layernorm(q))
+        q = q.view(n, h, nope + rr)
+        latent, k_rope = kv.split([r, rr], dim=-1)
+        turn = torch.cat((q[..., nope:], k_rope[:, None]), dim=1)  # [N, H+1, Rr]: the heads and the shared key
+        if self.interleaved:
+            turn = turn.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+        turned = turn * cos + turn.roll(rr // 2, dims=-1) * sin_signed
+        new = torch.cat((self.kv_a_layernorm(latent), turned[:, h]), dim=-1)  # [N, R+Rr]
+        # The absorbed projections have no cache length in them: contract at any batch. As a bmm at
+        # bf16 each was ~60 µs (oneDNN) for a few hundred thousand products; a bf16 batch-8 step 7% faster.
+        absorbed = step_ops.contract("bhn,hnr->bhr", q[..., :nope], self.w_uk)  # [N, H, R]
+        return torch.cat((absorbed, turned[:, :h]), dim=-1).float(), new  # [N, H, R+Rr]

@@ -146,6 +146,19 @@ def write_slots(stack: torch.Tensor, at: int, slot: torch.Tensor, values: torch.
     stack.index_put_((torch.full_like(rows, at), rows, *middle, slot.view(rows.shape)), values)
 
 
+def write_tokens(stack: torch.Tensor, at: int, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """The cache write of T tokens per row (the prefill graph's): stack[at, r, .., slots[r, t], :] ←
+    values[r, t] for values [B, T, .., W] (write_slots' form with a token dim): one index_put_ on
+    the whole stack, as write_slots compiled."""
+    b, t = slots.shape
+    middle = [torch.arange(n, device=values.device).view((1, 1, n) + (1,) * (values.dim() - 4 - i))
+              for i, n in enumerate(values.shape[2:-1])]  # [1, 1, n, 1..]: the dims between the row and the slot
+    shape = (b, 1) + (1,) * (values.dim() - 3)
+    rows = torch.arange(b, device=values.device).view(shape)  # [B, 1, 1..]
+    index = (torch.full_like(rows, at), rows, *middle, slots.view((b, t) + (1,) * (values.dim() - 3)))
+    stack.index_put_(index, values)
+
+
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention of each row's one new token over the cache: q [B, Hkv, G, hd] (each
     kv head's G query heads), keys / values [B, Hkv, S, hd] (views of the cache), allowed [B, S]

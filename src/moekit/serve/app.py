@@ -123,8 +123,11 @@ class ServerState:
                                  compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         watch_routers(engine.decoder)  # routing entropy for /metrics (router health), eager or compiled
         if engine.decoder.compiled is not None:
-            # Compiled before /health says ready, not on a request; tiers' per-row K graphs too.
-            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress)
+            # Compiled before /health says ready, not on a request; tiers' per-row K graphs too, and the
+            # scheduler's prefills (moekit.model.compiled_step.SERVED_PREFILLS).
+            from moekit.model.compiled_step import SERVED_PREFILLS
+
+            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress, prefills=SERVED_PREFILLS)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,

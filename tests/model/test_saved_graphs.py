@@ -32,13 +32,26 @@ def _records(step) -> list:
     return sorted((step.cache_folder / saved_graphs.FOLDER).glob("*.json"))
 
 
-@pytest.fixture
-def compiled_once(tiny_checkpoints, tmp_path):
-    """A decoder, the first step compiled into tmp_path (its graph saved there), and its logits."""
+@pytest.fixture(scope="module")
+def compiled_in(tiny_checkpoints, tmp_path_factory):
+    """A decoder, the folder its first step compiled into (its graph saved there), and its logits:
+    one cold compile for the module (the tests below write into copies of the folder)."""
     decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
-    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    folder = tmp_path_factory.mktemp("compiled")
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=folder)
     want = _step_logits(decoder, first)
     assert first.loaded_graphs == 0 and len(_records(first)) == 1
+    return decoder, folder, want
+
+
+@pytest.fixture
+def compiled_once(compiled_in, tmp_path):
+    """The decoder, a step over a copy in tmp_path of what its first step compiled and saved (each
+    test may add records or damage them), and the first step's logits."""
+    decoder, folder, want = compiled_in
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    assert first.cache_folder.is_dir() and len(_records(first)) == 1
     return decoder, first, want
 
 

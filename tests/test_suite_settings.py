@@ -16,6 +16,11 @@ from hypothesis import settings
 
 from pinned_dependencies import missing_test_dependencies
 
+# The pytest runs below check this suite's conftest, not the plugins installed beside it:
+# schemathesis's pytest plugin (unused: tests/serve/test_openapi.py runs its `st` command) costs
+# each start ~1 s of imports.
+QUIET = ("-p", "no:cacheprovider", "-p", "no:schemathesis")
+
 
 def test_this_environment_has_every_pinned_test_dependency():
     assert missing_test_dependencies() == []
@@ -43,7 +48,7 @@ def test_the_suite_refuses_to_start_under_another_transformers(tmp_path):
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 0.0.1\n")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "this_environment", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", __file__, "-q", "-k", "this_environment", *QUIET],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(tmp_path)},
     )
     assert done.returncode == 4, done.stdout  # pytest's usage error: nothing ran
@@ -58,7 +63,8 @@ TESTS = Path(__file__).resolve().parent
 
 # A module of the shapes the suite's tests take: a sweep marked slow, one test marked processes,
 # one that starts servers through the serve_process fixture, and two plain ones. Each non-slow test
-# writes when it ran (wall clock: the workers are processes) into the folder OUT names.
+# writes when it ran (wall clock: the workers are processes) into the folder OUT names, after
+# holding its worker for HOLD seconds (0 unless a test asks: only overlaps need the time).
 EXAMPLE = """
 import json, os, time
 import pytest
@@ -69,7 +75,7 @@ def serve_process():
 
 def spell(name):
     start = time.time()
-    time.sleep(1.0)
+    time.sleep(float(os.environ.get("HOLD", "0")))
     with open(os.path.join(os.environ["OUT"], name), "w") as f:
         json.dump([start, time.time()], f)
 
@@ -104,20 +110,21 @@ def suite_like(pytester, monkeypatch, tmp_path):
 
 
 def test_slow_tests_run_only_with_all_or_a_mark_expression_that_names_them(suite_like):
-    default = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist")
+    default = suite_like.runpytest_subprocess(*QUIET, "-p", "no:xdist")
     default.assert_outcomes(passed=4, deselected=1)
-    everything = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "--all")
+    everything = suite_like.runpytest_subprocess(*QUIET, "-p", "no:xdist", "--all")
     everything.assert_outcomes(passed=5)
-    only_slow = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", "slow")
+    only_slow = suite_like.runpytest_subprocess(*QUIET, "-p", "no:xdist", "-m", "slow")
     only_slow.assert_outcomes(passed=1, deselected=4)
-    other_marks = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:xdist", "-m", "not processes")
+    other_marks = suite_like.runpytest_subprocess(*QUIET, "-p", "no:xdist", "-m", "not processes")
     other_marks.assert_outcomes(passed=3, deselected=2)  # still without the slow one
 
 
-def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, tmp_path):
+def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, monkeypatch, tmp_path):
     """The two 1-second tests that start processes (one by its mark, one by its fixture), alone on
     two workers, so that each worker takes one: they run one after the other all the same."""
-    result = suite_like.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-k", "ranks or server", "-v")
+    monkeypatch.setenv("HOLD", "1.0")  # long enough that two unlocked tests would overlap
+    result = suite_like.runpytest_subprocess(*QUIET, "-n", "2", "-k", "ranks or server", "-v")
     result.assert_outcomes(passed=2)
     assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
     first, second = sorted(json.loads((tmp_path / name).read_text()) for name in ("ranks", "server"))
@@ -150,7 +157,7 @@ def test_a_fixture_made_once_is_made_by_one_worker_for_both(pytester, monkeypatc
     pytester.makepyfile(test_shared=SHARED)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     monkeypatch.setenv("OUT", str(tmp_path))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-v")
+    result = pytester.runpytest_subprocess(*QUIET, "-n", "2", "-v")
     result.assert_outcomes(passed=2)
     assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
     assert len((tmp_path / "made").read_text().split()) == 1

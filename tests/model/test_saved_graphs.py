@@ -25,19 +25,33 @@ from moekit.engine.loader import load_engine
 from moekit.model import saved_graphs
 from moekit.model.compiled_step import CompiledStep
 from moekit.model.direct_graph import named_held
+from moekit.weights.manifest import MANIFEST_NAME
 
 
 def _records(step) -> list:
     return sorted((step.cache_folder / saved_graphs.FOLDER).glob("*.json"))
 
 
-@pytest.fixture
-def compiled_once(tiny_checkpoints, tmp_path):
-    """A decoder, the first step compiled into tmp_path (its graph saved there), and its logits."""
+@pytest.fixture(scope="module")
+def compiled_in(tiny_checkpoints, tmp_path_factory):
+    """A decoder, the folder its first step compiled into (its graph saved there), and its logits:
+    one cold compile for the module (the tests below write into copies of the folder)."""
     decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
-    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    folder = tmp_path_factory.mktemp("compiled")
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=folder)
     want = _step_logits(decoder, first)
     assert first.loaded_graphs == 0 and len(_records(first)) == 1
+    return decoder, folder, want
+
+
+@pytest.fixture
+def compiled_once(compiled_in, tmp_path):
+    """The decoder, a step over a copy in tmp_path of what its first step compiled and saved (each
+    test may add records or damage them), and the first step's logits."""
+    decoder, folder, want = compiled_in
+    shutil.copytree(folder, tmp_path, dirs_exist_ok=True)
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    assert first.cache_folder.is_dir() and len(_records(first)) == 1
     return decoder, first, want
 
 
@@ -145,6 +159,9 @@ def test_a_model_of_the_same_shape_with_other_constants_does_not_get_the_graph(c
     decoder, first, want = compiled_once
     other = tmp_path / "other-eps"
     shutil.copytree(tiny_checkpoints("qwen3_moe"), other)
+    # A paged run elsewhere in the suite may have left the store's manifest beside the shared
+    # checkpoint; under the changed config.json it would be refused as another model's.
+    (other / MANIFEST_NAME).unlink(missing_ok=True)
     config = json.loads((other / "config.json").read_text())
     config["rms_norm_eps"] = 0.25  # the same tensors; the norms' eps is a constant in the traced graph
     (other / "config.json").write_text(json.dumps(config))

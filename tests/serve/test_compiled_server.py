@@ -1,6 +1,7 @@
 """`moekit serve` (the compiled decode step by default, --compile too): continuous batching through
 the compiled step gives every client the tokens the eager engine gives its prompt alone (fp32
-greedy); the step is compiled or loaded before the server says it serves."""
+greedy); the step is compiled or loaded before the server says it serves. Each server here is a
+cold compile of its own (the C++ caller, the servers' default): two servers, each checking all it can."""
 
 from __future__ import annotations
 
@@ -10,42 +11,10 @@ import httpx
 import pytest
 
 from server_process import start_server
-from moekit.engine.default_model import bundled_model_path
 from moekit.engine.loader import load_engine
 
 # A server process answers these tests; tests/conftest.py keeps such tests from overlapping.
 pytestmark = pytest.mark.processes
-
-PROMPTS = ["def parse_args(argv):", "import os\n", "NAME\n    ls - list", "for i in range(", "class Stack:"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = start_server("--max-batch", "8", timeout=600)  # the default; a cold compile of both graphs
-    yield s
-    assert s.stop() == 0
-
-
-def test_concurrent_clients_of_a_compiled_server_get_their_solo_tokens(server):
-    engine = load_engine(bundled_model_path(), compile=False)
-    jobs = [(PROMPTS[i % len(PROMPTS)], 6 + 3 * i) for i in range(8)]  # rows leave at different steps
-
-    def ask(job):
-        prompt, new = job
-        body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-        return httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
-
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(ask, jobs))
-    for (prompt, new), ids in zip(jobs, got):
-        want = engine.generate([engine.encode(prompt)], max_new_tokens=new, stop_ids=()).token_ids[0]
-        assert ids == want, prompt
-    assert any("compiled graph" in line for line in server.log), server.log[-5:]
-    # The warm-up's line (compiling or loading, then its seconds) comes before the server says it serves.
-    warm = [i for i, line in enumerate(server.log) if "the compiled decode step" in line or "compiling the decode step" in line]
-    serving = [i for i, line in enumerate(server.log) if line.startswith("serving ")]
-    assert len(warm) == 1 and serving and warm[0] < serving[0], server.log
-    assert server.log[warm[0]].rstrip().endswith(" s"), server.log[warm[0]]
 
 
 def _cache_counters(server) -> dict:
@@ -54,10 +23,23 @@ def _cache_counters(server) -> dict:
             if name in ("moekit:expert_cache_hits_total", "moekit:expert_cache_misses_total")}
 
 
+def _warmed_up_before_serving(server) -> None:
+    """The step runs compiled, and its warm-up's line (compiling or loading, then its seconds) comes
+    before the server says it serves."""
+    assert any("compiled graph" in line for line in server.log), server.log[-5:]
+    warm = [i for i, line in enumerate(server.log) if "the compiled decode step" in line or "compiling the decode step" in line]
+    serving = [i for i, line in enumerate(server.log) if line.startswith("serving ")]
+    assert len(warm) == 1 and serving and warm[0] < serving[0], server.log
+    assert server.log[warm[0]].rstrip().endswith(" s"), server.log[warm[0]]
+
+
 def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_as_the_eager_one(tiny_checkpoints):
     """`moekit serve --expert-memory --prefetch` (compiled by default): the store's layers and guesses run inside
     the compiled step (moekit.offload.graph_store). The warm-up reads nothing, so a first request
-    hits and misses as on an eager server; concurrent clients (a batch's graph) get their solo tokens."""
+    hits and misses as on an eager server; concurrent clients, more than its rows and leaving at
+    different steps (a batch's graph, rows admitted as others leave), get their solo tokens.
+    (This server is the compiled default's continuous batching test too: one cold compile fewer
+    than a second server of the bundled model.)"""
     openai = pytest.importorskip("openai")
     folder = tiny_checkpoints("qwen3_moe")
     store = ("--expert-memory", "25%", "--prefetch", "--max-batch", "4")
@@ -81,8 +63,8 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
             client = openai.OpenAI(base_url=server.v1, api_key="unused", timeout=120.0, max_retries=0)
             first[args] = (_cache_counters(server), ask(client, jobs[0]), _cache_counters(server))
             if not args:
-                assert any("compiled graph" in line for line in server.log), server.log[-5:]
-                with ThreadPoolExecutor(len(jobs)) as pool:
+                _warmed_up_before_serving(server)
+                with ThreadPoolExecutor(len(jobs)) as pool:  # 5 clients, 4 rows: one waits for a row to leave
                     got = list(pool.map(lambda job: ask(client, job)[0], jobs))
                 assert got == solo
         finally:

@@ -70,7 +70,8 @@ def test_idle_torch_threads_sleep_between_regions_once_the_http_thread_is_seated
 
 @pytest.fixture(scope="module")
 def two_thread_server():
-    server = start_server("--max-batch", "4", "--share-cores", threads=2)
+    # Eager: the threads and the idle loop are the server's, whichever step it runs (docs/TESTING.md).
+    server = start_server("--eager", "--max-batch", "4", "--share-cores", threads=2)
     yield server
     assert server.stop() == 0
 

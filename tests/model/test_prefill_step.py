@@ -81,7 +81,9 @@ def test_the_prefill_form_run_eagerly_is_the_modules_forward(tiny_checkpoints, f
         _agree(_prefill(decoder, rows, _form, chunk), _prefill(decoder, rows, _modules, chunk))
 
 
-COMPILED = ("qwen3_moe", "deepseek_v3", "gpt_oss")
+# gpt_oss's compiled prefill (sinks, windows, packed MXFP4 experts at many rows) is served by
+# tests/serve/test_compiled_server.py's MXFP4 server, against the eager engine's tokens.
+COMPILED = ("qwen3_moe", "deepseek_v3")
 
 
 @pytest.fixture(scope="module")

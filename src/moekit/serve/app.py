@@ -126,8 +126,11 @@ class ServerState:
             # Compiled before /health says ready, not on a request; tiers' per-row K graphs too, and the
             # scheduler's prefills (moekit.model.compiled_step.SERVED_PREFILLS).
             from moekit.model.compiled_step import SERVED_PREFILLS
+            from moekit.model.prefill_step import takes
 
-            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress, prefills=SERVED_PREFILLS)
+            # Not where no prompt could take them (paged experts, hooks): three graphs never run.
+            prefills = SERVED_PREFILLS if takes(engine.decoder, None, None, last_only=True) is None else ()
+            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress, prefills=prefills)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,

@@ -64,6 +64,9 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
             first[args] = (_cache_counters(server), ask(client, jobs[0]), _cache_counters(server))
             if not args:
                 _warmed_up_before_serving(server)
+                # Paged experts keep a prompt on the modules' forward (prefill_step.takes): no prefill graph
+                # is compiled for it, while an unpaged server's line names its prefills (the MXFP4 one below).
+                assert not any("the prefill (" in line for line in server.log), server.log
                 with ThreadPoolExecutor(len(jobs)) as pool:  # 5 clients, 4 rows: one waits for a row to leave
                     got = list(pool.map(lambda job: ask(client, job)[0], jobs))
                 assert got == solo
@@ -97,5 +100,6 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
         for (prompt, new), ids in zip(jobs, got):
             assert ids == engine.generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0], prompt
         assert any("compiled graph" in line for line in packed.log), packed.log[-5:]
+        assert any("the prefill (" in line for line in packed.log), packed.log  # its prompts prefill compiled
     finally:
         assert packed.stop() == 0

@@ -429,16 +429,23 @@ def decode_step(decoder, ids, slot, positions, key_mask, stack, cos_table, sin_t
             chosen.append(decision.topk_ids)
             weights.append(decision.topk_weights)
             entropy.append(decision.entropy)
-    x = decoder.norm(x)
+    return step_outputs(decoder, decoder.norm(x), x.shape[0], chosen, weights, entropy, routing)
+
+
+def step_outputs(decoder, x, rows: int, chosen: list, weights: list, entropy: list, routing: StepRouting):
+    """A step's (or prefill's) last part, shared by decode_step and prefill_step: the head on the
+    normed x [B, D] → (logits [B, V] fp32, chosen [L_moe, rows, K], weights [L_moe, rows, K], entropy
+    [L_moe, rows] where routing.entropy, else None) from the MoE layers' per-layer lists (empty for a
+    dense model: K = 0)."""
     if not chosen:  # a dense model: no routing to report
-        chosen = weights = [torch.zeros((x.shape[0], 0), dtype=torch.int64, device=x.device)]
-        entropy = [torch.zeros((x.shape[0],), device=x.device)]
+        chosen = weights = [torch.zeros((rows, 0), dtype=torch.int64, device=x.device)]
+        entropy = [torch.zeros((rows,), device=x.device)]
     if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
         logits = linear_rows(x, decoder.embed.weight, decoder.head_bias, decoder.tied_head_kernel)
     else:
         logits = project(decoder.lm_head, x)
-    if spec.multipliers.logits_scaling != 1.0:
-        logits = logits / spec.multipliers.logits_scaling
+    if decoder.spec.multipliers.logits_scaling != 1.0:
+        logits = logits / decoder.spec.multipliers.logits_scaling
     return logits.float(), torch.stack(chosen), torch.stack(weights), torch.stack(entropy) if routing.entropy else None
 
 

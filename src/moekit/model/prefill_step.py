@@ -22,10 +22,9 @@ from typing import Optional
 
 import torch
 
-from moekit.model.decoder import FAMILY, StepRouting
+from moekit.model.decoder import FAMILY, StepRouting, step_outputs
 from moekit.model.expert_forms import Paged
 from moekit.model.moe import MoE
-from moekit.model.step_ops import linear_rows, project
 
 
 def takes(decoder, top_k, policy, last_only: bool) -> Optional[str]:
@@ -70,14 +69,5 @@ def prefill_step(decoder, ids, positions, key_mask, stack, cos_table, sin_table,
             chosen.append(decision.topk_ids)
             weights.append(decision.topk_weights)
             entropy.append(decision.entropy)
-    x = decoder.norm(x.view(b, t, -1)[:, -1])  # [B, D]: only the last token's logits are asked for
-    if not chosen:  # a dense model: no routing to report
-        chosen = weights = [torch.zeros((b * t, 0), dtype=torch.int64, device=x.device)]
-        entropy = [torch.zeros((b * t,), device=x.device)]
-    if decoder.lm_head is None:  # tied: the embedding table, in the Hub layout
-        logits = linear_rows(x, decoder.embed.weight, decoder.head_bias, decoder.tied_head_kernel)
-    else:
-        logits = project(decoder.lm_head, x)
-    if spec.multipliers.logits_scaling != 1.0:
-        logits = logits / spec.multipliers.logits_scaling
-    return logits.float(), torch.stack(chosen), torch.stack(weights), torch.stack(entropy) if routing.entropy else None
+    last = decoder.norm(x.view(b, t, -1)[:, -1])  # [B, D]: only the last token's logits are asked for
+    return step_outputs(decoder, last, b * t, chosen, weights, entropy, routing)

@@ -203,6 +203,10 @@ class LayerStore:
             # Still queued behind other guesses: read it here and now rather than wait for them.
             self._weights[e] = future = self._inline(e, self._handed.get(e))
             return future.result()
+        return self._waited(future)
+
+    def _waited(self, future: Future) -> Weights:
+        """future's weights, the time spent waiting for its read counted as stall."""
         began = time.perf_counter()
         try:
             return future.result()
@@ -401,11 +405,7 @@ class LayerStore:
             if self._slot_count:
                 self._deferred.append((future, None))
             return future.result()
-        began = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self._clock.stall_s += time.perf_counter() - began
+        return self._waited(future)
 
 
 @dataclass

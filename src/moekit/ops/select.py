@@ -19,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -95,16 +96,12 @@ def remembered(key: str, measure: Callable[[], Any], cache: Path = builds.DEFAUL
     return value
 
 
+@contextmanager
 def _locked(path: Path):
-    """An exclusive lock beside the choices file, held while the returned context is open."""
-    class Lock:
-        def __enter__(self):
-            self.file = open(path.with_suffix(".lock"), "w")
-            fcntl.flock(self.file, fcntl.LOCK_EX)
-
-        def __exit__(self, *exc):
-            self.file.close()  # closing releases the lock
-    return Lock()
+    """An exclusive lock beside the choices file, held while the context is open."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def _write(path: Path, data: dict) -> None:

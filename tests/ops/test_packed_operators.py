@@ -16,21 +16,27 @@ def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
     assert (got.float() - want).abs().max().item() <= tol * want.abs().max().item()
 
 
+# x fp32 (an fp32 model's activations) and bf16 (a bf16 model's, multiplied as bf16 pairs where built).
+X_DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", X_DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 16])
-def test_mxfp4_operator_is_the_reference_within_summation_order(ops, rows):
+def test_mxfp4_operator_is_the_reference_within_summation_order(ops, rows, dtype):
     w = packed_layout.mxfp4_prepare(torch.randn(72, 160) * torch.logspace(-2, 2, 160))  # 5 blocks a row
-    x = torch.randn(rows, 160)
+    x = torch.randn(rows, 160).to(dtype)
     got = ops.mxfp4_gemv(x, w)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     _close(got, reference.mxfp4_gemv(x, w), 1e-6)
 
 
-@pytest.mark.parametrize("rows", [2, 7, 40])
-def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows):
+@pytest.mark.parametrize("dtype", X_DTYPES)
+@pytest.mark.parametrize("rows", [2, 3, 7, 40])
+def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows, dtype):
     """Several rows (a prompt's, routed to one expert) expand each weight row once for all of them;
     every row's outputs are still its one-row product to the bit, so batching changes no float."""
     w = packed_layout.mxfp4_prepare(torch.randn(41, 320) * torch.logspace(-2, 2, 320))  # 10 blocks a row, an odd row count
-    x = torch.randn(rows, 320)
+    x = torch.randn(rows, 320).to(dtype)
     got = ops.mxfp4_gemv(x, w)
     for r in range(rows):
         assert torch.equal(got[r], ops.mxfp4_gemv(x[r : r + 1], w)[0])
@@ -95,12 +101,13 @@ def test_the_experts_operators_are_the_rows_operator_on_each_chosen_expert(ops, 
     _close(got, want, 1e-6)
 
 
-def test_the_mxfp4_experts_operator_on_a_prompt_is_each_rows_one_row_product(ops):
+@pytest.mark.parametrize("dtype", X_DTYPES)
+def test_the_mxfp4_experts_operator_on_a_prompt_is_each_rows_one_row_product(ops, dtype):
     """A prompt's rows share experts (up to 9 rows an expert here, past the 4-row passes): each
     (row, choice) is still the one-row product of that expert, bit for bit."""
     stack = _stack(PACKED_STACKS["mxfp4"][0], 3, 24, 160)
     ids = torch.randint(0, 3, (13, 2), generator=torch.Generator().manual_seed(2))
-    x = torch.randn(13, 1, 160)
+    x = torch.randn(13, 1, 160).to(dtype)
     got = ops.experts_mxfp4(x, stack, ids)
     for b in range(13):
         for c in range(2):
@@ -132,3 +139,21 @@ def test_packed_experts_is_each_experts_eager_helper_with_its_bias(machine_build
             e = int(ids[b, c])
             want = door.mxfp4_gemv(x[b], stack[e], bias[e]) if not block else door.fp8_gemv(x[b], stack[e], bias[e], block)
             assert torch.equal(got[b, c], want[0])
+
+
+@pytest.mark.parametrize("inputs", [32, 96, 128, 2880])
+def test_mxfp4_on_bf16_x_is_the_product_of_x_widened(ops, inputs):
+    """A bf16 x is multiplied as it is (bf16 pairs into fp32 where the build has AVX512-BF16, else
+    widened): the products of x widened to fp32, every block of gpt-oss's scale range, whole and
+    partial passes of 4 blocks (1, 3, 4 and 90 blocks a row)."""
+    gen = torch.Generator().manual_seed(3)
+    w = packed_layout.mxfp4_prepare(torch.randn(37, inputs, generator=gen) * torch.logspace(-3, 0, inputs))
+    x = torch.randn(5, inputs, generator=gen).to(torch.bfloat16)
+    want = reference.mxfp4_gemv(x.float(), w)
+    _close(ops.mxfp4_gemv(x, w), want, 1e-6)
+    stack, ids = torch.stack([w, w.flip(0)]), torch.tensor([[1, 0], [0, 0], [1, 1], [0, 1], [1, 0]])
+    got = ops.experts_mxfp4(x[:, None], stack, ids)
+    for b in range(5):
+        for c in range(2):
+            assert torch.equal(got[b, c], ops.mxfp4_gemv(x[b : b + 1], stack[int(ids[b, c])])[0])
+    _close(got, reference.experts_mxfp4(x[:, None], stack, ids), 1e-6)

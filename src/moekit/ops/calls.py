@@ -81,12 +81,18 @@ def _packed_fits(x2: Tensor, packed: Tensor, name: str, rows: int) -> bool:
     return x2.shape[0] <= rows and packed.is_contiguous() and packed.device.type == "cpu" and available(name)
 
 
+def _mxfp4_input(x: Tensor) -> Tensor:
+    """x as the MXFP4 operators take it: bf16 as it is (their bf16 pair product, where built: the same
+    products as on x widened), anything else as fp32."""
+    return x if x.dtype == torch.bfloat16 else x.float()
+
+
 def mxfp4_gemv(x: Tensor, packed: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """x [.., in] → [.., out] for MXFP4 prepared rows: the operator on ≤ MXFP4_ROWS rows, else the reference."""
     x2 = x.reshape(-1, x.shape[-1])
     if not _packed_fits(x2, packed, "mxfp4_gemv", MXFP4_ROWS):
         return packed_layout.mxfp4_apply(x, packed, bias)
-    y = op("moekit", "mxfp4_gemv")(x2.float().contiguous(), packed)
+    y = op("moekit", "mxfp4_gemv")(_mxfp4_input(x2), packed)
     if bias is not None:
         y += bias.float()
     return y.to(x.dtype).view(*x.shape[:-1], packed.shape[0])
@@ -117,7 +123,7 @@ def packed_experts(x: Tensor, stack: Tensor, ids: Tensor, bias: Optional[Tensor]
     name = packed_experts_operator(block_in)
     extra = (block_in,) if block_in else ()
     run = op("moekit", name) if available(name) else getattr(reference, name)
-    y = run(x.float(), stack, ids, *extra)  # [B, K, out] fp32
+    y = run(x.float() if block_in else _mxfp4_input(x), stack, ids, *extra)  # [B, K, out] fp32
     if bias is not None:
         y = y + bias[ids].float()
     return y.to(x.dtype)

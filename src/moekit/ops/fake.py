@@ -24,9 +24,9 @@ SHAPES = {
     "latent_attend": lambda query, cached, visible, scale, r: query.new_empty((query.shape[0], query.shape[1], r)),
     "rows_tiles": lambda x, w: _rows(x, w),
     "experts_tiles": lambda x, w, ids: _experts(x, w, ids),
-    "mxfp4_gemv": lambda x, packed: x.new_empty((x.shape[0], packed.shape[0])),
+    "mxfp4_gemv": lambda x, packed: x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32),
     "fp8_gemv": lambda x, packed, block, lut: x.new_empty((x.shape[0], packed.shape[0])),
-    "experts_mxfp4": lambda x, w, ids: _experts(x, w, ids),
+    "experts_mxfp4": lambda x, w, ids: x.new_empty((x.shape[0], ids.shape[1], w.shape[1]), dtype=torch.float32),
     "experts_fp8": lambda x, w, ids, block: _experts(x, w, ids),
     "transpose_into": lambda src, out: None,  # writes into out, returns nothing
 }

@@ -87,8 +87,9 @@ def bf16_tiles() -> bool:
 
 
 def mxfp4_gemv(x: Tensor, packed: Tensor) -> Tensor:
-    """x [M, K] fp32 · MXFP4 prepared rows [N, G · 17] → [M, N] fp32."""
-    return packed_layout.mxfp4_apply(x, packed)
+    """x [M, K] fp32 or bf16 · MXFP4 prepared rows [N, G · 17] → [M, N] fp32: the weight dequantized
+    exactly, the products and sums in fp32 (a bf16 x widened: the operator's bf16 pair products)."""
+    return packed_layout.mxfp4_apply(x.float(), packed)
 
 
 def fp8_gemv(x: Tensor, packed: Tensor, block: int, lut: Tensor) -> Tensor:
@@ -97,9 +98,9 @@ def fp8_gemv(x: Tensor, packed: Tensor, block: int, lut: Tensor) -> Tensor:
 
 
 def experts_mxfp4(x: Tensor, w: Tensor, ids: Tensor) -> Tensor:
-    """x [B, X, K] fp32, MXFP4 prepared stacks [E, N, G · 17], ids [B, C] → [B, C, N] fp32: each row's
-    chosen experts, each dequantized and multiplied as mxfp4_gemv's reference does."""
-    return _packed_experts(x, w, ids, lambda rows, packed: packed_layout.mxfp4_apply(rows, packed))
+    """x [B, X, K] fp32 or bf16, MXFP4 prepared stacks [E, N, G · 17], ids [B, C] → [B, C, N] fp32: each
+    row's chosen experts, each dequantized and multiplied as mxfp4_gemv's reference does."""
+    return _packed_experts(x.float(), w, ids, lambda rows, packed: packed_layout.mxfp4_apply(rows, packed))
 
 
 def experts_fp8(x: Tensor, w: Tensor, ids: Tensor, block: int) -> Tensor:

@@ -84,6 +84,56 @@ __attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x,
 #endif
 }
 
+#ifdef MK_DPBF16
+// bf16 x (a bf16 engine's activations, read in place) on AVX512-BF16: a block's 32 values made as
+// bf16 by one vpermw from its scale byte's table of the 16 codes' values (code × 2^(s − 127): three
+// significant bits, exact in bf16 as in fp32), then multiplied by x's bf16 pairs into fp32 chains
+// (a product of two bf16 is exact in fp32): the fp32 form's products, summed in another order, and
+// ~4 vector instructions a block where the fp32 form's unpacking took ~7 cycles. Block g goes into
+// chain g % PAIR_CHAINS in every form, so a row's floats do not depend on the rows beside it.
+// AVX512-BF16 reads subnormal bf16 as zero: values of blocks scaled below 2^-126 (gpt-oss's are
+// ~2^-10 .. 2^0), and subnormal x.
+constexpr int PAIR_CHAINS = 4;
+
+// [256][16] bf16 bits: scale byte s, code c → TWICE[c] · 2^(s − 128), the fp32 form's values.
+static const uint16_t* scaled_codes() {
+    static const std::vector<uint16_t> table = [] {
+        std::vector<uint16_t> t(256 * 16);
+        for (int s = 0; s < 256; ++s)
+            for (int c = 0; c < 16; ++c) t[s * 16 + c] = c10::BFloat16(TWICE[c] * std::ldexp(1.0f, s - 128)).x;
+        return t;
+    }();
+    return table.data();
+}
+
+// One 17-byte block's 32 values as bf16, in x's order: byte j's low code is value 2j, its high 2j + 1,
+// so dword j's index words are (b & 15, b >> 4): (b | b << 12) & 0x000F000F.
+static inline __m512bh block_pairs(const uint8_t* w, const uint16_t* tables) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 1)));
+    const __m512i codes = _mm512_ternarylogic_epi32(b, _mm512_slli_epi32(b, 12), _mm512_set1_epi32(0x000F000F), 0xA8);  // (A | B) & C
+    // the table's 16 words in the low half; the codes (< 16) never index the high half
+    const __m512i table = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tables + 16 * w[0])));
+    return (__m512bh)_mm512_permutexvar_epi16(codes, table);
+}
+
+static inline __m512 pair_fma(__m512 acc, __m512bh v, const c10::BFloat16* x) {
+    return _mm512_dpbf16_ps(acc, v, (__m512bh)_mm512_loadu_si512(x));
+}
+
+static inline float chains_sum(const __m512* acc) {
+    return vsum(vadd(vadd(acc[0], acc[1]), vadd(acc[2], acc[3])));
+}
+
+__attribute__((noinline)) static float row_dot(const uint8_t* w, const c10::BFloat16* x, int64_t groups) {
+    const uint16_t* tables = scaled_codes();
+    __m512 acc[PAIR_CHAINS] = {vzero(), vzero(), vzero(), vzero()};
+    for (int64_t g = 0; g < groups; g += PAIR_CHAINS)
+        for (int c = 0; c < PAIR_CHAINS; ++c)  // unrolled: each chain stays in its register
+            if (g + c < groups) acc[c] = pair_fma(acc[c], block_pairs(w + (g + c) * 17, tables), x + (g + c) * 32);
+    return chains_sum(acc);
+}
+#endif
+
 // Weight rows of a block and x rows of a pass where a weight block's values are made once for
 // several x rows (in registers): AVX-512, 2 · 4 · 2 accumulators of its 32 registers; AVX2, 1 · 2 · 4
 // of 16; without vectors, each pair through row_dot.
@@ -92,6 +142,9 @@ constexpr int ROWS_BLOCK = 2, X_ROWS = 4;
 #else
 constexpr int ROWS_BLOCK = 1, X_ROWS = 2;
 #endif
+// bf16 x: 2 · 2 · PAIR_CHAINS accumulators.
+template <typename X>
+constexpr int x_rows() { return std::is_same_v<X, float> ? X_ROWS : 2; }
 
 // G weight rows (row g at w + g · row_bytes) against NR x rows: out[g · R + r] = row_dot(row g,
 // xs[r]) bit for bit (each block's values made as row_dot makes them, the same FMAs in the same
@@ -122,21 +175,46 @@ static void rows_dots(const uint8_t* w, int64_t row_bytes, const float* const* x
 #endif
 }
 
-// G weight rows against R x rows (out[g · R + r] = row_dot(row g, xs[r])), X_ROWS x rows a pass.
-template <int G>
-static void block_dots(const uint8_t* w, int64_t row_bytes, const float* const* xs, int64_t R, int64_t groups, float* out) {
+#ifdef MK_DPBF16
+// rows_dots for bf16 x: out[g · R + r] = row_dot(row g, xs[r]) bit for bit, each block's bf16 values
+// made once for the NR rows.
+template <int G, int NR>
+static void rows_dots(const uint8_t* w, int64_t row_bytes, const c10::BFloat16* const* xs, int64_t groups, int64_t R, float* out) {
+    const uint16_t* tables = scaled_codes();
+    __m512 acc[G][NR][PAIR_CHAINS];
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r)
+            for (int c = 0; c < PAIR_CHAINS; ++c) acc[g][r][c] = vzero();
+    for (int64_t b = 0; b < groups; b += PAIR_CHAINS)
+        for (int c = 0; c < PAIR_CHAINS; ++c) {
+            if (b + c >= groups) break;
+            __m512bh v[G];
+            for (int g = 0; g < G; ++g) v[g] = block_pairs(w + g * row_bytes + (b + c) * 17, tables);
+            for (int r = 0; r < NR; ++r)
+                for (int g = 0; g < G; ++g) acc[g][r][c] = pair_fma(acc[g][r][c], v[g], xs[r] + (b + c) * 32);
+        }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < NR; ++r) out[g * R + r] = chains_sum(acc[g][r]);
+}
+#endif
+
+// G weight rows against R x rows (out[g · R + r] = row_dot(row g, xs[r])), x_rows<X>() x rows a pass.
+template <int G, typename X>
+static void block_dots(const uint8_t* w, int64_t row_bytes, const X* const* xs, int64_t R, int64_t groups, float* out) {
+    constexpr int XR = x_rows<X>();
     int64_t r = 0;
-    for (; r + X_ROWS <= R; r += X_ROWS) rows_dots<G, X_ROWS>(w, row_bytes, xs + r, groups, R, out + r);
+    for (; r + XR <= R; r += XR) rows_dots<G, XR>(w, row_bytes, xs + r, groups, R, out + r);
     switch (R - r) {
-        case 3: rows_dots<G, 3>(w, row_bytes, xs + r, groups, R, out + r); break;
-        case 2: rows_dots<G, 2>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 3: if constexpr (XR > 3) rows_dots<G, 3>(w, row_bytes, xs + r, groups, R, out + r); break;
+        case 2: if constexpr (XR > 2) rows_dots<G, 2>(w, row_bytes, xs + r, groups, R, out + r); break;
         case 1: rows_dots<G, 1>(w, row_bytes, xs + r, groups, R, out + r); break;
         default: break;
     }
 }
 
 // One weight row against R x rows: the few-row form's last rows, and each weight row of an expert one x row chose.
-static void row_dots(const uint8_t* w, const float* const* xs, int64_t R, int64_t groups, float* out) {
+template <typename X>
+static void row_dots(const uint8_t* w, const X* const* xs, int64_t R, int64_t groups, float* out) {
     if (R == 1) {
         out[0] = row_dot(w, xs[0], groups);
         return;
@@ -197,14 +275,18 @@ torch::Tensor fp8_gemv(torch::Tensor x, torch::Tensor packed, int64_t block, tor
     return y;
 }
 
-torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
-    // x fp32 [N, G * 32] contiguous; packed uint8 [out, G * 17] → fp32 [N, out]
-    const int64_t n = x.size(0), out = packed.size(0), groups = packed.size(1) / 17;
-    auto y = torch::empty({n, out}, x.options());
-    const float* xp = x.data_ptr<float>();
-    const uint8_t* wp = packed.data_ptr<uint8_t>();
-    float* yp = y.data_ptr<float>();
-    std::vector<const float*> xs(n);
+// x as the MXFP4 products read it: bf16 in place where the pair form is built, else fp32 (a bf16
+// x widened: the same values).
+static torch::Tensor mxfp4_input(const torch::Tensor& x) {
+#ifdef MK_DPBF16
+    if (x.scalar_type() == torch::kBFloat16) return x.contiguous();
+#endif
+    return x.to(torch::kFloat).contiguous();
+}
+
+template <typename X>
+static void mxfp4_rows(const X* xp, const uint8_t* wp, int64_t n, int64_t out, int64_t groups, float* yp) {
+    std::vector<const X*> xs(n);
     for (int64_t r = 0; r < n; ++r) xs[r] = xp + r * groups * 32;
     at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> dots(ROWS_BLOCK * n);
@@ -220,6 +302,25 @@ torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
             for (int64_t r = 0; r < n; ++r) yp[r * out + o] = dots[r];
         }
     });
+}
+
+torch::Tensor mxfp4_gemv(torch::Tensor x, torch::Tensor packed) {
+    // x fp32 or bf16 [N, G * 32]; packed uint8 [out, G * 17] → fp32 [N, out]
+    TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                packed.scalar_type() == torch::kByte && packed.size(1) % 17 == 0 && x.size(1) == packed.size(1) / 17 * 32,
+                "mxfp4_gemv: x fp32 or bf16 [N, G * 32], packed uint8 [out, G * 17]");
+    const int64_t n = x.size(0), out = packed.size(0), groups = packed.size(1) / 17;
+    const auto xc = mxfp4_input(x);
+    const auto pc = packed.contiguous();
+    auto y = torch::empty({n, out}, x.options().dtype(torch::kFloat));
+    const uint8_t* wp = pc.data_ptr<uint8_t>();
+#ifdef MK_DPBF16
+    if (xc.scalar_type() == torch::kBFloat16) {
+        mxfp4_rows(xc.data_ptr<c10::BFloat16>(), wp, n, out, groups, y.data_ptr<float>());
+        return y;
+    }
+#endif
+    mxfp4_rows(xc.data_ptr<float>(), wp, n, out, groups, y.data_ptr<float>());
     return y;
 }
 
@@ -236,42 +337,51 @@ static const float* fp8_values() {
 
 // The chosen experts of a stack of packed rows w [E, N, width], each product the rows operator's own
 // (`dots`: one weight row against R x rows, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
-// x fp32 [B, X, in] (X = 1: one row per token; X = C: one per choice), ids [B, C] → fp32 [B, C, N].
-// `block` (BG > 0): BG weight rows at a time against R x rows, as dots_block (rows.h).
-template <int BG, typename Dots, typename Block>
-static torch::Tensor packed_experts(const char* name, const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& ids,
+// x [B, X, in] (fp32, or bf16 where `dots` takes it; X = 1: one row per token; X = C: one per choice),
+// ids [B, C] → fp32 [B, C, N]. `block` (BG > 0): BG weight rows at a time against R x rows, as dots_block (rows.h).
+template <int BG, typename T, typename Dots, typename Block>
+static torch::Tensor packed_experts(const char* name, const torch::Tensor& xc, const torch::Tensor& w, const torch::Tensor& ids,
                                     int64_t in, Dots dots, Block block) {
-    const int64_t B = x.size(0), X = x.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
+    const int64_t B = xc.size(0), X = xc.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
     TORCH_CHECK(X == 1 || X == C, name, ": x holds one row per token or one per choice");
-    const auto xc = x.contiguous();
     const auto wc = w.contiguous();
     const auto ic = ids.to(torch::kLong).contiguous();
-    auto y = torch::empty({B, C, N}, x.options());
-    const float* xp = xc.data_ptr<float>();
+    auto y = torch::empty({B, C, N}, xc.options().dtype(torch::kFloat));
+    const T* xp = xc.data_ptr<T>();
     const uint8_t* wp = wc.data_ptr<uint8_t>();
     experts_loop<BG>(ic.data_ptr<int64_t>(), y.data_ptr<float>(), B, X, C, E, N, [xp, in](int64_t r) { return xp + r * in; },
-                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                     [&](int64_t e, int64_t n, const T* const* xs, int64_t R, float* out) {
                          dots(wp + (e * N + n) * width, xs, R, out);
                      },
-                     [](int64_t, int64_t, const float*, float*) {},
-                     [&](int64_t e, int64_t n, const float* const* xs, int64_t R, float* out) {
+                     [](int64_t, int64_t, const T*, float*) {},
+                     [&](int64_t e, int64_t n, const T* const* xs, int64_t R, float* out) {
                          block(wp + (e * N + n) * width, width, xs, R, out);
                      },
                      false);
     return y;
 }
 
-torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
-    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 && x.scalar_type() == torch::kFloat &&
-                w.scalar_type() == torch::kByte && w.size(2) % 17 == 0 && x.size(2) == w.size(2) / 17 * 32,
-                "experts_mxfp4: x fp32 [B, X, G * 32], w uint8 [E, N, G * 17], ids [B, C]");
+template <typename T>
+static torch::Tensor mxfp4_experts(const torch::Tensor& xc, const torch::Tensor& w, const torch::Tensor& ids) {
     const int64_t groups = w.size(2) / 17;
-    return packed_experts<ROWS_BLOCK>(
-        "experts_mxfp4", x, w, ids, groups * 32,
-        [groups](const uint8_t* row, const float* const* xs, int64_t R, float* out) { row_dots(row, xs, R, groups, out); },
-        [groups](const uint8_t* rows, int64_t row_bytes, const float* const* xs, int64_t R, float* out) {
+    return packed_experts<ROWS_BLOCK, T>(
+        "experts_mxfp4", xc, w, ids, groups * 32,
+        [groups](const uint8_t* row, const T* const* xs, int64_t R, float* out) { row_dots(row, xs, R, groups, out); },
+        [groups](const uint8_t* rows, int64_t row_bytes, const T* const* xs, int64_t R, float* out) {
             block_dots<ROWS_BLOCK>(rows, row_bytes, xs, R, groups, out);
         });
+}
+
+torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
+    TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && ids.dim() == 2 &&
+                (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                w.scalar_type() == torch::kByte && w.size(2) % 17 == 0 && x.size(2) == w.size(2) / 17 * 32,
+                "experts_mxfp4: x fp32 or bf16 [B, X, G * 32], w uint8 [E, N, G * 17], ids [B, C]");
+    const auto xc = mxfp4_input(x);
+#ifdef MK_DPBF16
+    if (xc.scalar_type() == torch::kBFloat16) return mxfp4_experts<c10::BFloat16>(xc, w, ids);
+#endif
+    return mxfp4_experts<float>(xc, w, ids);
 }
 
 torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, int64_t block) {
@@ -280,8 +390,8 @@ torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, i
                 "experts_fp8: x fp32 [B, X, in], w uint8 [E, N, in + 4 * nbc], ids [B, C]");
     const int64_t in = x.size(2);
     const float* lut = fp8_values();
-    return packed_experts<0>(
-        "experts_fp8", x, w, ids, in,
+    return packed_experts<0, float>(
+        "experts_fp8", x.contiguous(), w, ids, in,
         [in, block, lut](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
             for (int64_t r = 0; r < R; ++r) out[r] = fp8_row_dot(row, xs[r], in, block, lut);
         },

@@ -97,3 +97,27 @@ def test_the_grouped_experts_are_the_combine_bit_for_bit(quantized_checkpoints, 
         got = ex.held.apply(ex, x, decision)
         want = ex.combine(x, decision, ex.held.weights)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+
+def _batch_logits(engine) -> torch.Tensor:
+    """A 2-row prefill, then 3 decode steps' logits [2, 3, V] (the compiled engine's through its graph)."""
+    dec, cache = engine.decoder, engine.decoder.new_cache(2, 16)
+    prompts = torch.tensor([PROMPT + [7], [12, 40, 41, 2, 7, 8, 9, 10]])
+    with torch.inference_mode():
+        dec(prompts, cache, torch.arange(8)[None].expand(2, 8))
+        return torch.cat([dec(torch.tensor([[17 + s], [23 + s]]), cache, torch.full((2, 1), 8 + s)) for s in range(3)], 1)
+
+
+def test_a_bf16_engines_compiled_step_stays_within_bf16_rounding_of_its_eager_step(quantized_checkpoints):
+    """bf16 activations reach moekit::experts_mxfp4 as bf16 (its bf16 pair product, where built) in
+    the compiled step as in the eager one; the two steps round the experts' shares and their sum in
+    bf16 in other orders (a fused sum against the eager adds), so logits agree to bf16's rounding."""
+    folder = quantized_checkpoints("mxfp4")
+    eager = load_engine(folder, dtype="bfloat16", compile=False)
+    compiled = load_engine(folder, dtype="bfloat16", compile=True)
+    compiled.decoder.compile_decode(cpp_wrapper=False)  # the same kernels, a quicker compile
+    assert compiled.decoder.compiled is not None, compiled.notes
+    want, got = _batch_logits(eager), _batch_logits(compiled)
+    assert got.dtype == want.dtype and want.abs().max() > 0.5  # logits of some size, so that the bound means something
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=0.06)

@@ -33,13 +33,24 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked slow leave the run unless --all, or an -m expression that names them, asks."""
-    if config.getoption("run_slow") or "slow" in config.getoption("markexpr"):
-        return
-    slow = [item for item in items if item.get_closest_marker("slow")]
-    if slow:
-        config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    """Tests marked slow leave the run unless --all, or an -m expression that names them, asks; the
+    modules that start processes come first (process_modules_first)."""
+    if not (config.getoption("run_slow") or "slow" in config.getoption("markexpr")):
+        slow = [item for item in items if item.get_closest_marker("slow")]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if not item.get_closest_marker("slow")]
+    items[:] = process_modules_first(items)
+
+
+def process_modules_first(items: list) -> list:
+    """The modules that hold a test starting processes, ahead of the rest; each part in collection
+    order, a module's tests together (its module-scoped servers start once). Under `--dist worksteal`
+    (pyproject's addopts) the first worker's share begins with them, so the lock-serialised tests
+    run one after another on it while the other worker runs in-process tests, instead of the two
+    workers meeting at the lock (xdist's `load` deals tests out in turns: one worker waits idle)."""
+    serial = {item.path for item in items if starts_processes(item)}
+    return sorted(items, key=lambda item: item.path not in serial)  # stable
 
 
 def starts_processes(item) -> bool:

@@ -1,6 +1,7 @@
 """The suite's own settings (tests/conftest.py): a missing or wrongly pinned test dependency stops
 the suite instead of skipping what needs it, no Hypothesis test carries a timing deadline, tests
-marked slow run only when asked for, and tests that start processes share one xdist worker."""
+marked slow run only when asked for, tests that start processes never overlap under xdist and
+their modules come first."""
 
 from __future__ import annotations
 
@@ -129,6 +130,17 @@ def test_tests_that_start_processes_never_overlap_on_two_workers(suite_like, mon
     assert len({line.split()[0] for line in result.stdout.lines if " PASSED " in line}) == 2  # [gw0], [gw1]
     first, second = sorted(json.loads((tmp_path / name).read_text()) for name in ("ranks", "server"))
     assert first[1] <= second[0], (first, second)
+
+
+def test_modules_that_start_processes_are_run_first_each_in_one_piece(suite_like):
+    """A module with a test that starts processes goes ahead of a plain module collected before it,
+    all its tests together (the plain ones too: its module-scoped servers start once); each part
+    keeps its collection order."""
+    suite_like.makepyfile(test_aaa_plain="def test_first():\n    pass\n\ndef test_second():\n    pass\n")
+    result = suite_like.runpytest_subprocess(*QUIET, "-p", "no:xdist", "--collect-only", "-q")
+    ids = [line for line in result.stdout.lines if "::" in line]
+    assert ids == ["test_example.py::test_plain", "test_example.py::test_plain_too", "test_example.py::test_ranks",
+                   "test_example.py::test_server", "test_aaa_plain.py::test_first", "test_aaa_plain.py::test_second"]
 
 
 SHARED = """

@@ -1,0 +1,143 @@
+"""Where a served request's time to first token goes: moekit serve's stages beside the wait its
+client sees, and llama-server's TTFT on the same workload, in one run.
+
+Workload: issue 35's (moekit.bench.serve_peers.Workload): c clients each streaming --per-client
+completions of --prompt-len random token ids, --max-tokens tokens each, greedy. For every moekit
+source tree given (--tree NAME=SRC: e.g. main's tree and this one, each served from its own
+PYTHONPATH, so a change is measured against what it changes in the same run), the server's
+/metrics is read before and after the level, and each stage's mean is taken from the histogram
+moekit:first_token_stage_seconds (a tree without it shows —):
+  parse    the route's start (body read) to the request queued: validation, tokenizing;
+  queue    queued to admitted: the step that was running when it came, and the step's release;
+  prefill  admitted to its first token sampled: the prefill's forward and the sampling;
+  stream   the first token sampled to its frame written: the event loop's hand-off and the SSE frame;
+  rest     the client's mean TTFT less those: its request's way in (connection, HTTP parsing before
+           the route) and the frame's way out to the client.
+Engines run one at a time, their order rotated each round; each is warmed up first (--warmup
+requests, not counted).
+
+  .venv/bin/python benchmarks/serve_ttft_breakdown.py bench-out/ckpt/qwen3_moe-150m --concurrency 4 \\
+      --tree main=/work/main/src --tree ttft=src --vs llama-server --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from moekit.bench.serve import LoadPlan, first_model, run_level
+from moekit.bench.serve_peers import (ServeSetup, Workload, checkpoint_vocab, llama_server_command, moekit_command,
+                                      round_order)
+from moekit.bench.server_launch import free_port, running
+
+STAGES = ("parse", "queue", "prefill", "stream")
+FAMILY = "moekit:first_token_stage_seconds"
+
+
+def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """stage → (sum of seconds, count) over every tier, from the server's /metrics (empty without the family)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {stage: [0.0, 0.0] for stage in STAGES}
+    found = False
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        if family.name != FAMILY:
+            continue
+        for sample in family.samples:
+            stage = sample.labels.get("stage")
+            if stage in out and sample.name.endswith("_sum"):
+                out[stage][0] += sample.value
+                found = True
+            elif stage in out and sample.name.endswith("_count"):
+                out[stage][1] += sample.value
+    return {stage: (s, n) for stage, (s, n) in out.items()} if found else {}
+
+
+def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Each stage's mean over the requests between two readings, in ms."""
+    out = {}
+    for stage in STAGES:
+        if stage in before and stage in after:
+            total, count = (a - b for a, b in zip(after[stage], before[stage]))
+            out[stage] = 1000 * total / count if count else float("nan")
+    return out
+
+
+def measure(command, workload: Workload, vocab: int, concurrency: int) -> dict:
+    """One engine: started, warmed up, one level run; its figures."""
+    short, _ = workload.prompts(vocab)
+    with running(command) as server:
+        plan = LoadPlan(url=server.url, prompts=short, max_tokens=workload.max_tokens, model=first_model(server.url))
+        run_level(plan, workload.warmup, concurrency=1)
+        before = stage_totals(server.url) if command.name != "llama-server" else {}
+        level = run_level(plan, workload.requests_per_client * concurrency, concurrency=concurrency)
+        after = stage_totals(server.url) if before else {}
+    stages = stage_means_ms(before, after)
+    ttft_mean = 1000 * level.ttft_s["mean"]
+    if len(stages) == len(STAGES):
+        stages["rest"] = ttft_mean - sum(stages.values())
+    return {"tok_s": level.output_tok_s, "ttft_p50": 1000 * level.ttft_s["p50"], "ttft_mean": ttft_mean,
+            "errors": level.errors, **stages}
+
+
+def row(name: str, figures: dict) -> str:
+    cells = [f"{figures['tok_s']:.0f}", f"{figures['ttft_p50']:.1f}", f"{figures['ttft_mean']:.1f}"]
+    for stage in (*STAGES, "rest"):
+        value = figures.get(stage)
+        cells.append("—" if value is None or value != value else f"{value:.1f}")
+    return f"| {name} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--tree", action="append", default=[], metavar="NAME=SRC",
+                        help="a moekit source tree to serve from (its src/ folder); default: this process's moekit")
+    parser.add_argument("--vs", default="llama-server", help="llama-server, or '' for moekit alone")
+    parser.add_argument("--moekit-args", default="", help="more `moekit serve` flags, e.g. --eager")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default="dtype", help="moekit's --weights (int8: llama-server on q8_0)")
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--per-client", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+
+    workload = Workload(prompt_len=args.prompt_len, max_tokens=args.max_tokens, requests_per_client=args.per_client,
+                        concurrency=(args.concurrency,), arrival_prompt_len=0, warmup=args.warmup)
+    setup = ServeSetup(args.checkpoint, args.dtype, args.weights, args.threads, args.max_batch)
+    flags = tuple(args.moekit_args.split())
+    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("moekit", "")]
+    commands = []  # each: port → the server command
+    for name, src in trees:
+        env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
+        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e))
+    if args.vs == "llama-server":
+        commands.append(lambda port: llama_server_command(setup, workload, port))
+    vocab = checkpoint_vocab(args.checkpoint)
+    names = [c(0).name for c in commands]
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.rounds):
+        for make in round_order(commands, r):
+            command = make(free_port())
+            figures = measure(command, workload, vocab, args.concurrency)
+            results[command.name].append(figures)
+            print(f"round {r + 1}: {row(command.name, figures)}", flush=True)
+    print(f"\nc = {args.concurrency}, {args.dtype}, weights {args.weights}, {args.per_client} x c requests of "
+          f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each; ms, means except TTFT p50:")
+    print("| engine | tok/s | TTFT p50 | TTFT mean | parse | queue | prefill | stream | rest |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        for figures in results[name]:
+            print(row(name, figures))
+
+
+if __name__ == "__main__":
+    main()

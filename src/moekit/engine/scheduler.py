@@ -9,7 +9,9 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      moekit.engine.prefix_cache), and its cache copied into its row. A step prefills at most
      `prefill_tokens` prompt tokens: a longer prompt is prefilled in chunks of that many, one per
      step, each after the KV of the chunks before it (chunked prefill, vLLM's
-     max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode;
+     max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode.
+     Requests that arrive while the step prefills are admitted too, before its decode, within
+     what is left of the budget (a burst's late part then starts in its first part's step);
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets

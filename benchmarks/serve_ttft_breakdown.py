@@ -13,6 +13,9 @@ moekit:first_token_stage_seconds (a tree without it shows —):
   stream   the first token sampled to its frame written: the event loop's hand-off and the SSE frame;
   rest     the client's mean TTFT less those: its request's way in (connection, HTTP parsing before
            the route) and the frame's way out to the client.
+Beside them, the mean gap between a request's tokens as the engine thread produced them
+(moekit:inter_token_latency_seconds: the scheduler's step, what `moekit bench decode` times
+without a server) and as the client read them (ITL mean).
 Engines run one at a time, their order rotated each round; each is warmed up first (--warmup
 requests, not counted).
 
@@ -34,32 +37,33 @@ from moekit.bench.server_launch import free_port, running
 
 STAGES = ("parse", "queue", "prefill", "stream")
 FAMILY = "moekit:first_token_stage_seconds"
+ITL = "moekit:inter_token_latency_seconds"
 
 
 def stage_totals(url: str) -> dict[str, tuple[float, float]]:
-    """stage → (sum of seconds, count) over every tier, from the server's /metrics (empty without the family)."""
+    """stage (and "itl") → (sum of seconds, count) over every tier, from the server's /metrics
+    (no stages from a tree without their family)."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {stage: [0.0, 0.0] for stage in STAGES}
-    found = False
+    out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name != FAMILY:
+        if family.name not in (FAMILY, ITL):
             continue
         for sample in family.samples:
-            stage = sample.labels.get("stage")
-            if stage in out and sample.name.endswith("_sum"):
-                out[stage][0] += sample.value
-                found = True
-            elif stage in out and sample.name.endswith("_count"):
-                out[stage][1] += sample.value
-    return {stage: (s, n) for stage, (s, n) in out.items()} if found else {}
+            stage = sample.labels.get("stage", "itl" if family.name == ITL else None)
+            total = out.setdefault(stage, [0.0, 0.0])
+            if sample.name.endswith("_sum"):
+                total[0] += sample.value
+            elif sample.name.endswith("_count"):
+                total[1] += sample.value
+    return {stage: (s, n) for stage, (s, n) in out.items()}
 
 
 def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
     """Each stage's mean over the requests between two readings, in ms."""
     out = {}
-    for stage in STAGES:
+    for stage in (*STAGES, "itl"):
         if stage in before and stage in after:
             total, count = (a - b for a, b in zip(after[stage], before[stage]))
             out[stage] = 1000 * total / count if count else float("nan")
@@ -77,15 +81,17 @@ def measure(command, workload: Workload, vocab: int, concurrency: int) -> dict:
         after = stage_totals(server.url) if before else {}
     stages = stage_means_ms(before, after)
     ttft_mean = 1000 * level.ttft_s["mean"]
-    if len(stages) == len(STAGES):
-        stages["rest"] = ttft_mean - sum(stages.values())
+    if all(stage in stages for stage in STAGES):
+        stages["rest"] = ttft_mean - sum(stages[stage] for stage in STAGES)
+    if "itl" in stages:
+        stages["engine_itl"] = stages.pop("itl")
     return {"tok_s": level.output_tok_s, "ttft_p50": 1000 * level.ttft_s["p50"], "ttft_mean": ttft_mean,
-            "errors": level.errors, **stages}
+            "errors": level.errors, "itl": 1000 * level.itl_s["mean"], **stages}
 
 
 def row(name: str, figures: dict) -> str:
     cells = [f"{figures['tok_s']:.0f}", f"{figures['ttft_p50']:.1f}", f"{figures['ttft_mean']:.1f}"]
-    for stage in (*STAGES, "rest"):
+    for stage in (*STAGES, "rest", "engine_itl", "itl"):
         value = figures.get(stage)
         cells.append("—" if value is None or value != value else f"{value:.1f}")
     return f"| {name} | " + " | ".join(cells) + " |"
@@ -132,8 +138,8 @@ def main() -> None:
             print(f"round {r + 1}: {row(command.name, figures)}", flush=True)
     print(f"\nc = {args.concurrency}, {args.dtype}, weights {args.weights}, {args.per_client} x c requests of "
           f"{args.prompt_len}-token prompts, {args.max_tokens} tokens each; ms, means except TTFT p50:")
-    print("| engine | tok/s | TTFT p50 | TTFT mean | parse | queue | prefill | stream | rest |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| engine | tok/s | TTFT p50 | TTFT mean | parse | queue | prefill | stream | rest | engine ITL mean | ITL mean |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         for figures in results[name]:
             print(row(name, figures))

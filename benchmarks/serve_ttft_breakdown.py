@@ -37,56 +37,58 @@ from moekit.bench.server_launch import free_port, running
 
 STAGES = ("parse", "queue", "prefill", "stream")
 FAMILY = "moekit:first_token_stage_seconds"
-ITL = "moekit:inter_token_latency_seconds"
+OTHERS = {"moekit:inter_token_latency_seconds": "itl", "moekit:request_queue_time_seconds": "queue_time",
+          "moekit:time_to_first_token_seconds": "engine_ttft"}  # engine_ttft: queued to the first token sampled
 
 
-def stage_totals(url: str) -> dict[str, tuple[float, float]]:
-    """stage (and "itl") → (sum of seconds, count) over every tier, from the server's /metrics
-    (no stages from a tree without their family)."""
+def latency_totals(url: str) -> dict[str, tuple[float, float]]:
+    """Each stage of FAMILY, and each of OTHERS by its short name → (sum of seconds, count) over
+    every tier, from the server's /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        if family.name not in (FAMILY, ITL):
+        if family.name != FAMILY and family.name not in OTHERS:
             continue
         for sample in family.samples:
-            stage = sample.labels.get("stage", "itl" if family.name == ITL else None)
-            total = out.setdefault(stage, [0.0, 0.0])
+            total = out.setdefault(sample.labels["stage"] if family.name == FAMILY else OTHERS[family.name], [0.0, 0.0])
             if sample.name.endswith("_sum"):
                 total[0] += sample.value
             elif sample.name.endswith("_count"):
                 total[1] += sample.value
-    return {stage: (s, n) for stage, (s, n) in out.items()}
+    return {name: (total, count) for name, (total, count) in out.items()}
 
 
-def stage_means_ms(before: dict, after: dict) -> dict[str, float]:
-    """Each stage's mean over the requests between two readings, in ms."""
+def means_ms(before: dict, after: dict) -> dict[str, float]:
+    """Each latency's mean over the requests between two readings, in ms."""
     out = {}
-    for stage in (*STAGES, "itl"):
-        if stage in before and stage in after:
-            total, count = (a - b for a, b in zip(after[stage], before[stage]))
-            out[stage] = 1000 * total / count if count else float("nan")
+    for name in after.keys() & before.keys():
+        total, count = (a - b for a, b in zip(after[name], before[name]))
+        out[name] = 1000 * total / count if count else float("nan")
     return out
 
 
 def measure(command, workload: Workload, vocab: int, concurrency: int) -> dict:
     """One engine: started, warmed up, one level run; its figures."""
     short, _ = workload.prompts(vocab)
+    moekit = command.name != "llama-server"
     with running(command) as server:
         plan = LoadPlan(url=server.url, prompts=short, max_tokens=workload.max_tokens, model=first_model(server.url))
         run_level(plan, workload.warmup, concurrency=1)
-        before = stage_totals(server.url) if command.name != "llama-server" else {}
+        before = latency_totals(server.url) if moekit else {}
         level = run_level(plan, workload.requests_per_client * concurrency, concurrency=concurrency)
-        after = stage_totals(server.url) if before else {}
-    stages = stage_means_ms(before, after)
+        after = latency_totals(server.url) if moekit else {}
+    means = means_ms(before, after)
     ttft_mean = 1000 * level.ttft_s["mean"]
-    if all(stage in stages for stage in STAGES):
-        stages["rest"] = ttft_mean - sum(stages[stage] for stage in STAGES)
-    if "itl" in stages:
-        stages["engine_itl"] = stages.pop("itl")
-    return {"tok_s": level.output_tok_s, "ttft_p50": 1000 * level.ttft_s["p50"], "ttft_mean": ttft_mean,
-            "errors": level.errors, "itl": 1000 * level.itl_s["mean"], **stages}
+    figures = {"tok_s": level.output_tok_s, "ttft_p50": 1000 * level.ttft_s["p50"], "ttft_mean": ttft_mean,
+               "errors": level.errors, "itl": 1000 * level.itl_s["mean"], "engine_itl": means.get("itl")}
+    if moekit and "prefill" not in means:  # a tree without the stages: its queue, and the rest of its engine TTFT
+        means["queue"], means["prefill"] = means["queue_time"], means["engine_ttft"] - means["queue_time"]
+    figures.update({stage: means[stage] for stage in STAGES if stage in means})
+    if all(stage in means for stage in STAGES):
+        figures["rest"] = ttft_mean - sum(means[stage] for stage in STAGES)
+    return figures
 
 
 def row(name: str, figures: dict) -> str:

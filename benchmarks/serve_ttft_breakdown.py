@@ -126,7 +126,9 @@ def main() -> None:
     commands = []  # each: port → the server command
     for name, src in trees:
         env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
-        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e))
+        # A cold start compiles the step's graphs: at a high load that is past the usual 600 s.
+        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e,
+                                                            ready_timeout_s=3600.0))
     if args.vs == "llama-server":
         commands.append(lambda port: llama_server_command(setup, workload, port))
     vocab = checkpoint_vocab(args.checkpoint)

@@ -10,8 +10,9 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      `prefill_tokens` prompt tokens: a longer prompt is prefilled in chunks of that many, one per
      step, each after the KV of the chunks before it (chunked prefill, vLLM's
      max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode.
-     Requests that arrive while the step prefills are admitted too, before its decode, within
-     what is left of the budget (a burst's late part then starts in its first part's step);
+     When no row was running, requests that arrive while the step prefills are admitted too,
+     before its decode, within what is left of the budget (a burst's late part then starts in its
+     first part's step);
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
@@ -424,13 +425,16 @@ class Scheduler:
         return None
 
     def _admit(self) -> int:
-        """Take waiting requests into free rows (see _admit_round). When a round took every request
-        that was waiting, those that arrived during its prefill are taken too, before the decode,
-        within what is left of the step's prefill budget: a burst of arrivals rarely lands at once,
-        and its late part would otherwise wait for a decode step of its first part, and run a step
-        behind it from then on. → rows that started this step."""
+        """Take waiting requests into free rows (see _admit_round). When no row was running and a
+        round took every request that was waiting, those that arrived during its prefill are taken
+        too, before the decode, within what is left of the step's prefill budget: a burst of
+        arrivals rarely lands at once, and its late part would otherwise wait for a decode step of
+        its first part, and run a step behind it from then on. With rows running, a second prefill
+        would hold up their decode for one arrival's sake: it waits for the next step.
+        → rows that started this step."""
+        idle = not self.rows
         started, budget, drained = self._admit_round(self.prefill_tokens)
-        while drained and budget > 0 and self.num_waiting and self._fill is None:
+        while idle and drained and budget > 0 and self.num_waiting and self._fill is None:
             more, left, drained = self._admit_round(budget)
             if left == budget:  # nothing fitted
                 break

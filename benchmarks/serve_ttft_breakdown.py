@@ -6,7 +6,8 @@ completions of --prompt-len random token ids, --max-tokens tokens each, greedy. 
 source tree given (--tree NAME=SRC: e.g. main's tree and this one, each served from its own
 PYTHONPATH, so a change is measured against what it changes in the same run), the server's
 /metrics is read before and after the level, and each stage's mean is taken from the histogram
-moekit:first_token_stage_seconds (a tree without it shows —):
+moekit:first_token_stage_seconds (a tree without it shows its queue histogram, and the rest of
+its engine TTFT as prefill; no parse or stream):
   parse    the route's start (body read) to the request queued: validation, tokenizing;
   queue    queued to admitted: the step that was running when it came, and the step's release;
   prefill  admitted to its first token sampled: the prefill's forward and the sampling;
@@ -20,7 +21,7 @@ Engines run one at a time, their order rotated each round; each is warmed up fir
 requests, not counted).
 
   .venv/bin/python benchmarks/serve_ttft_breakdown.py bench-out/ckpt/qwen3_moe-150m --concurrency 4 \\
-      --tree main=/work/main/src --tree ttft=src --vs llama-server --rounds 2
+      --threads 1 --tree main=/work/main/src --tree ttft=src --vs llama-server --rounds 2
 """
 
 from __future__ import annotations

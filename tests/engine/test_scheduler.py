@@ -229,3 +229,49 @@ def test_a_burst_is_prefilled_together_within_the_prefill_budget(tiny_checkpoint
     assert [s.admitted for s in steps[:2]] == [1, 3]
     for prompt, outcome in zip(prompts, outcomes):
         assert outcome.token_ids == alone(engine, prompt, 6)
+
+
+def test_requests_that_arrive_during_a_prefill_join_that_steps_decode_within_the_budget(tiny_checkpoints):
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    steps: list = []
+    scheduler = Scheduler(engine.decoder, max_batch=4, prefill_tokens=12, on_step=steps.append)
+    first = Request(prompt=PROMPTS[0], max_new_tokens=5)  # 7 prompt tokens: 5 of the step's 12 are left
+    late = [Request(prompt=PROMPTS[1], max_new_tokens=5), Request(prompt=PROMPTS[2], max_new_tokens=5)]  # 2 and 12 tokens
+    arriving = list(late)
+    # The first token is sampled right after the prefill, on the scheduler's thread, before the
+    # step decodes: the others arrive then, as a burst's late part does.
+    first.on_token = lambda token: scheduler.submit_all([arriving.pop() for _ in range(len(arriving))][::-1])
+    requests = [first, *late]
+    outcomes: dict[int, object] = {}
+    for i, request in enumerate(requests):
+        request.on_finish = lambda outcome, i=i: outcomes.__setitem__(i, outcome)
+    scheduler.submit(first)
+    scheduler.run_until_idle()
+    # The 2-token prompt fits what is left and decodes in the first step beside the first; the
+    # 12-token one does not, and waits for the next step.
+    assert [(s.admitted, s.batch) for s in steps[:2]] == [(2, 2), (1, 3)]
+    assert len(outcomes[0].token_ids) == len(outcomes[1].token_ids)
+    for i, request in enumerate(requests):
+        assert outcomes[i].token_ids == alone(engine, list(request.prompt), 5)
+
+
+def test_with_rows_running_an_arrival_during_a_prefill_waits_for_the_next_step(tiny_checkpoints):
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    steps: list = []
+    scheduler = Scheduler(engine.decoder, max_batch=4, on_step=steps.append)
+    running = Request(prompt=PROMPTS[3], max_new_tokens=6)
+    first = Request(prompt=PROMPTS[0], max_new_tokens=4)
+    late = Request(prompt=PROMPTS[1], max_new_tokens=4)
+    first.on_token = lambda token: None if late.submitted_at else scheduler.submit(late)
+    requests = [running, first, late]
+    outcomes: dict[int, object] = {}
+    for i, request in enumerate(requests):
+        request.on_finish = lambda outcome, i=i: outcomes.__setitem__(i, outcome)
+    scheduler.submit(running)
+    scheduler.step()
+    scheduler.submit(first)
+    scheduler.run_until_idle()
+    # A second prefill would hold up the running row's decode: the late request starts a step later.
+    assert [(s.admitted, s.batch) for s in steps[:3]] == [(1, 1), (1, 2), (1, 3)]
+    for i, request in enumerate(requests):
+        assert outcomes[i].token_ids == alone(engine, list(request.prompt), request.max_new_tokens)

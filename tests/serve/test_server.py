@@ -7,6 +7,7 @@ what `moekit run` gives each prompt alone.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -206,6 +207,32 @@ def test_metrics_count_what_was_served(server):
     assert delta("moekit:expert_tokens_total") == routed * 4  # 4 MoE layers, K per token
     assert _total(after, "moekit:num_requests_running") == 0
     assert set(_total(after, "moekit:expert_load_imbalance", layer=str(l)) > 1 for l in range(4)) == {True}
+
+
+def test_first_token_stages_split_the_wait_a_client_sees(server):
+    """Parse, queue, prefill and stream: each request's stages on /metrics, and a streamed
+    request's stages together within the time its client waited for the first token."""
+    before = _metrics(server)
+    body = {"prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent = time.perf_counter()
+    with httpx.stream("POST", server.v1 + "/completions", json=body, timeout=TIMEOUT) as r:
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))  # the first token's frame
+        waited = time.perf_counter() - sent
+        assert "data: [DONE]" in list(lines)  # read to the end: the request has finished
+    middle = _metrics(server)
+    httpx.post(server.v1 + "/completions", json={**body, "stream": False}, timeout=TIMEOUT).raise_for_status()
+    after = _metrics(server)
+
+    def delta(upto, since, name, **labels):
+        return _total(upto, name, **labels) - _total(since, name, **labels)
+
+    stages = ("parse", "queue", "prefill", "stream")
+    streamed = [delta(middle, before, "moekit:first_token_stage_seconds_sum", stage=s) for s in stages]
+    assert [delta(middle, before, "moekit:first_token_stage_seconds_count", stage=s) for s in stages] == [1, 1, 1, 1]
+    assert 0 < sum(streamed) <= waited
+    # A whole reply has no first frame: its stages stop at the first token.
+    assert [delta(after, middle, "moekit:first_token_stage_seconds_count", stage=s) for s in stages] == [1, 1, 1, 0]
 
 
 def test_a_dropped_stream_frees_its_slot(server):

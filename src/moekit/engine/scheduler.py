@@ -9,7 +9,10 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      moekit.engine.prefix_cache), and its cache copied into its row. A step prefills at most
      `prefill_tokens` prompt tokens: a longer prompt is prefilled in chunks of that many, one per
      step, each after the KV of the chunks before it (chunked prefill, vLLM's
-     max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode;
+     max_num_batched_tokens), so an arriving long prompt does not stall the running rows' decode.
+     When no row was running, requests that arrive while the step prefills are admitted too,
+     before its decode, within what is left of the budget (a burst's late part then starts in its
+     first part's step);
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
      length and RoPE position, with its own K; an expert chosen by any row is read once.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
@@ -422,9 +425,27 @@ class Scheduler:
         return None
 
     def _admit(self) -> int:
-        """Take waiting requests into free rows: one left-padded prefill for all of them, within the
-        step's prefill budget, after the next chunk of a prompt prefilled in chunks."""
-        budget, placed = self.prefill_tokens, 0
+        """Take waiting requests into free rows (see _admit_round). When no row was running and a
+        round took every request that was waiting, those that arrived during its prefill are taken
+        too, before the decode, within what is left of the step's prefill budget: a burst of
+        arrivals rarely lands at once, and its late part would otherwise wait for a decode step of
+        its first part, and run a step behind it from then on. With rows running, a second prefill
+        would hold up their decode for one arrival's sake: it waits for the next step.
+        → rows that started this step."""
+        idle = not self.rows
+        started, budget, drained = self._admit_round(self.prefill_tokens)
+        while idle and drained and budget > 0 and self.num_waiting and self._fill is None:
+            more, left, drained = self._admit_round(budget)
+            if left == budget:  # nothing fitted
+                break
+            started, budget = started + more, left
+        return started
+
+    def _admit_round(self, budget: int) -> tuple[int, int, bool]:
+        """Take waiting requests into free rows: one left-padded prefill for all of them, within
+        `budget` prefill tokens, after the next chunk of a prompt prefilled in chunks. → (rows
+        started, budget left, whether no request was left waiting when the round took its last)."""
+        placed = 0
         if self._fill is not None:
             budget, placed = self._continue_fill(budget)
         rows: list[_Row] = []
@@ -444,6 +465,8 @@ class Scheduler:
                 continue
             rows.append(row)
             width = max(width, len(request.prompt))
+        drained = self.num_waiting == 0
+        spent = len(rows) * width  # the padded prefill below, at most (a cached prefix costs less)
         # A policy's state must not see another prompt's pads, and a cached prefix was routed exactly on
         # the served weights: rows with a policy or on a canary prefill alone, uncached (and whole:
         # a policy's run and a canary's weights are a step's, not kept across steps).
@@ -470,7 +493,7 @@ class Scheduler:
             self._prefill_together(cold)
         self._admitting = []
         chunking = self._fill is not None and any(row is self._fill.head for row in rows)
-        return len(rows) - (len(self._fill.rows) if chunking else 0) + placed  # rows that started this step
+        return len(rows) - (len(self._fill.rows) if chunking else 0) + placed, max(budget - spent, 0), drained
 
     def _cached_tokens(self, blocks: Sequence[Block]) -> int:
         return len(blocks) * self.prefix_cache.block_size if blocks else 0

@@ -29,7 +29,7 @@ from moekit.serve.metrics import ServerMetrics
 from moekit.serve.logprobs import chat_logprobs, completion_logprobs, token_text
 from moekit.serve.openapi import openapi_document
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
-from moekit.serve.structured import request_constraint
+from moekit.serve.structured import asks_for_grammar, request_constraint
 from moekit.engine.router_health import watch_routers
 from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
 from moekit.serve.health import EntropyCollector, JitterMetrics
@@ -242,6 +242,7 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
+        arrived = time.perf_counter()
         body = parse_body(await read_body(http, config.max_body_bytes), CompletionRequest)
         engine = _ready_engine(state, body)
         if any(isinstance(p, str) for p in body.prompts) and engine.tokenizer is None:
@@ -252,11 +253,13 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
         echoed = None
         if body.echo:
             echoed = [p if isinstance(p, str) else (engine.decode(p) if engine.tokenizer is not None else "") for p in body.prompts]
-        constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
-        return await _generate(http, state, body, prompts, body.output_limit, chat=False, echoed=echoed, constraint=constraint)
+        constraint = await _constraint(state, body)
+        return await _generate(http, state, body, prompts, body.output_limit, chat=False, echoed=echoed, constraint=constraint,
+                               arrived=arrived)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
+        arrived = time.perf_counter()
         body = parse_body(await read_body(http, config.max_body_bytes), ChatRequest)
         engine = _ready_engine(state, body)
         if engine.tokenizer is None:
@@ -266,11 +269,21 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
         except MoekitError as err:
             raise bad_request(str(err), "messages") from None
         ids = list(engine.tokenizer.encode(text, add_special_tokens=False).ids)
-        constraint = await asyncio.to_thread(request_constraint, state.grammars, body)
+        constraint = await _constraint(state, body)
         tools = [t.function.name for t in body.tools] if body.tool_mode != "none" else None
-        return await _generate(http, state, body, [ids], body.output_limit, chat=True, constraint=constraint, tools=tools)
+        return await _generate(http, state, body, [ids], body.output_limit, chat=True, constraint=constraint, tools=tools,
+                               arrived=arrived)
 
     return app
+
+
+async def _constraint(state: ServerState, body: Sampled):
+    """The request's grammar, compiled off the event loop (a schema can take a while); a free-text
+    request, most of them, skips the hop to a worker thread and back (two thread switches in its
+    time to first token, each of which waits for the GIL while the engine thread runs Python)."""
+    if not asks_for_grammar(body):
+        return None
+    return await asyncio.to_thread(request_constraint, state.grammars, body)
 
 
 def _announce(state: ServerState, on_ready) -> None:
@@ -436,11 +449,13 @@ def _wire(request, index: int, exchange: _Exchange, loop) -> None:
 
 
 async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompts: list[list[int]], max_tokens,
-                    chat: bool, echoed: Optional[list[str]] = None, constraint=None, tools: Optional[list[str]] = None):
+                    chat: bool, echoed: Optional[list[str]] = None, constraint=None, tools: Optional[list[str]] = None,
+                    arrived: Optional[float] = None):
     """One scheduler request per prompt and continuation (choice index prompt * n + copy), queued
     together so that a prompt's continuations share its prefill. constraint: a grammar every choice
     follows (each row gets its own copy: a matcher follows one row's tokens); tools: the names of
-    the functions whose calls are parsed from the output (None: no tools)."""
+    the functions whose calls are parsed from the output (None: no tools); arrived: when the HTTP
+    request reached its route (time.perf_counter())."""
     from moekit.engine.scheduler import QueueFull
 
     requests = [_request_for(state, body, ids, max_tokens, copy) for ids in prompts for copy in range(body.n)]
@@ -463,7 +478,7 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
         raise bad_request(str(err)) from None
     tool_stream = (lambda: ToolStream(tools)) if tools is not None else (lambda: None)
     reply = _Reply(state, body, requests, [ids for ids in prompts for _ in range(body.n)], chat, exchange,
-                   None if echoed is None else [text for text in echoed for _ in range(body.n)], tool_stream)
+                   None if echoed is None else [text for text in echoed for _ in range(body.n)], tool_stream, arrived)
     if body.stream:
         first = await exchange.queue.get()  # a request that fails before its first token answers 500
         if first[1] == "finish" and first[2].finish_reason == "error":
@@ -487,6 +502,7 @@ class _Choice:
         self.echo = echo  # the prompt's text, sent before the completion
         self.outcome = None
         self.sent = 0  # logprobs already streamed
+        self.first_sent: Optional[float] = None  # when its first token's frame was written (streaming)
 
     def push(self, token: int) -> str:
         self.token_ids.append(token)
@@ -514,8 +530,9 @@ class _Reply:
 
     def __init__(self, state: ServerState, body: Sampled, requests: list, prompts: list[list[int]], chat: bool,
                  exchange: _Exchange, echoed: Optional[list[str]] = None,
-                 tool_stream: Callable[[], Optional[ToolStream]] = lambda: None):
+                 tool_stream: Callable[[], Optional[ToolStream]] = lambda: None, arrived: Optional[float] = None):
         self.state, self.body, self.chat = state, body, chat
+        self.arrived = arrived
         self.exchange = exchange
         tokenizer = state.engine.tokenizer
         self.choices = [
@@ -557,7 +574,8 @@ class _Reply:
             rest = choice.tools.finish(rest)
         total = self.state.scheduler.counts.total_params
         times = self.exchange.token_times.get(index, [])
-        self.state.metrics.observe_request(choice.request.tier, outcome, times, choice.finish_reason, total)
+        self.state.metrics.observe_request(choice.request.tier, outcome, times, choice.finish_reason, total,
+                                           self.arrived, choice.first_sent)
         if outcome.finish_reason in ("stop", "length"):
             self.state.tiers.goodput.observe(choice.request.tier, outcome.submitted_at, times)
             self.state.jitter.observe(choice.request.tier, times)
@@ -701,6 +719,8 @@ class _Reply:
                     entries, choice.sent = choice.logprobs[choice.sent :], len(choice.logprobs)
                     ids, reason = ([value], None) if kind == "token" else ([], choice.finish_reason)
                     yield self._frame([self._choice(choice, piece, ids, entries, reason, True, echo)])
+                    if kind == "token" and choice.first_sent is None:
+                        choice.first_sent = time.perf_counter()  # the server has written the frame
                 if not self.open:
                     finished = True
                     if self.body.include_usage:

@@ -7,6 +7,8 @@ expert cache) is read from it at scrape time by a collector instead of being cop
 
 from __future__ import annotations
 
+from typing import Optional
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -105,6 +107,11 @@ class ServerMetrics:
         self.queue = Histogram(
             "moekit:request_queue_time_seconds", "Arrival to admission into the batch.", ["tier"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.first_token_stages = Histogram(
+            "moekit:first_token_stage_seconds", "Where a request's time to its first token went: parse (HTTP "
+            "arrival to queued), queue (to admitted), prefill (to its first token sampled), stream (to that "
+            "token's frame written; streamed requests only).", ["tier", "stage"], buckets=LATENCY_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("moekit:prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter("moekit:generation_tokens", "Tokens generated.", registry=r)
         self.weight_bytes = Counter(
@@ -119,8 +126,11 @@ class ServerMetrics:
         self.batch = Histogram("moekit:batch_size_per_step", "Rows in each decode step.", buckets=BATCH_BUCKETS, registry=r)
         r.register(SchedulerCollector(state))
 
-    def observe_request(self, tier: str, outcome, token_times: list[float], reason: str, total_params: int) -> None:
-        """A finished request: its latencies (from the scheduler's clock), tokens and share per token."""
+    def observe_request(self, tier: str, outcome, token_times: list[float], reason: str, total_params: int,
+                        arrived: Optional[float] = None, first_sent: Optional[float] = None) -> None:
+        """A finished request: its latencies (from the scheduler's clock), tokens and share per token.
+        arrived: when its HTTP request reached the route; first_sent: when its first token's frame
+        was written (time.perf_counter() readings, the scheduler's clock)."""
         if outcome.finish_reason == "error":
             self.failures.inc()
             return
@@ -128,6 +138,8 @@ class ServerMetrics:
         self.queue.labels(tier=tier).observe(max(outcome.admitted_at - outcome.submitted_at, 0.0))
         if token_times:
             self.ttft.labels(tier=tier).observe(token_times[0] - outcome.submitted_at)
+            for stage, seconds in first_token_stages(outcome, token_times[0], arrived, first_sent).items():
+                self.first_token_stages.labels(tier=tier, stage=stage).observe(seconds)
             itl = self.itl.labels(tier=tier)
             for before, after in zip(token_times, token_times[1:]):
                 itl.observe(after - before)
@@ -139,3 +151,13 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def first_token_stages(outcome, first_token: float, arrived: Optional[float], first_sent: Optional[float]) -> dict[str, float]:
+    """A request's time to first token, stage by stage (seconds; the stages whose ends are known)."""
+    stages = {"queue": outcome.admitted_at - outcome.submitted_at, "prefill": first_token - outcome.admitted_at}
+    if arrived is not None:
+        stages["parse"] = outcome.submitted_at - arrived
+    if first_sent is not None:
+        stages["stream"] = first_sent - first_token
+    return {stage: max(seconds, 0.0) for stage, seconds in stages.items()}

@@ -82,6 +82,15 @@ def _schema_grammar(schema: dict, param: str) -> str:
         raise bad_request(f"{param}: {err}", param) from None
 
 
+def asks_for_grammar(body: Sampled) -> bool:
+    """Whether request_constraint has anything to compile or check for this body (a free-text
+    request skips the worker thread that compiling takes)."""
+    from moekit.serve.protocol import ChatRequest
+
+    tools = isinstance(body, ChatRequest) and body.tool_mode != "none"
+    return tools or (body.response_format is not None and body.response_format.type != "text")
+
+
 def request_constraint(grammars: Grammars, body: Sampled) -> Optional[TokenConstraint]:
     """The grammar a request's tokens must follow, or None for free decoding; a 400 naming the
     field for what cannot be honoured."""

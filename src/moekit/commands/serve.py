@@ -144,6 +144,11 @@ def serve(
     expert_parallel: Optional[str] = EP_OPTIONS[0],
     placement: Optional[Path] = EP_OPTIONS[1],
     ep_timeout: float = EP_OPTIONS[2],
+    warm_up: bool = typer.Option(
+        False, "--warm-up", help="Compile (or load) every graph this server would use, its prefill graphs too, into "
+        "the cache (~/.cache/moekit/compile), then exit without serving: a later `moekit serve` with the same options "
+        "is ready in seconds. Without it a first start compiles its decode graphs before it answers (tens of seconds "
+        "on 2 cores) and its prefill graphs while it answers (prompts run eagerly until then)."),
 ) -> None:
 
     from moekit.engine.default_model import default_checkpoint
@@ -190,6 +195,10 @@ def serve(
                   store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, split=expert_split, direct_io=direct_io)))
     from moekit.ops import operators_used
 
+    if warm_up and not compiled:
+        raise MoekitError("--warm-up compiles the decode step; with --eager or --kernels reference there is nothing to compile")
+    if warm_up and (expert_parallel is not None or placement is not None):
+        raise MoekitError("--warm-up is for a server of one process; an --expert-parallel server compiles on its ranks")
     ranks = None
     if expert_parallel is not None or placement is not None:
         ranks = _sharding(expert_parallel, placement, ep_timeout, folder, dtype, device, offload, weights,
@@ -222,6 +231,13 @@ def serve(
         sla_action=sla_action,
         progress=say_progress,
     )
+    if warm_up:
+        from moekit.serve.app import warm_up_ahead
+
+        typer.echo(f"loading {folder} ...", err=True)
+        warm_up_ahead(config)
+        typer.echo(f"warmed up: `moekit serve` of {config.model_name!r} with these options loads its graphs from the cache", err=True)
+        return
     sock = _listen(host, port)
     backend = None
     if ranks is not None:  # started once the port is ours: a port in use costs no launch

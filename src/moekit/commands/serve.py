@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -282,6 +284,14 @@ def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, fo
     state.on_fatal = lambda message: setattr(server, "should_exit", True)
     typer.echo(f"loading {folder} ...", err=True)
     server.run(sockets=[sock])
+    if state.prefill_graphs is not None and state.prefill_graphs.is_alive():
+        # Stopped while a prefill graph compiles (moekit.serve.app): torch's compile cannot be interrupted, and a
+        # process that exits under it aborts (exit 134, "terminate called without an active exception"). The
+        # requests are done, the graphs compiled so far are saved: leave at once.
+        typer.echo("stopped while compiling a prefill graph; the next start compiles it", err=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
     return state
 
 

@@ -161,7 +161,7 @@ def test_prompts_run_the_modules_forward_until_their_graph_is_ready_with_the_sam
     while beside.is_alive():  # prompts while the graphs compile: whichever path each takes, the same tokens
         assert engine.generate([PROMPTS[0]], max_new_tokens=6, stop_ids=()).token_ids == want
     beside.join()
-    assert "the prefill graphs (1 row full, 1 row) while serving" in said[0], said  # compiling, or loading what an earlier process saved
+    assert "the prefill graphs (1 row full, 1 row) one at a time" in said[0], said  # compiling, or loading what an earlier process saved
     assert [line.split(")")[0] for line in said[1:]] == ["prefill graph (1 row full", "prefill graph (1 row"], said
     assert all(" in " in line and line.endswith("its prompts run it from now") for line in said[1:]), said
     assert _prefill_graphs(engine) == 2

@@ -5,10 +5,12 @@ cold compile of its own (the C++ caller, the servers' default): two servers, eac
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -119,7 +121,7 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
             assert len(ready) == 3 and all(line.endswith("its prompts run it from now") for line in ready), packed.log
         _warmed_up_before_serving(packed)
         decode = next(i for i, line in enumerate(packed.log) if "decode step" in line)
-        started = [i for i, line in enumerate(packed.log) if "the prefill graphs (1 row full, 1 row, 2 rows full) while serving" in line]
+        started = [i for i, line in enumerate(packed.log) if "the prefill graphs (1 row full, 1 row, 2 rows full) one at a time" in line]
         assert started and started[0] > decode, packed.log  # begun once the decode graphs were ready
     finally:
         assert packed.stop() == 0
@@ -151,3 +153,17 @@ def test_a_server_warmed_up_ahead_loads_its_graphs_and_a_one_row_server_compiles
         assert httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"] == want
     finally:
         assert server.stop() == 0
+
+
+def test_a_server_stopped_while_its_prefill_graphs_compile_exits_0(tiny_checkpoints, tmp_path):
+    """Stopped as soon as it answers, its prefill graphs compiling beside the steps (a compile cache of
+    its own: a HOME of its own, the operator build linked), the server exits 0 at once: torch's compile
+    cannot be interrupted, and a process that exited under it aborted."""
+    home = tmp_path / "home"
+    (home / ".cache" / "moekit").mkdir(parents=True)
+    ops = Path.home() / ".cache" / "moekit" / "ops"
+    if ops.is_dir():
+        (home / ".cache" / "moekit" / "ops").symlink_to(ops)  # not rebuilt
+    server = start_server(tiny_checkpoints("qwen3_moe"), "--max-batch", "2", timeout=600, env={**os.environ, "HOME": str(home)})
+    assert server.stop() == 0, server.log[-5:]
+    assert not any("terminate called" in line for line in server.log), server.log[-5:]

@@ -485,7 +485,7 @@ class CompiledStep:
         if say is not None:
             saved = any(r.routing[:1] == (PREFILL,) for r in self._saved)
             say(f"{'loading' if saved else 'compiling'} the prefill graphs "
-                f"({', '.join(map(shape_name, shapes))}) while serving; until each is ready its prompts run eagerly")
+                f"({', '.join(map(shape_name, shapes))}) one at a time; until each is ready its prompts run eagerly")
         for shape in shapes:
             if stop is not None and stop.is_set():
                 return

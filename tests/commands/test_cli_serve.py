@@ -20,6 +20,7 @@ from cli_runner import moekit
         (["--grace", "-1"], "--grace must be >= 0"),
         (["--expert-memory", "25%", "--expert-split", "/nonexistent/t.parquet"], "--expert-split /nonexistent/t.parquet: no such trace file"),
         (["--direct-io"], "need --expert-memory"),
+        (["--warm-up", "--eager"], "--warm-up compiles the decode step; with --eager or --kernels reference there is nothing to compile"),
     ],
 )
 def test_bad_options(args, message, capsys):

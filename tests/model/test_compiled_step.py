@@ -419,3 +419,24 @@ def test_a_cache_without_a_stack_is_refused_by_the_step_and_decoded_eagerly(engi
             dec.compiled(torch.tensor([[7]]), loose, torch.tensor([3]), torch.tensor([3]), loose.key_mask[:, :4])
         got = [dec(torch.tensor([[7]]), cache, torch.tensor([[3]])) for cache in (stacked, loose)]
     torch.testing.assert_close(got[0], got[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_servers_warm_up_takes_every_batch_of_its_cache_a_lone_request_included(tiny_checkpoints):
+    """A server's steps read its cache of max-batch rows whatever the batch: warmed up with those rows
+    (warm_up(rows=...)), batch 1's graph and the batch graph take a lone row, a few and all of them,
+    nothing compiled on a request, the eager step's logits."""
+    folder = tiny_checkpoints("qwen3_moe")
+    eager, compiled = load_engine(folder, compile=False), load_engine(folder, compile=True)
+    compiled.decoder.compile_decode(cpp_wrapper=False)
+    step = compiled.decoder.compiled
+    step.warm_up((1, 2), rows=4)
+    assert len(step.graphs) == 2
+    calls = step.direct_steps
+    for b in (1, 3, 4):
+        got, want = [], []
+        for engine, out in ((compiled, got), (eager, want)):
+            cache = engine.decoder.new_cache(4, 16)
+            with torch.inference_mode():
+                out.append(engine.decoder.forward_rows(torch.arange(5, 5 + b)[:, None], cache, torch.arange(b) + 2))
+        torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert len(step.graphs) == 2 and step.direct_steps == calls + 3  # each step ran a warmed-up graph

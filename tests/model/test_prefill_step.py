@@ -9,6 +9,8 @@ prompt length and start, and greedy tokens through the default path are the eage
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -128,7 +130,44 @@ def test_greedy_tokens_and_chunked_prefill_through_the_compiled_prefill_are_the_
     scheduler = Scheduler(engine.decoder, max_batch=2, prefill_tokens=3)
     outcome, = generate_batch(scheduler, [Request(prompt=prompt, max_new_tokens=8)])
     assert outcome.token_ids == want[0], outcome.error
-    assert _prefill_graphs(engine) == 2  # the last chunk fills the scheduler's cache of the prompt's size: a graph of its own
+    # The last chunk fills the scheduler's cache of the prompt's size, a graph of its own that is not warmed up
+    # here: it ran the modules' forward (a prompt never waits for a compile), with the same tokens.
+    assert _prefill_graphs(engine) == 1
+
+
+def test_prompts_run_the_modules_forward_until_their_graph_is_ready_with_the_same_tokens(tiny_checkpoints):
+    """A server compiles its prefill graphs while it answers (warm_up_prefills, on a thread of its own):
+    before a shape's graph is ready its prompts run the modules' forward, after it the graph; the
+    tokens are the eager engine's either way, also while the graph compiles beside the steps."""
+    folder = tiny_checkpoints("qwen3_moe")
+    want = load_engine(folder, compile=False).generate([PROMPTS[0]], max_new_tokens=6, stop_ids=()).token_ids
+    engine = load_engine(folder, compile=True)
+    engine.decoder.compile_decode(cpp_wrapper=False)
+    step = engine.decoder.compiled
+    step.warm_up(batches=(1,))
+    assert not step.prefills
+    stopped = threading.Event()
+    stopped.set()
+    step.warm_up_prefills((PrefillShape(1, full=False),), stop=stopped)  # turned on, nothing compiled yet
+    assert step.prefills and _prefill_graphs(engine) == 0
+    calls = step.direct_steps
+    assert engine.generate([PROMPTS[0]], max_new_tokens=6, stop_ids=()).token_ids == want
+    assert step.direct_steps == calls + 5  # the decode steps only: the prompt ran the modules' forward
+
+    said: list = []
+    shapes = (PrefillShape(1, full=True), PrefillShape(1, full=False))
+    beside = threading.Thread(target=step.warm_up_prefills, args=(shapes, said.append))
+    beside.start()
+    while beside.is_alive():  # prompts while the graphs compile: whichever path each takes, the same tokens
+        assert engine.generate([PROMPTS[0]], max_new_tokens=6, stop_ids=()).token_ids == want
+    beside.join()
+    assert "the prefill graphs (1 row full, 1 row) one at a time" in said[0], said  # compiling, or loading what an earlier process saved
+    assert [line.split(")")[0] for line in said[1:]] == ["prefill graph (1 row full", "prefill graph (1 row"], said
+    assert all(" in " in line and line.endswith("its prompts run it from now") for line in said[1:]), said
+    assert _prefill_graphs(engine) == 2
+    calls = step.direct_steps
+    assert engine.generate([PROMPTS[0]], max_new_tokens=6, stop_ids=()).token_ids == want
+    assert step.direct_steps == calls + 6  # the prompt too, by its graph
 
 
 def test_what_the_prefill_form_does_not_hold_runs_the_modules_forward(tiny_checkpoints):

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import pytest
 
@@ -39,11 +40,12 @@ class Server:
         return self.proc.returncode
 
 
-def start_server(*args: str, timeout: float = START_TIMEOUT_S, threads: int = 1) -> Server:
-    """`moekit serve ARGS --port 0 --threads THREADS`, returned once it serves (or failing with its stderr)."""
+def start_server(*args: str, timeout: float = START_TIMEOUT_S, threads: int = 1, env: Optional[dict] = None) -> Server:
+    """`moekit serve ARGS --port 0 --threads THREADS`, returned once it serves (or failing with its stderr);
+    env: its environment, if not this process's."""
     cmd = [sys.executable, "-m", "moekit", "serve", *map(str, args), "--host", "127.0.0.1", "--port", "0",
            "--threads", str(threads)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     server = Server(proc)
     ready = threading.Event()
 

@@ -5,7 +5,12 @@ cold compile of its own (the C++ caller, the servers' default): two servers, eac
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,8 +70,8 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
             if not args:
                 _warmed_up_before_serving(server)
                 # Paged experts keep a prompt on the modules' forward (prefill_step.takes): no prefill graph
-                # is compiled for it, while an unpaged server's line names its prefills (the MXFP4 one below).
-                assert not any("the prefill (" in line for line in server.log), server.log
+                # is compiled for it, while an unpaged server's lines name its prefills (the MXFP4 one below).
+                assert not any("prefill graph" in line for line in server.log), server.log
                 with ThreadPoolExecutor(len(jobs)) as pool:  # 5 clients, 4 rows: one waits for a row to leave
                     got = list(pool.map(lambda job: ask(client, job)[0], jobs))
                 assert got == solo
@@ -79,9 +84,22 @@ def test_a_compiled_paged_server_gives_its_clients_their_solo_tokens_and_reads_a
     assert set(eager[0].values()) == {0.0}
 
 
+def _prefill_graphs_ready(server, shapes: int, timeout: float = 600) -> list[str]:
+    """The server's lines that say each of its prefill graphs is ready, once there are `shapes` of them."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = [line for line in list(server.log) if line.startswith("prefill graph (")]
+        if len(done) >= shapes or server.proc.poll() is not None:
+            return done
+        time.sleep(0.2)
+    return done
+
+
 def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_tokens(tmp_path):
     """gpt-oss's MXFP4 experts, kept packed, in the compiled server's batches (moekit::experts_mxfp4
-    called by the generated C++): each client gets the tokens the eager engine gives its prompt alone."""
+    called by the generated C++): each client gets the tokens the eager engine gives its prompt alone,
+    as soon as the server answers (its prompts on the modules' forward while their prefill graphs
+    compile beside the steps) and after its prefill graphs are ready (its prompts by the graphs)."""
     from quantized_files import write_mxfp4
 
     folder = write_mxfp4(tmp_path / "mxfp4")
@@ -89,17 +107,63 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
     try:
         engine = load_engine(folder, compile=False)
         jobs = [([1, 17, 42, 99, 5, 63], 10), ([12, 40, 41], 6), ([5, 9, 33, 7, 81, 14, 3, 60], 8)]
+        solo = [engine.generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0] for prompt, new in jobs]
 
         def ask(job):
             prompt, new = job
             body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
             return httpx.post(packed.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
 
-        with ThreadPoolExecutor(len(jobs)) as pool:
-            got = list(pool.map(ask, jobs))
-        for (prompt, new), ids in zip(jobs, got):
-            assert ids == engine.generate([prompt], max_new_tokens=new, stop_ids=()).token_ids[0], prompt
-        assert any("compiled graph" in line for line in packed.log), packed.log[-5:]
-        assert any("the prefill (" in line for line in packed.log), packed.log  # its prompts prefill compiled
+        for _ in ("while the prefill graphs compile", "once they are ready"):
+            with ThreadPoolExecutor(len(jobs)) as pool:
+                assert list(pool.map(ask, jobs)) == solo
+            ready = _prefill_graphs_ready(packed, 3)
+            assert len(ready) == 3 and all(line.endswith("its prompts run it from now") for line in ready), packed.log
+        _warmed_up_before_serving(packed)
+        decode = next(i for i, line in enumerate(packed.log) if "decode step" in line)
+        started = [i for i, line in enumerate(packed.log) if "the prefill graphs (1 row full, 1 row, 2 rows full) one at a time" in line]
+        assert started and started[0] > decode, packed.log  # begun once the decode graphs were ready
     finally:
         assert packed.stop() == 0
+
+
+def test_a_server_warmed_up_ahead_loads_its_graphs_and_a_one_row_server_compiles_no_batch_graph(tiny_checkpoints):
+    """`moekit serve --warm-up` compiles (or loads) what the server would use and exits without serving;
+    the server after it loads every graph, its prefill graphs too. --max-batch 1: no batch graph, no
+    graph of several prompts' rows."""
+    folder = tiny_checkpoints("qwen3_moe")
+    args = (folder, "--max-batch", "1")
+    ahead = subprocess.run([sys.executable, "-m", "moekit", "serve", *map(str, args), "--warm-up", "--threads", "1"],
+                           capture_output=True, text=True, timeout=900)
+    assert ahead.returncode == 0, ahead.stderr[-2000:]
+    lines = ahead.stderr.splitlines()
+    assert any("the compiled decode step (batch 1)" in line or "compiling the decode step (batch 1)" in line for line in lines), lines
+    assert [line.split(")")[0] for line in lines if line.startswith("prefill graph (")] == \
+        ["prefill graph (1 row full", "prefill graph (1 row"], lines
+    assert lines[-1].startswith("warmed up: ") and not any(line.startswith("serving ") for line in lines), lines
+
+    server = start_server(*args, timeout=600)
+    try:
+        ready = _prefill_graphs_ready(server, 2)
+        assert len(ready) == 2 and all(" loaded in " in line for line in ready), server.log
+        assert any(line.startswith("loading the compiled decode step (batch 1) from") for line in server.log), server.log
+        prompt = [5, 9, 33, 7, 81, 14, 3, 60]
+        want = load_engine(folder, compile=False).generate([prompt], max_new_tokens=6, stop_ids=()).token_ids[0]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        assert httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"] == want
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_server_stopped_while_its_prefill_graphs_compile_exits_0(tiny_checkpoints, tmp_path):
+    """Stopped as soon as it answers, its prefill graphs compiling beside the steps (a compile cache of
+    its own: a HOME of its own, the operator build linked), the server exits 0 at once: torch's compile
+    cannot be interrupted, and a process that exited under it aborted."""
+    home = tmp_path / "home"
+    (home / ".cache" / "moekit").mkdir(parents=True)
+    ops = Path.home() / ".cache" / "moekit" / "ops"
+    if ops.is_dir():
+        (home / ".cache" / "moekit" / "ops").symlink_to(ops)  # not rebuilt
+    server = start_server(tiny_checkpoints("qwen3_moe"), "--max-batch", "2", timeout=600, env={**os.environ, "HOME": str(home)})
+    assert server.stop() == 0, server.log[-5:]
+    assert not any("terminate called" in line for line in server.log), server.log[-5:]

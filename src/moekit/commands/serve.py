@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -144,6 +146,11 @@ def serve(
     expert_parallel: Optional[str] = EP_OPTIONS[0],
     placement: Optional[Path] = EP_OPTIONS[1],
     ep_timeout: float = EP_OPTIONS[2],
+    warm_up: bool = typer.Option(
+        False, "--warm-up", help="Compile (or load) every graph this server would use, its prefill graphs too, into "
+        "the cache (~/.cache/moekit/compile), then exit without serving: a later `moekit serve` with the same options "
+        "is ready in seconds. Without it a first start compiles its decode graphs before it answers (tens of seconds "
+        "on 2 cores) and its prefill graphs while it answers (prompts run eagerly until then)."),
 ) -> None:
 
     from moekit.engine.default_model import default_checkpoint
@@ -190,6 +197,10 @@ def serve(
                   store_flags=store_flags(cache=cache, pin=pin, prefetch=prefetch, split=expert_split, direct_io=direct_io)))
     from moekit.ops import operators_used
 
+    if warm_up and not compiled:
+        raise MoekitError("--warm-up compiles the decode step; with --eager or --kernels reference there is nothing to compile")
+    if warm_up and (expert_parallel is not None or placement is not None):
+        raise MoekitError("--warm-up is for a server of one process; an --expert-parallel server compiles on its ranks")
     ranks = None
     if expert_parallel is not None or placement is not None:
         ranks = _sharding(expert_parallel, placement, ep_timeout, folder, dtype, device, offload, weights,
@@ -222,6 +233,13 @@ def serve(
         sla_action=sla_action,
         progress=say_progress,
     )
+    if warm_up:
+        from moekit.serve.app import warm_up_ahead
+
+        typer.echo(f"loading {folder} ...", err=True)
+        warm_up_ahead(config)
+        typer.echo(f"warmed up: `moekit serve` of {config.model_name!r} with these options loads its graphs from the cache", err=True)
+        return
     sock = _listen(host, port)
     backend = None
     if ranks is not None:  # started once the port is ours: a port in use costs no launch
@@ -266,6 +284,14 @@ def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, fo
     state.on_fatal = lambda message: setattr(server, "should_exit", True)
     typer.echo(f"loading {folder} ...", err=True)
     server.run(sockets=[sock])
+    if state.prefill_graphs is not None and state.prefill_graphs.is_alive():
+        # Stopped while a prefill graph compiles (moekit.serve.app): torch's compile cannot be interrupted, and a
+        # process that exits under it aborts (exit 134, "terminate called without an active exception"). The
+        # requests are done, the graphs compiled so far are saved: leave at once.
+        typer.echo("stopped while compiling a prefill graph; the next start compiles it", err=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(0)
     return state
 
 

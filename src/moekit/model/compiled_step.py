@@ -42,6 +42,7 @@ Batch sizes and cache lengths are dynamic; batch 1 gets its own graph (Dynamo sp
 
 from __future__ import annotations
 
+import threading
 import time
 import types
 import weakref
@@ -141,6 +142,11 @@ class PrefillShape(NamedTuple):
 # A server's prefills (moekit.engine.scheduler): a prompt alone, or the last chunk of one, in a cache
 # of its size; a chunk before the last; a burst of prompts prefilled together, left-padded.
 SERVED_PREFILLS = (PrefillShape(1, True), PrefillShape(1, False), PrefillShape(2, True))
+
+
+def shape_name(shape: PrefillShape) -> str:
+    """A prefill shape as the progress lines name it: "1 row full", "2 rows full", "1 row"."""
+    return f"{shape.rows} row{'s' * (shape.rows > 1)}{' full' * shape.full}"
 
 
 def _mark_held(stack, tables) -> None:
@@ -254,6 +260,9 @@ class CompiledStep:
         self._graphs: dict[tuple, list[DirectGraph]] = {}
         self._tracing: Optional[tuple] = None  # (the per-call inputs, the key, the outputs) of the call Dynamo may be compiling
         self.direct_steps = 0  # steps that called a recorded graph directly (the rest went through Dynamo)
+        # One compile or load at a time, and the graph it records is the one its inputs asked for (_tracing):
+        # a server compiles its prefill graphs on a thread of its own while its steps run (warm_up_prefills).
+        self._compiling = threading.Lock()
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
         self._load_options = {k: v for k, v in self._inductor.items() if k == "cpp.vec_isa_ok"}
@@ -262,9 +271,10 @@ class CompiledStep:
         self._constants = saved_graphs.step_constants({**trace_constants(cpp_wrapper), **self._load_options}, decoder)
         self._saved = saved_graphs.saved(self.cache_folder, self._constants)
         self.loaded_graphs = 0  # graphs loaded from the cache folder rather than traced
-        # Whether prompts are prefilled by a graph (moekit.model.prefill_step), which warm_up turns on
-        # where it is given prefill shapes: a server's many prompts repay its compile or load; one
+        # Whether prompts are prefilled by a graph (moekit.model.prefill_step) where one is ready, which
+        # warm_up and warm_up_prefills turn on: a server's many prompts repay its compile or load; one
         # `moekit run` prompt, prefilled eagerly in tens of ms, does not (its start-up target: 5 s).
+        # Decoder.forward never compiles one for a prompt: a shape without its graph runs the modules' forward.
         self.prefills = False
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self._fn = torch.compile(own, backend=_Recorder(self, self._inductor), fullgraph=True, dynamic=False, options=options)
@@ -341,12 +351,15 @@ class CompiledStep:
                                                           lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
 
-    def prefill(self, ids, cache, positions, key_mask, routing: StepRouting = FAMILY) -> StepResult:
+    def prefill(self, ids, cache, positions, key_mask, routing: StepRouting = FAMILY,
+                trace: bool = True) -> Optional[StepResult]:
         """A prompt's T > 1 tokens a row as one compiled graph (moekit.model.prefill_step): ids,
         positions [B, T] int64; key_mask [B, S] bool, S = the slots written before + T (False at
         left padding); writes slots S-T..S-1 of the stacked cache's first B rows. → StepResult with
         each row's last token's logits [B, 1, V] and decisions over the B*T tokens (row-major).
-        routing: FAMILY, or with entropy (router health); a graph each."""
+        routing: FAMILY, or with entropy (router health); a graph each. trace: False → None, the
+        cache untouched, where no graph recorded in this process takes these inputs (a prompt then
+        runs the modules' forward rather than wait for a compile: Decoder.forward)."""
         if cache.stack is None:
             raise ValueError("the compiled prefill needs a stacked cache (Decoder.new_cache makes one)")
         with torch.inference_mode():
@@ -356,31 +369,43 @@ class CompiledStep:
             small = tuple(t.clone(memory_format=torch.contiguous_format) for t in (ids, positions, key_mask))
             inputs = (*small, cache.stack, *tables)
             key = (PREFILL, *routing)
-            logits, chosen, weights, *entropy = self._run(key, inputs, small, _mark_prefill, 4 if routing.entropy else 3,
-                                                          lambda: self._prefill_fn(self.decoder, *inputs, routing))
+            run = self._run(key, inputs, small, _mark_prefill, 4 if routing.entropy else 3,
+                            (lambda: self._prefill_fn(self.decoder, *inputs, routing)) if trace else None)
+            if run is None:
+                return None
+            logits, chosen, weights, *entropy = run
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
 
-    def _run(self, key, inputs: tuple, small: tuple, mark: Callable, outputs: int, trace: Callable) -> list:
-        """The results of the graph of `key` (a StepRouting, or a prefill's key) that accepts inputs:
-        recorded in this process, saved by an earlier one, or else traced now (trace(), through Dynamo,
-        after mark(small) marks the per-call sizes dynamic)."""
+    def _recorded(self, key, inputs: tuple) -> Optional[DirectGraph]:
+        """The graph of `key` recorded in this process that accepts inputs (moved first: the graph of
+        the last call is tried first), or None."""
         graphs = self._graphs.get(key, [])
         graph = next((g for g in graphs if g.accepts(inputs)), None)
-        if graph is None and self._saved:
-            graph = self._load_saved(inputs, key)
-            graphs = self._graphs.get(key, [])
-        if graph is not None:
-            if graph is not graphs[0]:  # the graph of the last call is tried first
-                graphs.remove(graph)
-                graphs.insert(0, graph)
-            self.direct_steps += 1
-            return graph(inputs)
-        mark(small)
-        self._tracing = (inputs, key, outputs)
-        try:
-            return list(trace())
-        finally:
-            self._tracing = None
+        if graph is not None and graph is not graphs[0]:
+            graphs.remove(graph)
+            graphs.insert(0, graph)
+        return graph
+
+    def _run(self, key, inputs: tuple, small: tuple, mark: Callable, outputs: int,
+             trace: Optional[Callable]) -> Optional[list]:
+        """The results of the graph of `key` (a StepRouting, or a prefill's key) that accepts inputs:
+        recorded in this process, saved by an earlier one, or else traced now (trace(), through Dynamo,
+        after mark(small) marks the per-call sizes dynamic). trace None: only a recorded graph, else None."""
+        graph = self._recorded(key, inputs)
+        if graph is None and trace is None:
+            return None
+        if graph is None:
+            with self._compiling:  # another thread may have just recorded it
+                graph = self._recorded(key, inputs) or (self._load_saved(inputs, key) if self._saved else None)
+                if graph is None:
+                    mark(small)
+                    self._tracing = (inputs, key, outputs)
+                    try:
+                        return list(trace())
+                    finally:
+                        self._tracing = None
+        self.direct_steps += 1
+        return graph(inputs)
 
     def _held(self, stack, rope) -> tuple:
         """The rope tables, and the stack and tables marked dynamic once each (marking them on every
@@ -394,36 +419,83 @@ class CompiledStep:
         return self._tables[1:]
 
     def warm_up(self, batches: tuple[int, ...] = (1, 2), per_row_k: bool = False,
-                say: Optional[Callable[[str], None]] = None, prefills: tuple[PrefillShape, ...] = ()) -> float:
+                say: Optional[Callable[[str], None]] = None, prefills: tuple[PrefillShape, ...] = (),
+                rows: Optional[int] = None) -> float:
         """Compile the graphs now, on a scratch cache (batch 1, and 2 for every larger batch), so
         that no request waits for a compile and no timing includes one. per_row_k: the graphs of
         steps with each row's K (expert-budget tiers) too. prefills: the prefill graphs' shapes
-        (PrefillShape); given, prompts are prefilled compiled from then on (`prefills`), a shape
-        not warmed up compiling on its first prompt. say: told what it is doing, before (a line
-        ending in "...") and after (its time). Returns the seconds it took. The graphs carry
-        routing entropy where the decoder's routers are watched now (router health)."""
+        (PrefillShape), compiled here too (a server compiles them after it answers: warm_up_prefills);
+        prompts are prefilled by a graph from then on where one is ready. say: told what it is doing,
+        before (a line ending in "...") and after (each graph's time, then the whole's). Returns the
+        seconds it took. The graphs carry routing entropy where the decoder's routers are watched now
+        (router health). rows: the rows of the cache the steps will run on (a server's max batch: a
+        lone request's batch-1 step reads a cache of that many rows, which a graph traced on one row
+        does not take); None: each batch's own (generate's)."""
         device = self.decoder.device
         routing = StepRouting(entropy=self.decoder.entropy_watched)
         if say is not None:
             say(start_line(self.cache_folder, batches, prefills))
         start = time.perf_counter()
+        each = []  # (what, seconds) per graph, for the user: where a cold start's time goes
         with torch.inference_mode(), scratch_steps(self.decoder):
             for b in batches:
+                began = time.perf_counter()
                 for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
-                    cache = self.decoder.new_cache(b, 4)
+                    # More rows than any batch, and than 1 (a size Dynamo specialises): one graph for every row count.
+                    cache = self.decoder.new_cache(b if rows is None or rows == 1 else max(3, b + 1), 4)
                     slot = torch.ones(b, dtype=torch.int64, device=device)
-                    self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:, :2], top_k,
+                    self(torch.zeros(b, 1, dtype=torch.int64, device=device), cache, slot, slot, cache.key_mask[:b, :2], top_k,
                          routing)
+                each.append((f"batch {b}", time.perf_counter() - began))
             self.prefills = self.prefills or bool(prefills)
             for shape in prefills:
-                # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
-                # past one), so that the trace ties none of them to another (Dynamo's duck sizing).
-                b = shape.rows
-                cache = self.decoder.new_cache(b if b == 1 else b + 1, 5 if shape.full else 7)
-                positions = torch.arange(2, 5, device=device).expand(b, 3)
-                self.prefill(torch.zeros(b, 3, dtype=torch.int64, device=device), cache, positions, cache.key_mask[:b, :5],
-                             routing)
+                each.append((f"prefill {shape_name(shape)}", self._warm_prefill(shape, routing)))
         seconds = time.perf_counter() - start
         if say is not None:
-            say(f" {seconds:.1f} s")
+            say(" " + "".join(f"{what} {s:.1f} s, " for what, s in each) + f"in all {seconds:.1f} s")
         return seconds
+
+    def _warm_prefill(self, shape: PrefillShape, routing: StepRouting) -> float:
+        """Compile (or load) the prefill graph of shape, on a scratch cache. → its seconds."""
+        device = self.decoder.device
+        began = time.perf_counter()
+        with torch.inference_mode():
+            # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
+            # past one), so that the trace ties none of them to another (Dynamo's duck sizing).
+            b = shape.rows
+            cache = self.decoder.new_cache(b if b == 1 else b + 1, 5 if shape.full else 7)
+            positions = torch.arange(2, 5, device=device).expand(b, 3)
+            self.prefill(torch.zeros(b, 3, dtype=torch.int64, device=device), cache, positions, cache.key_mask[:b, :5],
+                         routing)
+        return time.perf_counter() - began
+
+    def warm_up_prefills(self, shapes: tuple[PrefillShape, ...], say: Optional[Callable[[str], None]] = None,
+                         stop: Optional[threading.Event] = None) -> None:
+        """Compile (or load) the prefill graphs of shapes one at a time, while the decoder serves
+        (a server runs this on a thread of its own once it answers): until a shape's graph is ready,
+        its prompts run the modules' forward (Decoder.forward), which gives the same tokens. Only for
+        a decoder whose prompts the prefill form takes (moekit.model.prefill_step.takes: no expert
+        store, whose scratch steps warm_up keeps apart). say: told a whole line per graph (another
+        thread prints too); a graph that fails is named with why, its prompts keep the forward.
+        stop: set, no further graph is begun (the server is stopping)."""
+        if not shapes:
+            return
+        routing = StepRouting(entropy=self.decoder.entropy_watched)
+        self.prefills = True
+        if say is not None:
+            saved = any(r.routing[:1] == (PREFILL,) for r in self._saved)
+            say(f"{'loading' if saved else 'compiling'} the prefill graphs "
+                f"({', '.join(map(shape_name, shapes))}) one at a time; until each is ready its prompts run eagerly")
+        for shape in shapes:
+            if stop is not None and stop.is_set():
+                return
+            loaded = self.loaded_graphs
+            try:
+                seconds = self._warm_prefill(shape, routing)
+            except Exception as err:  # noqa: BLE001 — its prompts keep the modules' forward; the server goes on
+                if say is not None:
+                    say(f"prefill graph ({shape_name(shape)}) not compiled: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+                continue
+            if say is not None:
+                done = "loaded" if self.loaded_graphs > loaded else "compiled"
+                say(f"prefill graph ({shape_name(shape)}) {done} in {seconds:.1f} s; its prompts run it from now")

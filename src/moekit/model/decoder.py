@@ -240,12 +240,14 @@ class Decoder(nn.Module):
             return logits
         if t > 1 and self.compiled is not None and self.compiled.prefills and self.steps_in_form(cache) \
                 and self._prefill_form(top_k, policy, last_only):
+            # None while no graph of this shape is ready (a server compiles them as it serves): the forward below
             result = self.compiled.prefill(input_ids, cache, positions, cache.key_mask[:, : start + t],
-                                           StepRouting(entropy=self.entropy_watched))
-            if decisions is not None:
-                decisions.extend(result.decisions)
-            cache.length = start + t
-            return result.logits
+                                           StepRouting(entropy=self.entropy_watched), trace=False)
+            if result is not None:
+                if decisions is not None:
+                    decisions.extend(result.decisions)
+                cache.length = start + t
+                return result.logits
         return self.forward_modules(input_ids, cache, positions, decisions, last_only, top_k, policy)
 
     def _prefill_form(self, top_k, policy, last_only: bool) -> bool:

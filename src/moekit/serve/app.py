@@ -86,6 +86,7 @@ class ServerState:
     tiers: Optional[TierControl] = None
     jitter: Optional[JitterMetrics] = None
     threads: Optional[int] = None  # the engine thread's torch threads, once it has set them
+    prefill_graphs: Optional[threading.Thread] = None  # compiles the prefill graphs while the server answers
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -100,6 +101,8 @@ class ServerState:
                 self.on_fatal(self.error)
             return
         self.ready.set()
+        if self.prefill_graphs is not None:
+            self.prefill_graphs.start()
         if self.config.backend is not None:
             self.config.backend.run(self, self.stop)
         else:
@@ -123,14 +126,10 @@ class ServerState:
                                  compile=cfg.compile, weights=cfg.weights, kernels=cfg.kernels)
         watch_routers(engine.decoder)  # routing entropy for /metrics (router health), eager or compiled
         if engine.decoder.compiled is not None:
-            # Compiled before /health says ready, not on a request; tiers' per-row K graphs too, and the
-            # scheduler's prefills (moekit.model.compiled_step.SERVED_PREFILLS).
-            from moekit.model.compiled_step import SERVED_PREFILLS
-            from moekit.model.prefill_step import takes
-
-            # Not where no prompt could take them (paged experts, hooks): three graphs never run.
-            prefills = SERVED_PREFILLS if takes(engine.decoder, None, None, last_only=True) is None else ()
-            engine.decoder.compiled.warm_up(per_row_k=bool(cfg.tiers), say=cfg.progress, prefills=prefills)
+            # Compiled before /health says ready, not on a request; tiers' per-row K graphs too. A server of
+            # one row never steps a batch: no batch graph.
+            engine.decoder.compiled.warm_up((1,) if cfg.max_batch == 1 else (1, 2), per_row_k=bool(cfg.tiers),
+                                            say=cfg.progress, rows=cfg.max_batch)
         self.template = load_chat_template(Path(cfg.checkpoint))
         self.scheduler = Scheduler(
             engine.decoder,
@@ -147,6 +146,21 @@ class ServerState:
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
+        self.prefill_graphs = self._prefill_graphs(engine.decoder)
+
+    def _prefill_graphs(self, decoder) -> Optional[threading.Thread]:
+        """The thread that compiles the scheduler's prefill graphs (moekit.model.compiled_step.SERVED_PREFILLS)
+        once the server answers, not before: three graphs took a cold start from ~45 s to ~150 s here, and a
+        prompt without its graph runs the modules' forward meanwhile (the same tokens). None where no prompt
+        could take them (paged experts, hooks: moekit.model.prefill_step.takes) or nothing is compiled."""
+        from moekit.model.compiled_step import SERVED_PREFILLS
+        from moekit.model.prefill_step import takes
+
+        if decoder.compiled is None or takes(decoder, None, None, last_only=True) is not None:
+            return None
+        shapes = SERVED_PREFILLS if self.config.max_batch > 1 else tuple(s for s in SERVED_PREFILLS if s.rows == 1)
+        return threading.Thread(target=decoder.compiled.warm_up_prefills, args=(shapes, self.config.progress, self.stop),
+                                name="moekit-prefill-graphs", daemon=True)
 
     def _step_done(self, step) -> None:
         if step.batch:
@@ -161,6 +175,19 @@ class ServerState:
             self.scheduler.abort_all("the server is shutting down")
         if self.engine is not None:
             self.engine.close()
+
+
+def warm_up_ahead(config: ServeConfig) -> None:
+    """`moekit serve --warm-up`: load the engine as a server of config would, compile (or load) every
+    graph it would use, the prefill graphs too, into the cache folder, and close it: a later server of
+    the same options loads them (moekit.model.saved_graphs) and is ready in seconds."""
+    state = ServerState(config=config)
+    state._load()
+    try:
+        if state.prefill_graphs is not None:
+            state.prefill_graphs.run()  # here, not on a thread: nothing is served meanwhile
+    finally:
+        state.engine.close()
 
 
 def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], None]] = None) -> FastAPI:

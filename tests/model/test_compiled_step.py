@@ -8,6 +8,7 @@ kept packed. Options it does not run (the expert store) must say so and stay eag
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -23,6 +24,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.expert_forms import Int8Stacks, Packed
 from moekit.model.moe import Router
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
+from tests.model.engine_pairs import eager_and_compiled
 from tests.weights.quantized_files import FP8_PARTIAL, write_fp8, write_mxfp4
 
 COMPILED = MOE_FAMILIES  # every family, llama4's chunked / NoPE attention and input-weighed experts included
@@ -31,20 +33,7 @@ COMPILED = MOE_FAMILIES  # every family, llama4's chunked / NoPE attention and i
 @pytest.fixture(scope="module")
 def engines(tiny_checkpoints):
     """family → (eager engine, compiled engine) of the same checkpoint."""
-    made = {}
-
-    def get(family: str):
-        if family not in made:
-            folder = tiny_checkpoints(family)
-            compiled = load_engine(folder, compile=True)
-            # The same graph with Python calling its kernels: a quarter of the compile time, and the
-            # same kernels (the C++ caller, load_engine's default, is what tests/serve/
-            # test_compiled_server.py runs).
-            compiled.decoder.compile_decode(cpp_wrapper=False)
-            made[family] = (load_engine(folder, compile=False), compiled)
-        return made[family]
-
-    return get
+    return functools.cache(lambda family: eager_and_compiled(tiny_checkpoints(family)))
 
 
 # Batch 1 has a graph of its own (Dynamo specialises a size of 1), whose attention products are

@@ -9,6 +9,7 @@ prompt length and start, and greedy tokens through the default path are the eage
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import pytest
@@ -18,6 +19,7 @@ from moekit.engine.loader import load_engine
 from moekit.engine.scheduler import Request, Scheduler, generate_batch
 from moekit.model.compiled_step import PREFILL, PrefillShape
 from moekit.model.prefill_step import prefill_step, takes
+from tests.model.engine_pairs import eager_and_compiled
 
 PROMPTS = [[5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41]]
 
@@ -91,18 +93,13 @@ COMPILED = ("qwen3_moe", "deepseek_v3")
 @pytest.fixture(scope="module")
 def compiled(tiny_checkpoints):
     """family → (eager engine, compiled engine with its one-row prefill graph compiled)."""
-    made = {}
 
     def get(family: str):
-        if family not in made:
-            folder = tiny_checkpoints(family)
-            engine = load_engine(folder, compile=True)
-            engine.decoder.compile_decode(cpp_wrapper=False)  # a quarter of the compile time, the same kernels
-            engine.decoder.compiled.warm_up(batches=(), prefills=(PrefillShape(1, full=False),))
-            made[family] = (load_engine(folder, compile=False), engine)
-        return made[family]
+        eager, engine = eager_and_compiled(tiny_checkpoints(family))
+        engine.decoder.compiled.warm_up(batches=(), prefills=(PrefillShape(1, full=False),))
+        return eager, engine
 
-    return get
+    return functools.cache(get)
 
 
 def _prefill_graphs(engine) -> int:

@@ -6,13 +6,15 @@ batch-level policies (capacity, loadaware) see a batch."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from moekit.engine.loader import load_engine
 from moekit.model.routing import PolicyRun, parse_policy
 from moekit.model.seated_policy import narrowed, padded
 from moekit.model.routing import RoutingDecision
+from tests.model.engine_pairs import eager_and_compiled
 
 PROMPTS = ([5, 9, 33, 7, 81, 14, 3, 60], [12, 40, 41])  # row 1 left-padded by 5
 STEPS = 6
@@ -25,17 +27,12 @@ POLICIES = ("exact", "topk:1", "topk:3", "adaptive:0.6", "topp:0.7", "ema:0.9", 
 @pytest.fixture(scope="module")
 def decoders(tiny_checkpoints):
     """family → (eager decoder, compiled decoder) of the same checkpoint."""
-    made = {}
 
     def get(family: str):
-        if family not in made:
-            folder = tiny_checkpoints(family)
-            compiled = load_engine(folder, compile=True).decoder
-            compiled.compile_decode(cpp_wrapper=False)  # a quarter of the compile time, the same kernels
-            made[family] = (load_engine(folder, compile=False).decoder, compiled)
-        return made[family]
+        eager, compiled = eager_and_compiled(tiny_checkpoints(family))
+        return eager.decoder, compiled.decoder
 
-    return get
+    return functools.cache(get)
 
 
 def _greedy(decoder, policy: str, through) -> tuple[list, list, object]:

@@ -65,9 +65,9 @@ class Grammars:
 
 def response_grammar(body: Sampled) -> Optional[tuple[str, str]]:
     """(grammar, the field it came from) for a body's response_format; None for free text."""
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
+    if _free_text(body):
         return None
+    fmt = body.response_format
     if fmt.type == "json_object":
         return json_schema_grammar(ANY_OBJECT), "response_format"
     param = "response_format.json_schema.schema"
@@ -82,22 +82,30 @@ def _schema_grammar(schema: dict, param: str) -> str:
         raise bad_request(f"{param}: {err}", param) from None
 
 
+def _free_text(body: Sampled) -> bool:
+    """No response_format, or the text one."""
+    return body.response_format is None or body.response_format.type == "text"
+
+
+def _calls_tools(body: Sampled) -> bool:
+    """A chat request whose tools the model may call (tool_choice other than 'none')."""
+    from moekit.serve.protocol import ChatRequest
+
+    return isinstance(body, ChatRequest) and body.tool_mode != "none"
+
+
 def asks_for_grammar(body: Sampled) -> bool:
     """Whether request_constraint has anything to compile or check for this body (a free-text
     request skips the worker thread that compiling takes)."""
-    from moekit.serve.protocol import ChatRequest
-
-    tools = isinstance(body, ChatRequest) and body.tool_mode != "none"
-    return tools or (body.response_format is not None and body.response_format.type != "text")
+    return _calls_tools(body) or not _free_text(body)
 
 
 def request_constraint(grammars: Grammars, body: Sampled) -> Optional[TokenConstraint]:
     """The grammar a request's tokens must follow, or None for free decoding; a 400 naming the
     field for what cannot be honoured."""
-    from moekit.serve.protocol import ChatRequest
     from moekit.serve.tools import forced_functions, parameters_grammars, tool_call_grammar
 
-    if isinstance(body, ChatRequest) and body.tool_mode != "none":
+    if _calls_tools(body):
         for grammar, param in parameters_grammars(body):
             grammars.check(grammar, param)
         if response_grammar(body) is not None:

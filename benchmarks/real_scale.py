@@ -72,12 +72,26 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
                  temperature: float = 0.0, seed: int = 0, noise: float = 0.0) -> dict:
     import torch
 
-    from moekit.engine.sampling import SamplingParams
+    from moekit.bench.offload_rss import RssSampler
 
+    torch.set_num_threads(threads)
+    held: dict = {}  # the engine once loaded: the sampler's probes read its store
+    sampler = RssSampler(probes={"store_bytes": lambda: held["engine"].store.clock.resident_bytes})
+    with sampler:
+        out = _moekit_run(path, tokens, options, prompt, skew, temperature, seed, noise, sampler, held)
+    out["rss"] = sampler.report()
+    out["peak_rss"] = out["rss"]["vm_hwm"]
+    return out
+
+
+def _moekit_run(path: str, tokens: int, options: list[str], prompt: list[int], skew: float, temperature: float,
+                seed: int, noise: float, sampler, held: dict) -> dict:
+    from moekit.bench.offload_worker import resident_bytes
+    from moekit.engine.sampling import SamplingParams
     from moekit.engine.loader import load_engine
     from moekit.offload.options import OffloadOptions
 
-    torch.set_num_threads(threads)
+    sampler.mark("started")
     opts = moekit_options(options)
     offload = (OffloadOptions(opts["--expert-memory"], policy=opts.get("--cache", "lru"),
                               read_ahead=int(opts.get("--read-ahead", 2)),
@@ -90,13 +104,15 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
                          compile=False if "--eager" in opts else None, kernels=opts.get("--kernels", "auto"),
                          weights=opts.get("--weights", "dtype"))
     load_s = time.perf_counter() - t0
+    held["engine"] = engine
+    sampler.mark("loaded")
     print(f"moekit loaded in {load_s:.0f} s, RSS {_hwm() / 2**30:.1f} GiB", file=sys.stderr, flush=True)
     if skew:
         from skewed_routing import skew_routers
 
         skew_routers(engine.decoder, skew)
     sampling = SamplingParams(temperature=temperature, seed=seed) if temperature > 0 else SamplingParams()
-    policy = None
+    policy = warm_policy = None
     if noise:
         # moekit's own routing policy gumbel:σ:seed: top-K on logits + σ·Gumbel noise is a draw per
         # token from softmax(logits / σ), so each token routes independently of the one before.
@@ -104,12 +120,16 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
 
         router = engine.spec.layers[engine.spec.moe_layers[0]].ffn.router
         policy = parse_policy(f"gumbel:{noise:g}:{seed}", router.top_k, router.num_experts)
+        warm_policy = parse_policy(f"gumbel:{noise:g}:{seed + 1}", router.top_k, router.num_experts)  # other draws
     # One untimed run first, as llama-bench warms up: the compiled step compiles (or loads) its graph
-    # on its first step, which is start-up, not decoding.
-    engine.generate([prompt], max_new_tokens=2, stop_ids=())
+    # on its first step, which is start-up, not decoding. It routes as the timed run does (a routing
+    # policy is a graph of its own), with its own noise, so it does not load the timed run's draws.
+    engine.generate([prompt], max_new_tokens=2, stop_ids=(), sampling=sampling, policy=warm_policy)
+    sampler.mark("warmed")
     before = _io_read()
     gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling, policy=policy)
     read = _io_read() - before
+    sampler.mark("generated")
     t = gen.timing
     acts = engine.meter(gen)[1:]  # the decoded tokens (the first comes from the prompt pass)
     out = {"engine": "moekit", "bytes_touched_per_token": sum(a.bytes_touched for a in acts) / max(1, len(acts)),
@@ -117,11 +137,12 @@ def child_moekit(path: str, tokens: int, threads: int, options: list[str], promp
            "decode_tok_s": t.decode_steps / t.decode_s, "tokens": gen.token_ids[0],
            "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
            "route_skew": skew, "route_noise": noise, "temperature": temperature,
-           "compiled": engine.decoder.compiled is not None}
+           "compiled": engine.decoder.compiled is not None, "dense_bytes": resident_bytes(engine.decoder)}
     if engine.store is not None:
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
-                   store_disk_bytes_per_token=st["disk_bytes"] / (tokens + 1), slots_per_layer=st["slots_per_layer"])
+                   store_disk_bytes_per_token=st["disk_bytes"] / (tokens + 1), slots_per_layer=st["slots_per_layer"],
+                   budget_bytes=st["budget_bytes"], peak_resident_expert_bytes=st["peak_resident_expert_bytes"])
     return out
 
 

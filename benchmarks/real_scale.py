@@ -142,7 +142,8 @@ def _moekit_run(path: str, tokens: int, options: list[str], prompt: list[int], s
         st = engine.store.stats()
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
                    store_disk_bytes_per_token=st["disk_bytes"] / (tokens + 1), slots_per_layer=st["slots_per_layer"],
-                   budget_bytes=st["budget_bytes"], peak_resident_expert_bytes=st["peak_resident_expert_bytes"])
+                   budget_bytes=st["budget_bytes"], peak_resident_expert_bytes=st["peak_resident_expert_bytes"],
+                   peak_held_expert_bytes=st["peak_held_expert_bytes"])
     return out
 
 

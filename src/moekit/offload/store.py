@@ -78,19 +78,36 @@ class LayerStats:
 @dataclass
 class StoreClock:
     """Process-wide figures of one store: stall time, resident experts and bytes, and their peaks.
-    Bytes are each expert's own (a packed file may hold experts at several precisions)."""
+    Bytes are each expert's own (a packed file may hold experts at several precisions).
+
+    What the store holds is more than its resident experts: an expert evicted while the forward
+    under way still runs it (a prompt whose experts outnumber the slots, read ahead) keeps its
+    weights until that forward ends. `held_bytes` counts both, so its peak is every expert byte the
+    store kept alive at once."""
 
     stall_s: float = 0.0
     resident_experts: int = 0
     peak_resident_experts: int = 0
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
+    kept_bytes: int = 0  # evicted experts the forward under way still runs
+    peak_held_bytes: int = 0  # resident + kept, at their highest
+
+    @property
+    def held_bytes(self) -> int:
+        return self.resident_bytes + self.kept_bytes
 
     def hold(self, n: int, nbytes: int = 0) -> None:
         self.resident_experts += n
         self.peak_resident_experts = max(self.peak_resident_experts, self.resident_experts)
         self.resident_bytes += nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def keep(self, nbytes: int) -> None:
+        """nbytes of evicted experts stay alive until the forward ends (negative: it ended)."""
+        self.kept_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
 
 
 class LayerStore:
@@ -133,6 +150,7 @@ class LayerStore:
         self._handed: dict[int, Optional[Weights]] = {}  # expert → the spare its load was given
         self._in_use: frozenset[int] = frozenset()
         self._deferred: list[tuple[Future, Optional[Weights]]] = []
+        self._kept = 0  # bytes of this forward's evicted experts it still runs (StoreClock.keep)
         # Without slots (experts held as read: blocks, packed rows) a dropped expert is freed.
         self._slot_count = len(slots)
         self._slot_ptrs = frozenset(w[0].data_ptr() for w in slots)
@@ -159,6 +177,9 @@ class LayerStore:
             return
         future = self._weights.pop(e, None)
         if future is not None:
+            if e in self._in_use:  # the forward still runs it: its weights live until the forward ends
+                self._clock.keep(self.memory_bytes[e])
+                self._kept += self.memory_bytes[e]
             self._clock.hold(-1, -self.memory_bytes[e])
             handed = self._handed.pop(e, None)
             if self._slot_count and e in self._in_use:
@@ -330,6 +351,8 @@ class LayerStore:
             for future, handed in self._deferred:
                 self._recycle(future, handed)
             self._deferred.clear()
+            self._clock.keep(-self._kept)
+            self._kept = 0
         if not self.retain:
             for e in sorted(self.cache.resident - self.cache.pinned):
                 self._drop(e)
@@ -467,5 +490,9 @@ class ExpertStore:
             "substitute_bytes": self.substitute_bytes,
             "substituted": overall["substituted"],
             "peak_resident_expert_bytes": self.clock.peak_resident_bytes,
+            # ... and with the evicted experts a forward still ran (a long prompt read ahead): every
+            # expert byte the store kept alive at once; --expert-memory as given, to hold it against.
+            "peak_held_expert_bytes": self.clock.peak_held_bytes,
+            "expert_memory_bytes": self.budget,
             "layers": per_layer,
         }

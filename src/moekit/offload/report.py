@@ -61,6 +61,7 @@ def offload_report(after_prefill: dict, final: dict, decode_tokens: int, decode_
         "prefetch_precision": final["prefetch_precision"],
         "prefetch_recall": final["prefetch_recall"],
         "peak_resident_expert_bytes": final["peak_resident_expert_bytes"],
+        "peak_held_expert_bytes": final["peak_held_expert_bytes"],
         "peak_rss_bytes": peak_rss_bytes(),
         "layers": final["layers"],
     }

@@ -8,7 +8,9 @@ Per run: load seconds, prefill and decode tokens/s (greedy, the same 16 prompt i
 untimed run of the prompt and 2 tokens, in which a compiled step compiles or loads its graph), peak RSS
 (VmHWM: for llama.cpp's mmap it counts the file pages it touched), bytes read from the block device
 per decoded token (/proc/self/io read_bytes: page-cache hits are not counted, for either engine) and,
-for moekit's store, the hit rate. llama.cpp runs as its own `llama-bench` binary (built by
+for moekit's store, the hit rates (cumulative, and the timed run's decode alone) and its reads; for
+moekit also where its memory went: RssAnon, RssFile, the store's bytes and glibc's heap, sampled
+every 5 ms through each phase (moekit.bench.offload_rss). llama.cpp runs as its own `llama-bench` binary (built by
 benchmarks/build_llama_cpp.sh) with -p PROMPT -n TOKENS -t THREADS -r 1 (its warm-up included,
 as it does by default), under /usr/bin/time for its peak RSS and file-system reads; --llama-args
 adds its options (a larger-than-memory run wants `--repack 0 -lm mmap`: repacking copies every
@@ -90,6 +92,7 @@ def _moekit_run(path: str, tokens: int, options: list[str], prompt: list[int], s
     from moekit.engine.sampling import SamplingParams
     from moekit.engine.loader import load_engine
     from moekit.offload.options import OffloadOptions
+    from moekit.offload.report import offload_report
 
     sampler.mark("started")
     opts = moekit_options(options)
@@ -126,8 +129,17 @@ def _moekit_run(path: str, tokens: int, options: list[str], prompt: list[int], s
     # policy is a graph of its own), with its own noise, so it does not load the timed run's draws.
     engine.generate([prompt], max_new_tokens=2, stop_ids=(), sampling=sampling, policy=warm_policy)
     sampler.mark("warmed")
+    store = engine.store
+    warmed = store.stats() if store is not None else None
+    after_prompt: dict = {}  # the store's figures once the timed run's prompt pass is done
+
+    def on_token(step, ids):
+        if step == 0 and store is not None:
+            after_prompt.update(store.stats())
+
     before = _io_read()
-    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling, policy=policy)
+    gen = engine.generate([prompt], max_new_tokens=tokens, stop_ids=(), sampling=sampling, policy=policy,
+                          on_token=on_token)
     read = _io_read() - before
     sampler.mark("generated")
     t = gen.timing
@@ -138,10 +150,16 @@ def _moekit_run(path: str, tokens: int, options: list[str], prompt: list[int], s
            "read_bytes_per_token": read / (tokens + 1), "peak_rss": _hwm(), "notes": list(engine.notes),
            "route_skew": skew, "route_noise": noise, "temperature": temperature,
            "compiled": engine.decoder.compiled is not None, "dense_bytes": resident_bytes(engine.decoder)}
-    if engine.store is not None:
-        st = engine.store.stats()
+    if store is not None:
+        st = store.stats()
+        # The timed run's own figures: the warm-up's loads and hits left out, its decode from the
+        # prompt pass on (cumulative hit_rate / decode_hit_rate kept beside them).
+        timed = offload_report(after_prompt, st, t.decode_steps, t.decode_s)
         out.update(hit_rate=st["hit_rate"], decode_hit_rate=st["decode_hit_rate"],
-                   store_disk_bytes_per_token=st["disk_bytes"] / (tokens + 1), slots_per_layer=st["slots_per_layer"],
+                   timed_decode_hit_rate=timed["decode_hit_rate"],
+                   store_disk_bytes_per_token=(st["disk_bytes"] - warmed["disk_bytes"]) / (tokens + 1),
+                   store_decode_disk_bytes_per_token=timed["decode"]["disk_bytes_per_token"],
+                   slots_per_layer=st["slots_per_layer"],
                    budget_bytes=st["budget_bytes"], peak_resident_expert_bytes=st["peak_resident_expert_bytes"],
                    peak_held_expert_bytes=st["peak_held_expert_bytes"])
     return out

@@ -15,7 +15,9 @@ tokens: 95% decode hits). With real_scale.py's `--route-noise 1` (moekit's gumbe
 each token's experts drawn on their own) a numpy replay (top-8 of 128 on a fixed per-layer logit
 of std 0.9 + this bias + Gumbel noise, LRU of 44 slots) gives 52% hits at s = 0, 60% at s = 0.5,
 73% at s = 1: s = 0.5 is near the ~60% decode hit rate `moekit cache-sim` gives for the bundled
-model's varied text at the same share (docs/BENCHMARKS.md, "Real size"). Not yet run at that size.
+model's varied text at the same share (docs/BENCHMARKS.md, "Real size"). Run at that size with
+`--route-noise 1 --route-skew 0.5`: 55% decode hits, the 10 GiB of experts full (docs/BENCHMARKS.md,
+"Memory under every routing").
 """
 
 from __future__ import annotations

@@ -78,6 +78,12 @@ def main() -> None:
         outs = [(products(ops)[0](x, head), products(ops)[1](h, layers[0][4], ids[0])) for ops in variants.values()]
         print("outputs equal:", all(torch.equal(a, c) for a, c in zip(*outs)))
 
+    # The bytes a step reads: every dense weight, and per layer the union of its rows' chosen experts.
+    dense = sum(w.nbytes for layer in layers for w in layer[:3]) + head.nbytes
+    expert = (layers[0][3][0].nbytes + layers[0][4][0].nbytes)
+    union = statistics.mean(len(set(ids[(i * LAYERS + j) % len(ids)].flatten().tolist()))
+                            for i in range(5) for j in range(LAYERS))
+    step_bytes = dense + LAYERS * union * expert
     times = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, ops in variants.items():
@@ -87,8 +93,9 @@ def main() -> None:
                 step(ops, i)
             times[name].append((time.perf_counter() - began) / 5)
     for name, ts in times.items():
-        print(f"{name:8s} {args.dtype} batch {b}: {statistics.median(ts) * 1e3:.2f} ms a step's products "
-              f"(median of {args.rounds}, {args.threads} threads)")
+        ms = statistics.median(ts) * 1e3
+        print(f"{name:8s} {args.dtype} batch {b}: {ms:.2f} ms a step's products, {step_bytes / ms / 1e6:.1f} GB/s of "
+              f"its {step_bytes / 1e6:.0f} MB ({union:.1f} experts a layer; median of {args.rounds}, {args.threads} threads)")
 
 
 if __name__ == "__main__":

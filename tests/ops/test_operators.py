@@ -19,7 +19,8 @@ from moekit.ops.shims import C_ARGS
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5), (8, 512, 300), (20, 256, 64)])
+@pytest.mark.parametrize("rows,width,out", [(1, 512, 300), (3, 515, 77), (8, 40, 17), (1, 7, 5), (8, 512, 300), (20, 256, 64),
+                                              (5, 33, 9), (16, 515, 37)])
 def test_rows_gemv_is_the_reference(ops, dtype, rows, width, out):
     gen = torch.Generator().manual_seed(rows * width + out)
     x = torch.randn(rows, width, generator=gen).to(dtype)
@@ -68,6 +69,26 @@ def test_a_batch_rows_floats_do_not_depend_on_the_batch_around_them(ops, dtype, 
         assert torch.equal(ops.experts_gemv(x[:r, None], stacks, ids[:r]), experts[:r]), r
     assert torch.equal(experts[:, 0], ops.rows_gemv(x[:6], stacks[0]))
     assert torch.equal(experts[:, 1], ops.rows_gemv(x[:6], stacks[2]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(4, 512), (16, 512), (16, 259)])
+def test_a_served_batchs_chosen_experts_are_the_reference_and_each_experts_rows_product(ops, dtype, rows, width):
+    """A serving step's shape: 4 to 16 rows each choosing 4 of 32 experts, so an expert gets 0 to
+    several rows; each (row, choice) is the reference's product, and bit for bit that expert's
+    rows_gemv on the same x row (with a width that leaves a tail past the vector loop too)."""
+    gen = torch.Generator().manual_seed(rows + width)
+    x = torch.randn(rows, 1, width, generator=gen).to(dtype)
+    stacks = torch.randn(32, 24, width, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(32, generator=gen)[:4] for _ in range(rows)])
+    got = ops.experts_gemv(x, stacks, ids)
+    want = reference.experts_gemv(x.float(), stacks, ids)
+    tol = 1e-5 * width ** 0.5 if dtype == torch.float32 else 1e-2 * want.abs().max().item()
+    torch.testing.assert_close(got.float(), want, rtol=0, atol=tol)
+    for e in ids.unique().tolist():
+        b, c = (ids == e).nonzero(as_tuple=True)
+        if len(b) > 1:  # one row alone takes the one-row kernel, with chains of its own
+            assert torch.equal(got[b, c], ops.rows_gemv(x[b, 0], stacks[e])), e
 
 
 def test_bf16_weights_times_fp32_rows_are_fp32_products_of_the_same_weights(ops):

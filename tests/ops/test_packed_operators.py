@@ -31,12 +31,14 @@ def test_mxfp4_operator_is_the_reference_within_summation_order(ops, rows, dtype
 
 
 @pytest.mark.parametrize("dtype", X_DTYPES)
-@pytest.mark.parametrize("rows", [2, 3, 7, 40])
-def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows, dtype):
-    """Several rows (a prompt's, routed to one expert) expand each weight row once for all of them;
-    every row's outputs are still its one-row product to the bit, so batching changes no float."""
-    w = packed_layout.mxfp4_prepare(torch.randn(41, 320) * torch.logspace(-2, 2, 320))  # 10 blocks a row, an odd row count
-    x = torch.randn(rows, 320).to(dtype)
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 7, 40])
+@pytest.mark.parametrize("inputs", [320, 288])
+def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows, dtype, inputs):
+    """Several rows (a prompt's, routed to one expert) expand each weight row once for all of them
+    (up to 4 a pass); every row's outputs are still its one-row product to the bit, so batching
+    changes no float. 10 and 9 blocks a row: 2 and 1 past the last whole round of the 4 chains."""
+    w = packed_layout.mxfp4_prepare(torch.randn(41, inputs) * torch.logspace(-2, 2, inputs))  # an odd row count
+    x = torch.randn(rows, inputs).to(dtype)
     got = ops.mxfp4_gemv(x, w)
     for r in range(rows):
         assert torch.equal(got[r], ops.mxfp4_gemv(x[r : r + 1], w)[0])
@@ -111,6 +113,20 @@ def test_the_mxfp4_experts_operator_on_a_prompt_is_each_rows_one_row_product(ops
     got = ops.experts_mxfp4(x, stack, ids)
     for b in range(13):
         for c in range(2):
+            assert torch.equal(got[b, c], ops.mxfp4_gemv(x[b], stack[int(ids[b, c])])[0])
+    _close(got, reference.experts_mxfp4(x, stack, ids), 1e-6)
+
+
+@pytest.mark.parametrize("dtype", X_DTYPES)
+def test_the_mxfp4_experts_operator_at_four_rows_is_each_rows_one_row_product(ops, dtype):
+    """A decode step serving 4 requests: their top-4 choices share experts, 1, 2, 3 and 4 rows an
+    expert (each in one pass over its weight); each (row, choice) is the one-row product, bit for bit."""
+    stack = _stack(PACKED_STACKS["mxfp4"][0], 8, 24, 288)  # 9 blocks a row: a partial round of the 4 chains
+    ids = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 4], [0, 1, 5, 6], [0, 7, 2, 3]])
+    x = torch.randn(4, 1, 288, generator=torch.Generator().manual_seed(4)).to(dtype)
+    got = ops.experts_mxfp4(x, stack, ids)
+    for b in range(4):
+        for c in range(4):
             assert torch.equal(got[b, c], ops.mxfp4_gemv(x[b], stack[int(ids[b, c])])[0])
     _close(got, reference.experts_mxfp4(x, stack, ids), 1e-6)
 

@@ -268,9 +268,9 @@ struct Block {
 #ifdef MK_DPBF16
 // One weight row at a time, against up to 4 x rows (one chain per pair). Four weight rows side by
 // side (G = 4, 16 chains) read the weight as four interleaved streams, and on an AMD EPYC (Zen 4) a
-// 32000 x 512 bf16 head at 2, 4, 8 rows took 3.5, 4.2, 5.5 ms against 1.7, 2.7, 3.2 ms one weight row
-// at a time, a layer sequence of chosen experts 2.9, 6.7, 16.4 against 2.6, 6.0, 9.0 ms (1 thread,
-// the same floats: each pair's chain is the same either way).
+// 32000 x 512 bf16 head at 2, 4, 8, 16 rows took 4.1, 4.5, 5.8, 11.1 ms against 2.4, 2.6, 2.8, 5.5 ms
+// one weight row at a time (1 thread, under load; docs/BENCHMARKS.md). The floats are the same either
+// way: each pair keeps its own chain.
 template <>
 struct Block<c10::BFloat16, c10::BFloat16> {
     static constexpr int G = 1, R = 4;

@@ -127,22 +127,41 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
         assert packed.stop() == 0
 
 
-def test_a_server_warmed_up_ahead_loads_its_graphs_and_a_one_row_server_compiles_no_batch_graph(tiny_checkpoints):
-    """`moekit serve --warm-up` compiles (or loads) what the server would use and exits without serving;
-    the server after it loads every graph, its prefill graphs too. --max-batch 1: no batch graph, no
-    graph of several prompts' rows."""
+def _own_home(tmp_path: Path) -> dict:
+    """An environment whose HOME is a fresh folder (an empty compile cache) with the operator build linked."""
+    home = tmp_path / "home"
+    (home / ".cache" / "moekit").mkdir(parents=True)
+    ops = Path.home() / ".cache" / "moekit" / "ops"
+    if ops.is_dir():
+        (home / ".cache" / "moekit" / "ops").symlink_to(ops)  # not rebuilt
+    return {**os.environ, "HOME": str(home)}
+
+
+def test_a_server_stopped_while_compiling_exits_0_and_one_warmed_up_ahead_loads_every_graph(tiny_checkpoints, tmp_path):
+    """On one compile cache of its own, one row (--max-batch 1: no batch graph, no graph of several
+    prompts' rows), three processes one after another. A server stopped as soon as it answers, its
+    prefill graphs compiling beside the steps, exits 0 at once: torch's compile cannot be interrupted,
+    and a process that exited under it aborted. `moekit serve --warm-up` then loads the decode graph that
+    server compiled, compiles (or loads) its prefill graphs and exits without serving; the server after
+    it loads every graph and answers with the eager tokens. (One cold decode graph for the three: the
+    graphs a server would use are the same whether it was stopped, warmed up ahead or serves.)"""
     folder = tiny_checkpoints("qwen3_moe")
-    args = (folder, "--max-batch", "1")
+    args, env = (folder, "--max-batch", "1"), _own_home(tmp_path)
+    stopped = start_server(*args, timeout=600, env=env)
+    assert stopped.stop() == 0, stopped.log[-5:]
+    assert not any("terminate called" in line for line in stopped.log), stopped.log[-5:]
+    assert any("compiling the decode step (batch 1)" in line for line in stopped.log), stopped.log
+
     ahead = subprocess.run([sys.executable, "-m", "moekit", "serve", *map(str, args), "--warm-up", "--threads", "1"],
-                           capture_output=True, text=True, timeout=900)
+                           capture_output=True, text=True, timeout=900, env=env)
     assert ahead.returncode == 0, ahead.stderr[-2000:]
     lines = ahead.stderr.splitlines()
-    assert any("the compiled decode step (batch 1)" in line or "compiling the decode step (batch 1)" in line for line in lines), lines
+    assert any("loading the compiled decode step (batch 1)" in line for line in lines), lines
     assert [line.split(")")[0] for line in lines if line.startswith("prefill graph (")] == \
         ["prefill graph (1 row full", "prefill graph (1 row"], lines
     assert lines[-1].startswith("warmed up: ") and not any(line.startswith("serving ") for line in lines), lines
 
-    server = start_server(*args, timeout=600)
+    server = start_server(*args, timeout=600, env=env)
     try:
         ready = _prefill_graphs_ready(server, 2)
         assert len(ready) == 2 and all(" loaded in " in line for line in ready), server.log
@@ -153,17 +172,3 @@ def test_a_server_warmed_up_ahead_loads_its_graphs_and_a_one_row_server_compiles
         assert httpx.post(server.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"] == want
     finally:
         assert server.stop() == 0
-
-
-def test_a_server_stopped_while_its_prefill_graphs_compile_exits_0(tiny_checkpoints, tmp_path):
-    """Stopped as soon as it answers, its prefill graphs compiling beside the steps (a compile cache of
-    its own: a HOME of its own, the operator build linked), the server exits 0 at once: torch's compile
-    cannot be interrupted, and a process that exited under it aborted."""
-    home = tmp_path / "home"
-    (home / ".cache" / "moekit").mkdir(parents=True)
-    ops = Path.home() / ".cache" / "moekit" / "ops"
-    if ops.is_dir():
-        (home / ".cache" / "moekit" / "ops").symlink_to(ops)  # not rebuilt
-    server = start_server(tiny_checkpoints("qwen3_moe"), "--max-batch", "2", timeout=600, env={**os.environ, "HOME": str(home)})
-    assert server.stop() == 0, server.log[-5:]
-    assert not any("terminate called" in line for line in server.log), server.log[-5:]

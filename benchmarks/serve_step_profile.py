@@ -82,9 +82,10 @@ def buckets(raw: str) -> Counter:
     return out
 
 
-def profile_moekit(setup: ServeSetup, workload: Workload, seconds: float, rate: int, py_spy: Path, out: Path) -> dict:
+def profile_moekit(setup: ServeSetup, workload: Workload, seconds: float, rate: int, py_spy: Path, out: Path,
+                   moekit_args: str = "") -> dict:
     short, _ = workload.prompts(checkpoint_vocab(setup.checkpoint))
-    command = engine_command(parse_vs("")[0], setup, workload, free_port())
+    command = engine_command(parse_vs("", moekit_args)[0], setup, workload, free_port())
     with running(command) as server:
         plan = LoadPlan(url=server.url, prompts=short, max_tokens=workload.max_tokens, model=first_model(server.url))
         run_level(plan, 2, concurrency=1)  # warm
@@ -131,14 +132,16 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20)
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second (each pauses the server a moment)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--weights", default="dtype", help="moekit's --weights (int8: llama-server on q8_0)")
     parser.add_argument("--moekit-args", default="")
     parser.add_argument("--py-spy", type=Path, default=Path("bench-out/tools/bin/py-spy"))
     parser.add_argument("--out", type=Path, default=Path("bench-out/serve-step-profile"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    setup = ServeSetup(args.checkpoint, "float32", threads=args.threads, max_batch=16)
+    setup = ServeSetup(args.checkpoint, args.dtype, args.weights, threads=args.threads, max_batch=16)
     workload = Workload(concurrency=(1,), arrival_count=0)
-    report = {"moekit": profile_moekit(setup, workload, args.seconds, args.rate, args.py_spy, args.out),
+    report = {"moekit": profile_moekit(setup, workload, args.seconds, args.rate, args.py_spy, args.out, args.moekit_args),
               "llama-server": llama_itl(setup, workload, 8)}
     m, ll = report["moekit"], report["llama-server"]
     print(f"moekit serve: {m['tok_s']:.0f} tok/s under py-spy, ITL p50 {m['itl_p50_ms']:.2f} ms; "

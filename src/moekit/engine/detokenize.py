@@ -8,6 +8,7 @@ only the text that has become stable (the approach of transformers' TextStreamer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -17,15 +18,20 @@ class TextStream:
     prefix_offset: int = 0  # window start: decoding from here gives stable context for spacing
     read_offset: int = 0  # ids before this one have been printed
 
+    printed: Optional[str] = field(default=None, repr=False)  # decode of ids[prefix_offset:read_offset], once made
+
     def push(self, token_id: int) -> str:
         """Add one id; return the newly stable text (possibly empty)."""
         self.ids.append(token_id)
-        printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        if self.printed is None:  # the window moved: its printed part is decoded once, not once per id
+            self.printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        printed = self.printed
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) > len(printed) and not full.endswith("\ufffd"):
             new = full[len(printed) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)
+            self.printed = None
             return new
         return ""
 
@@ -34,4 +40,5 @@ class TextStream:
         printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
+        self.printed = None
         return full[len(printed) :]

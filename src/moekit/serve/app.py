@@ -29,6 +29,7 @@ from moekit.serve.metrics import ServerMetrics
 from moekit.serve.logprobs import chat_logprobs, completion_logprobs, token_text
 from moekit.serve.openapi import openapi_document
 from moekit.serve.protocol import ChatRequest, CompletionRequest, Sampled, parse_body
+from moekit.serve.streaming import ID_MARK, TEXT_MARK, Dispatcher, Mailbox, cut_template
 from moekit.serve.structured import asks_for_grammar, request_constraint
 from moekit.engine.router_health import watch_routers
 from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
@@ -87,6 +88,13 @@ class ServerState:
     jitter: Optional[JitterMetrics] = None
     threads: Optional[int] = None  # the engine thread's torch threads, once it has set them
     prefill_graphs: Optional[threading.Thread] = None  # compiles the prefill graphs while the server answers
+    dispatcher: Optional[Dispatcher] = None  # hands the engine thread's items to the event loop's replies
+
+    def dispatcher_for(self, loop) -> Dispatcher:
+        """The dispatcher of the loop that serves (made on the first request it serves)."""
+        if self.dispatcher is None or self.dispatcher.loop is not loop:
+            self.dispatcher = Dispatcher(loop)
+        return self.dispatcher
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -440,39 +448,26 @@ def _place(state: ServerState, request) -> None:
 
 @dataclass
 class _Exchange:
-    """One HTTP request's traffic between the engine thread and the event loop: (choice, kind, value)."""
+    """One HTTP request's traffic between the engine thread and the event loop: (choice, kind, value)
+    items in its mailbox (moekit.serve.streaming), and each choice's token times (engine thread)."""
 
-    queue: asyncio.Queue
+    box: Mailbox = field(default_factory=Mailbox)
     token_times: dict[int, list[float]] = field(default_factory=dict)
-    abandoned: Optional[Callable] = None  # set when the client left: where outcomes go then
-
-    def deliver_finish(self, index: int, outcome) -> None:
-        """On the event loop: the outcome goes to the reply, or straight to the books if nobody waits."""
-        if self.abandoned is not None:
-            self.abandoned(index, outcome)
-        else:
-            self.queue.put_nowait((index, "finish", outcome))
 
 
-def _wire(request, index: int, exchange: _Exchange, loop) -> None:
-    """The request's callbacks (engine thread) post to the exchange's queue (event loop)."""
+def _wire(request, index: int, exchange: _Exchange, dispatcher: Dispatcher) -> None:
+    """The request's callbacks (engine thread) put into the exchange's mailbox (event loop)."""
     times = exchange.token_times.setdefault(index, [])
-
-    def post(callback, *args) -> None:
-        # The engine thread must never fail because the event loop is gone (a shutdown past its grace).
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:
-            pass
+    box, put = exchange.box, dispatcher.put
 
     def on_token(token: int) -> None:
         times.append(time.perf_counter())
-        post(exchange.queue.put_nowait, (index, "token", token))
+        put(box, (index, "token", token))
 
     request.on_token = on_token
-    request.on_finish = lambda outcome: post(exchange.deliver_finish, index, outcome)
-    request.on_logprob = lambda entry: post(exchange.queue.put_nowait, (index, "logprob", entry))
-    request.on_prompt_logprobs = lambda entries: post(exchange.queue.put_nowait, (index, "prompt", entries))
+    request.on_finish = lambda outcome: put(box, (index, "finish", outcome))
+    request.on_logprob = lambda entry: put(box, (index, "logprob", entry))
+    request.on_prompt_logprobs = lambda entries: put(box, (index, "prompt", entries))
 
 
 async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompts: list[list[int]], max_tokens,
@@ -489,10 +484,10 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
     if constraint is not None:
         for i, request in enumerate(requests):
             request.constraint = constraint if i == 0 else constraint.copy()
-    loop = asyncio.get_running_loop()
-    exchange = _Exchange(queue=asyncio.Queue())
+    exchange = _Exchange()
+    dispatcher = state.dispatcher_for(asyncio.get_running_loop())
     for index, request in enumerate(requests):
-        _wire(request, index, exchange, loop)
+        _wire(request, index, exchange, dispatcher)
     canary = on_canary(state.scheduler.canary, http.headers.get(CANARY_HEADER))
     for request in requests:
         _place(state, request)
@@ -507,10 +502,10 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
     reply = _Reply(state, body, requests, [ids for ids in prompts for _ in range(body.n)], chat, exchange,
                    None if echoed is None else [text for text in echoed for _ in range(body.n)], tool_stream, arrived)
     if body.stream:
-        first = await exchange.queue.get()  # a request that fails before its first token answers 500
-        if first[1] == "finish" and first[2].finish_reason == "error":
-            reply.fail(first)
-            raise _failed(state, first[2])
+        first = await exchange.box.take(asyncio.get_running_loop())  # a request that fails before its first token answers 500
+        if first[0][1] == "finish" and first[0][2].finish_reason == "error":
+            reply.fail(first[0], first[1:])
+            raise _failed(state, first[0][2])
         return StreamingResponse(reply.events(first), media_type="text/event-stream", headers={"cache-control": "no-cache"})
     return await reply.whole(http)
 
@@ -571,6 +566,7 @@ class _Reply:
         self.with_ids = body.return_token_ids or tokenizer is None
         self.token_text = token_text(tokenizer)
         self.open = len(self.choices)  # choices not finished yet
+        self.templates: dict[int, object] = {}  # choice index → its token chunk's FrameTemplate (False: none)
 
     def _take(self, item) -> Optional[str]:
         """One item from the engine: the text a token releases, else None (bookkeeping only)."""
@@ -610,23 +606,28 @@ class _Reply:
             self.state.metrics.prompt_tokens.inc(len(choice.prompt))
         return rest
 
-    def fail(self, item) -> None:
+    def fail(self, item, rest: list = ()) -> None:
         """One choice failed: the others are cancelled (the client gets one error for the request),
-        and their outcomes, queued or still to come, go straight to the metrics."""
+        and their outcomes (`rest`: items taken with the failure; the mailbox's, now or to come) go
+        straight to the metrics."""
         self.finish(item[0], item[2])
-        self.abandon()
+        self.abandon(rest)
 
-    def abandon(self) -> None:
+    def abandon(self, taken: list = ()) -> None:
         """Nobody reads this reply any more: its running choices leave at the next step, and their
-        outcomes (maybe already queued) are still counted."""
+        outcomes (maybe already taken or in the mailbox) are still counted."""
         for choice in self.choices:
             if choice.outcome is None:
                 self.state.scheduler.cancel(choice.request)
-        self.exchange.abandoned = self.finish
-        while not self.exchange.queue.empty():
-            index, kind, value = self.exchange.queue.get_nowait()
-            if kind == "finish":
-                self.finish(index, value)
+        box = self.exchange.box
+        box.abandoned = self._count_outcome
+        for item in [*taken, *box.drain()]:
+            self._count_outcome(item)
+
+    def _count_outcome(self, item) -> None:
+        index, kind, value = item
+        if kind == "finish":
+            self.finish(index, value)
 
     def usage(self) -> dict:
         prompt = sum(len(c.prompt) for c in self.choices if c.index % self.body.n == 0)
@@ -693,20 +694,22 @@ class _Reply:
 
     async def whole(self, http: HttpRequest) -> JSONResponse:
         pieces: list[list[str]] = [[] for _ in self.choices]
+        loop = asyncio.get_running_loop()
         while self.open:
             try:
-                item = await asyncio.wait_for(self.exchange.queue.get(), timeout=0.25)
+                items = await asyncio.wait_for(self.exchange.box.take(loop), timeout=0.25)
             except asyncio.TimeoutError:
                 if await http.is_disconnected():
                     for choice in self.choices:
                         self.state.scheduler.cancel(choice.request)
                 continue
-            if item[1] == "finish" and item[2].finish_reason == "error":
-                self.fail(item)
-                raise _failed(self.state, item[2])
-            piece = self._take(item)
-            if piece:
-                pieces[item[0]].append(piece)
+            for n, item in enumerate(items):
+                if item[1] == "finish" and item[2].finish_reason == "error":
+                    self.fail(item, items[n + 1:])
+                    raise _failed(self.state, item[2])
+                piece = self._take(item)
+                if piece:
+                    pieces[item[0]].append(piece)
         body = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
@@ -720,41 +723,76 @@ class _Reply:
         }
         return JSONResponse(body)
 
-    async def events(self, first):
+    def _token_frame(self, choice: _Choice, piece: str, token: int) -> str:
+        """A token's chunk that carries only its text (and id): from the choice's template."""
+        template = self.templates.get(choice.index)
+        if template is None:
+            reference = self._frame([self._choice(choice, TEXT_MARK, [ID_MARK], [], None, True)])
+            template = self.templates[choice.index] = cut_template(reference, self.with_ids) or False
+        if template is False:  # no template for this chunk's form: the reference, every time
+            return self._frame([self._choice(choice, piece, [token], [], None, True)])
+        return template.frame(piece, token)
+
+    def _plain(self, choice: _Choice) -> bool:
+        """Whether a token's chunk of this choice holds only its text and id (the template's form)."""
+        return choice.request.logprobs is None and not self.body.continuous_usage
+
+    def _mark_first_sent(self) -> None:
+        """After a write: each choice whose first token's frame was in it has been sent now."""
+        now = time.perf_counter()
+        for choice in self.choices:
+            if choice.first_sent is None and choice.token_ids:
+                choice.first_sent = now
+
+    async def events(self, first: list):
+        """The SSE stream: every item taken at once is written at once (one write, several frames)."""
         finished = False
         echoed: set[int] = set()
+        loop = asyncio.get_running_loop()
+        frames: list[str] = []
         try:
             if self.chat:
-                yield self._frame([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                    "finish_reason": None} for c in self.choices])
-            item = first
+                frames.append(self._frame([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None} for c in self.choices]))
+            items = first
             while True:
-                index, kind, value = item
-                choice = self.choices[index]
-                if kind == "finish" and value.finish_reason == "error":
-                    finished = True
-                    self.fail(item)
-                    failure = _failed(self.state, value)
-                    yield f"data: {failure.response().body.decode()}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
-                piece = self._take(item)
-                echo = not self.chat and self.body.echo and index not in echoed and kind in ("token", "finish")
-                if kind in ("token", "finish"):
-                    if echo:
-                        echoed.add(index)
-                    entries, choice.sent = choice.logprobs[choice.sent :], len(choice.logprobs)
-                    ids, reason = ([value], None) if kind == "token" else ([], choice.finish_reason)
-                    yield self._frame([self._choice(choice, piece, ids, entries, reason, True, echo)])
-                    if kind == "token" and choice.first_sent is None:
-                        choice.first_sent = time.perf_counter()  # the server has written the frame
-                if not self.open:
-                    finished = True
-                    if self.body.include_usage:
-                        yield self._frame([], self.usage())
-                    yield "data: [DONE]\n\n"
-                    return
-                item = await self.exchange.queue.get()
+                for n, item in enumerate(items):
+                    index, kind, value = item
+                    choice = self.choices[index]
+                    if kind == "finish" and value.finish_reason == "error":
+                        finished = True
+                        self.fail(item, items[n + 1:])
+                        failure = _failed(self.state, value)
+                        frames.append(f"data: {failure.response().body.decode()}\n\n")
+                        frames.append("data: [DONE]\n\n")
+                        yield "".join(frames)
+                        return
+                    if kind == "finish" and frames and choice.first_sent is None and choice.token_ids:
+                        yield "".join(frames)  # its first token's frame before its end: the stream stage is timed
+                        frames = []
+                        self._mark_first_sent()
+                    piece = self._take(item)
+                    if kind == "token" and self._plain(choice) and (self.chat or not self.body.echo or index in echoed):
+                        frames.append(self._token_frame(choice, piece, value))
+                    elif kind in ("token", "finish"):
+                        echo = not self.chat and self.body.echo and index not in echoed
+                        if echo:
+                            echoed.add(index)
+                        entries, choice.sent = choice.logprobs[choice.sent :], len(choice.logprobs)
+                        ids, reason = ([value], None) if kind == "token" else ([], choice.finish_reason)
+                        frames.append(self._frame([self._choice(choice, piece, ids, entries, reason, True, echo)]))
+                    if not self.open:
+                        finished = True
+                        if self.body.include_usage:
+                            frames.append(self._frame([], self.usage()))
+                        frames.append("data: [DONE]\n\n")
+                        yield "".join(frames)
+                        return
+                if frames:
+                    yield "".join(frames)
+                    frames = []
+                    self._mark_first_sent()
+                items = await self.exchange.box.take(loop)
         finally:
             if not finished:  # the client went away mid-stream
                 self.abandon()

@@ -20,14 +20,12 @@ class StopText:
     pending: str = ""  # decoded, not yet sent
     stopped: bool = False
     _stream: Optional[TextStream] = field(default=None, repr=False)
+    hold: int = field(init=False, default=0)  # characters held back: the longest stop string's, less one
 
     def __post_init__(self):
         if self.tokenizer is not None:
             self._stream = TextStream(self.tokenizer)
-
-    @property
-    def hold(self) -> int:
-        return max((len(s) for s in self.stops), default=1) - 1
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
 
     def push(self, token_id: int) -> str:
         """One generated id → the text that may be sent now ("" while held back or stopped)."""
@@ -44,6 +42,9 @@ class StopText:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
+        if not self.stops:  # nothing to hold back or look for
+            out, self.pending = self.pending, ""
+            return out
         cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             out, self.pending, self.stopped = self.pending[:cut], "", True

@@ -114,11 +114,15 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
             body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
             return httpx.post(packed.v1 + "/completions", json=body, timeout=120.0).json()["choices"][0]["token_ids"]
 
+        health = []
         for _ in ("while the prefill graphs compile", "once they are ready"):
+            health.append(httpx.get(packed.url + "/health", timeout=30).json())
             with ThreadPoolExecutor(len(jobs)) as pool:
                 assert list(pool.map(ask, jobs)) == solo
             ready = _prefill_graphs_ready(packed, 3)
             assert len(ready) == 3 and all(line.endswith("its prompts run it from now") for line in ready), packed.log
+        # /health says whether the prefill graphs are loaded (what `moekit bench serve` waits for before timing)
+        assert health == [{"status": "ok", "graphs": "loading"}, {"status": "ok", "graphs": "ready"}], packed.log
         _warmed_up_before_serving(packed)
         decode = next(i for i, line in enumerate(packed.log) if "decode step" in line)
         started = [i for i, line in enumerate(packed.log) if "the prefill graphs (1 row full, 1 row, 2 rows full) one at a time" in line]

@@ -88,6 +88,7 @@ class ServerState:
     jitter: Optional[JitterMetrics] = None
     threads: Optional[int] = None  # the engine thread's torch threads, once it has set them
     prefill_graphs: Optional[threading.Thread] = None  # compiles the prefill graphs while the server answers
+    graphs_ready: threading.Event = field(default_factory=threading.Event)  # every graph it will run is loaded
     dispatcher: Optional[Dispatcher] = None  # hands the engine thread's items to the event loop's replies
 
     def dispatcher_for(self, loop) -> Dispatcher:
@@ -111,6 +112,8 @@ class ServerState:
         self.ready.set()
         if self.prefill_graphs is not None:
             self.prefill_graphs.start()
+        else:
+            self.graphs_ready.set()
         if self.config.backend is not None:
             self.config.backend.run(self, self.stop)
         else:
@@ -167,8 +170,11 @@ class ServerState:
         if decoder.compiled is None or takes(decoder, None, None, last_only=True) is not None:
             return None
         shapes = SERVED_PREFILLS if self.config.max_batch > 1 else tuple(s for s in SERVED_PREFILLS if s.rows == 1)
-        return threading.Thread(target=decoder.compiled.warm_up_prefills, args=(shapes, self.config.progress, self.stop),
-                                name="moekit-prefill-graphs", daemon=True)
+        def load() -> None:
+            decoder.compiled.warm_up_prefills(shapes, self.config.progress, self.stop)
+            self.graphs_ready.set()
+
+        return threading.Thread(target=load, name="moekit-prefill-graphs", daemon=True)
 
     def _step_done(self, step) -> None:
         if step.batch:
@@ -244,7 +250,8 @@ def create_app(config: ServeConfig, on_ready: Optional[Callable[[ServerState], N
             return error_response(503, f"the model failed to load: {state.error}")
         if not state.ready.is_set():
             return error_response(503, "the model is loading")
-        return JSONResponse({"status": "ok"})
+        # Ready answers; "graphs" says whether prompts still run the modules' forward while their graphs load.
+        return JSONResponse({"status": "ok", "graphs": "ready" if state.graphs_ready.is_set() else "loading"})
 
     def model_card() -> dict:
         card = {"id": config.model_name, "object": "model", "created": int(time.time()), "owned_by": "moekit"}

@@ -20,13 +20,12 @@ Beside them the client's ITL and TTFT p50 (wall time, the load's as much as the 
 from __future__ import annotations
 
 import argparse
-import os
-from dataclasses import replace
 from pathlib import Path
 
 from moekit.bench.serve import LoadPlan, first_model, run_level
-from moekit.bench.serve_peers import ServeSetup, Workload, checkpoint_vocab, moekit_command, round_order
+from moekit.bench.serve_peers import ServeSetup, Workload, checkpoint_vocab, round_order
 from moekit.bench.server_launch import free_port, running
+from serve_ttft_breakdown import tree_commands
 
 
 def thread_cpu_ns(pid: int) -> dict[int, int]:
@@ -92,13 +91,8 @@ def main() -> None:
     workload = Workload(prompt_len=8, max_tokens=args.max_tokens, requests_per_client=1, concurrency=(args.concurrency,),
                         arrival_prompt_len=0, warmup=args.warmup)
     setup = ServeSetup(args.checkpoint, args.dtype, args.weights, args.threads, args.max_batch)
-    flags = tuple(args.moekit_args.split())
-    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("moekit", "")]
-    commands = []
-    for name, src in trees:
-        env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
-        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e,
-                                                            ready_timeout_s=3600.0))
+    commands = tree_commands(args.tree, setup, workload, tuple(args.moekit_args.split()))
+    names = [c(0).name for c in commands]
     vocab = checkpoint_vocab(args.checkpoint)
     results: list[tuple[str, dict]] = []
     for r in range(args.rounds):
@@ -112,7 +106,7 @@ def main() -> None:
           "the client's ITL and TTFT p50 ms, output tok/s:")
     print("| tree | event loop | engine | others | all | ITL p50 | TTFT p50 | tok/s |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, figures in sorted(results, key=lambda item: [n for n, _ in trees].index(item[0]) if args.tree else 0):
+    for name, figures in sorted(results, key=lambda item: names.index(item[0])):
         print(row(name, figures))
 
 

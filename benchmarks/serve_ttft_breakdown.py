@@ -100,6 +100,17 @@ def row(name: str, figures: dict) -> str:
     return f"| {name} | " + " | ".join(cells) + " |"
 
 
+def tree_commands(trees: list[str], setup: ServeSetup, workload: Workload, flags: tuple[str, ...]) -> list:
+    """Each --tree NAME=SRC (none: this process's moekit, named "moekit") → a port → its `moekit serve` command."""
+    commands = []
+    for name, src in [tuple(t.split("=", 1)) for t in trees] or [("moekit", "")]:
+        env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
+        # A cold start compiles the step's graphs: at a high load that is past the usual 600 s.
+        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e,
+                                                            ready_timeout_s=3600.0))
+    return commands
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
@@ -122,14 +133,7 @@ def main() -> None:
     workload = Workload(prompt_len=args.prompt_len, max_tokens=args.max_tokens, requests_per_client=args.per_client,
                         concurrency=(args.concurrency,), arrival_prompt_len=0, warmup=args.warmup)
     setup = ServeSetup(args.checkpoint, args.dtype, args.weights, args.threads, args.max_batch)
-    flags = tuple(args.moekit_args.split())
-    trees = [tuple(t.split("=", 1)) for t in args.tree] or [("moekit", "")]
-    commands = []  # each: port → the server command
-    for name, src in trees:
-        env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
-        # A cold start compiles the step's graphs: at a high load that is past the usual 600 s.
-        commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e,
-                                                            ready_timeout_s=3600.0))
+    commands = tree_commands(args.tree, setup, workload, tuple(args.moekit_args.split()))
     if args.vs == "llama-server":
         commands.append(lambda port: llama_server_command(setup, workload, port))
     vocab = checkpoint_vocab(args.checkpoint)

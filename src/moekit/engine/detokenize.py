@@ -23,9 +23,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """Add one id; return the newly stable text (possibly empty)."""
         self.ids.append(token_id)
-        if self.printed is None:  # the window moved: its printed part is decoded once, not once per id
-            self.printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        printed = self.printed
+        printed = self._printed()
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         if len(full) > len(printed) and not full.endswith("\ufffd"):
             new = full[len(printed) :]
@@ -37,8 +35,14 @@ class TextStream:
 
     def flush(self) -> str:
         """Whatever is left once generation ends (an incomplete character prints as is)."""
-        printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        printed = self._printed()
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
         self.printed = None
         return full[len(printed) :]
+
+    def _printed(self) -> str:
+        """The window's printed part, decoded once each time the window moves, not once per id."""
+        if self.printed is None:
+            self.printed = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        return self.printed

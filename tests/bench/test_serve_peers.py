@@ -203,3 +203,32 @@ def test_a_gguf_checkpoints_vocabulary_comes_from_its_header(tmp_path):
                  sliding_window=4, layer_types=["sliding_attention"], tie_word_embeddings=False)
     gguf = make_checkpoint(shape, "gguf-mxfp4", tmp_path / "m.gguf", seed=1).path
     assert checkpoint_vocab(gguf) == 384
+
+
+@pytest.mark.processes  # real processes stand in for llama-server's start-up: one killed by a signal, one exiting
+def test_a_llama_server_killed_on_start_is_run_again_without_repacking(tmp_path):
+    """llama.cpp's AMX q8_0 path segfaulted at start-up on an Intel Xeon here: the harness says so and runs
+    llama-server again with --no-repack (and says that too), rather than losing the baseline."""
+    from moekit.bench.llama_cpp import LlamaCppBuild
+    from moekit.bench.make_checkpoint import make_checkpoint
+
+    build = LlamaCppBuild(tmp_path / "llama.cpp")
+    for path in (build.python, build.vendor / "convert_hf_to_gguf.py"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    build.server.parent.mkdir(parents=True, exist_ok=True)
+    # Repacked: killed by SIGSEGV, as the real one was; --no-repack: exits 3, so no workload runs.
+    build.server.write_text('#!/bin/sh\ncase "$*" in *--no-repack*) echo "no-repack start" >&2; exit 3;; esac\n'
+                            'kill -SEGV $$\n')
+    build.server.chmod(0o755)
+    shape = dict(model_type="gpt_oss", vocab_size=384, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                 sliding_window=4, layer_types=["sliding_attention"], tie_word_embeddings=False)
+    gguf = make_checkpoint(shape, "gguf-mxfp4", tmp_path / "m.gguf", seed=1).path
+    said: list[str] = []
+    (runs,) = run_peers(parse_vs("llama-server")[1:], ServeSetup(gguf), Workload(concurrency=(1,), arrival_count=0),
+                        roots={"llama-server": build.root}, progress=said.append)
+    run = runs["llama-server"]
+    assert any("crashed on start" in line and "-11" in line and "--no-repack" in line for line in said)
+    assert "exited with 3" in run.failed and "no-repack start" in run.failed
+    assert run.note == "crashed on start with its weights repacked; run with --no-repack"

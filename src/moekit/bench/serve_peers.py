@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 from moekit.bench.serve import (Arrivals, LevelResult, LoadPlan, first_model, run_arrivals_level, run_level,
                                 summarize)
-from moekit.bench.server_launch import ServerCommand, free_port, running
+from moekit.bench.server_launch import ServerCommand, ServerExited, free_port, running
 from moekit.errors import MoekitError
 
 BASELINES = ("llama-server", "vllm")
@@ -132,9 +132,11 @@ def moekit_command(setup: ServeSetup, workload: Workload, flags: tuple[str, ...]
     return ServerCommand(" ".join(("moekit", *flags)), argv, port)
 
 
-def llama_server_command(setup: ServeSetup, workload: Workload, port: int, llama_root: Optional[Path] = None) -> ServerCommand:
+def llama_server_command(setup: ServeSetup, workload: Workload, port: int, llama_root: Optional[Path] = None,
+                         repack: bool = True) -> ServerCommand:
     """llama-server with one slot per row (-np), each of the workload's context; the GGUF is made once
-    (a checkpoint that is a GGUF already is served as it is: moekit serves the same file)."""
+    (a checkpoint that is a GGUF already is served as it is: moekit serves the same file). repack=False:
+    --no-repack, no extra buffer types (its weight repacking and its AMX q8_0 path)."""
     from moekit.bench.llama_cpp import ensure_gguf, find_build, gguf_type
 
     build = find_build(llama_root)
@@ -147,7 +149,7 @@ def llama_server_command(setup: ServeSetup, workload: Workload, port: int, llama
     threads = str(setup.threads)
     argv = (str(build.server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(setup.max_batch), "-c", str(setup.max_batch * workload.context), "-t", threads, "-tb", threads,
-            "--no-warmup", "-cb")
+            "--no-warmup", "-cb", *(() if repack else ("--no-repack",)))
     return ServerCommand("llama-server", argv, port)
 
 
@@ -164,13 +166,13 @@ def _long_dtype(dtype: str) -> str:
 
 
 def engine_command(choice: EngineChoice, setup: ServeSetup, workload: Workload, port: int,
-                   roots: Optional[dict[str, Path]] = None) -> ServerCommand:
+                   roots: Optional[dict[str, Path]] = None, llama_repack: bool = True) -> ServerCommand:
     """The engine's server command; a missing build or an unmatched dtype fails here, before any run."""
     roots = roots or {}
     if choice.kind == "moekit":
         return moekit_command(setup, workload, choice.flags, port)
     if choice.kind == "llama-server":
-        return llama_server_command(setup, workload, port, roots.get("llama-server"))
+        return llama_server_command(setup, workload, port, roots.get("llama-server"), llama_repack)
     return vllm_command(setup, workload, port, roots.get("vllm"))
 
 
@@ -183,10 +185,12 @@ class EngineRun:
     levels: dict[str, LevelResult] = field(default_factory=dict)
     arrivals: Optional[LevelResult] = None  # the long prompts of the arrivals level
     failed: str = ""  # why the engine stopped short (its levels so far are kept)
+    note: str = ""  # how it was run if not as asked (llama-server without repacking)
 
     def as_dict(self) -> dict:
         return {"engine": self.engine, "ready_s": self.ready_s, "levels": {k: v.as_dict() for k, v in self.levels.items()},
-                "arrivals": self.arrivals.as_dict() if self.arrivals else None, "failed": self.failed}
+                "arrivals": self.arrivals.as_dict() if self.arrivals else None, "failed": self.failed,
+                "note": self.note}
 
 
 def run_workload(url: str, engine: str, ready_s: float, workload: Workload, vocab: int,
@@ -234,21 +238,42 @@ def run_peers(engines: list[EngineChoice], setup: ServeSetup, workload: Workload
     for choice in engines:  # every build and GGUF first: a missing baseline fails before any timing
         engine_command(choice, setup, workload, 0, roots)
     out: list[dict[str, EngineRun]] = []
+    llama_repack = True
     for r in range(rounds):
         runs: dict[str, EngineRun] = {}
         for choice in round_order(engines, r):
-            command = engine_command(choice, setup, workload, free_port(), roots)
+            command = engine_command(choice, setup, workload, free_port(), roots, llama_repack)
             progress(f"round {r + 1}: starting {command.name}")
-            runs[command.name] = EngineRun(command.name, float("nan"))
             try:
-                with running(command) as server:
-                    progress(f"{command.name} ready in {server.ready_s:.0f} s")
-                    runs[command.name] = run_workload(server.url, command.name, server.ready_s, workload, vocab, progress)
-            except MoekitError as err:  # a peer that dies (out of memory, say) costs its own row, not the run
-                runs[command.name].failed = str(err)
-                progress(f"{command.name} failed: {err}")
+                runs[command.name] = _run_engine(command, workload, vocab, progress)
+            except ServerExited as err:  # only llama-server killed by a signal with its weights repacked
+                # Its AMX q8_0 path segfaulted at start-up on an Intel Xeon here (ldtilecfg): this and every
+                # later llama-server run go without extra buffer types, as the decode benchmark does.
+                llama_repack = False
+                progress(f"{command.name} crashed on start ({err}); again with --no-repack")
+                command = engine_command(choice, setup, workload, free_port(), roots, llama_repack)
+                runs[command.name] = _run_engine(command, workload, vocab, progress)
+            if choice.kind == "llama-server" and not llama_repack:
+                runs[command.name].note = "crashed on start with its weights repacked; run with --no-repack"
         out.append({choice.name: runs[choice.name] for choice in engines})
     return out
+
+
+def _run_engine(command: ServerCommand, workload: Workload, vocab: int, progress: Callable[[str], None]) -> EngineRun:
+    """One engine's run; a peer that dies (out of memory, say) after it was ready costs its own row, not the run,
+    and one that dies before is raised as ServerExited for the caller to retry or record."""
+    try:
+        with running(command) as server:
+            progress(f"{command.name} ready in {server.ready_s:.0f} s")
+            return run_workload(server.url, command.name, server.ready_s, workload, vocab, progress)
+    except ServerExited as err:
+        if command.name == "llama-server" and "--no-repack" not in command.argv and err.returncode < 0:
+            raise
+        progress(f"{command.name} failed: {err}")
+        return EngineRun(command.name, float("nan"), failed=str(err))
+    except MoekitError as err:
+        progress(f"{command.name} failed: {err}")
+        return EngineRun(command.name, float("nan"), failed=str(err))
 
 
 def checkpoint_vocab(checkpoint: Path) -> int:

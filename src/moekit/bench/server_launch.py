@@ -60,6 +60,14 @@ def available_gib() -> float:
     return float("inf")
 
 
+class ServerExited(MoekitError):
+    """The server's process ended before it was ready; `returncode` is negative when a signal killed it."""
+
+    def __init__(self, message: str, returncode: int):
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, log: Path | None = None) -> float:
     """Seconds until GET /health answers 200 with every graph loaded (moekit's "graphs": "ready"; a peer's
     200 without the field is ready): a benchmark times the steady server, not prompts run by the modules'
@@ -70,7 +78,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 300.0, log: 
     while time.monotonic() - started < timeout_s:
         if proc.poll() is not None:
             why = f": {last_line(log)}" if log is not None else ""
-            raise MoekitError(f"the server at {url} exited with {proc.returncode} before it was ready{why}")
+            raise ServerExited(f"the server at {url} exited with {proc.returncode} before it was ready{why}", proc.returncode)
         try:
             answer = httpx.get(url + "/health", timeout=2)
             if answer.status_code == 200 and _graphs_ready(answer):
@@ -129,6 +137,8 @@ def running(command: ServerCommand) -> Iterator[RunningServer]:
             try:
                 try:
                     ready_s = wait_ready(command.url, proc, command.ready_timeout_s, log)
+                except ServerExited as e:
+                    raise ServerExited(f"{command.name}: {e}", e.returncode) from None
                 except MoekitError as e:
                     raise MoekitError(f"{command.name}: {e}") from None
                 yield RunningServer(command, proc, ready_s)

@@ -165,6 +165,8 @@ def _peers(checkpoint: Path, vs: str, levels: list[int], max_tokens: int,
         for run in round_runs.values():
             if run.failed:
                 typer.echo(f"{run.engine} failed: {run.failed}")
+            if run.note:
+                typer.echo(f"{run.engine}: {run.note}")
             if run.arrivals is not None:
                 typer.echo(f"{run.engine}: the {run.arrivals.requests} arrivals' TTFT p50 "
                            f"{run.arrivals.ttft_s['p50'] * 1e3:.0f} ms, errors {run.arrivals.errors}")

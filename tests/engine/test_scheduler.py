@@ -161,6 +161,26 @@ def test_usage_meters_the_rows_own_experts(tiny_checkpoints):
     assert counted == tokens * layers * 2
 
 
+def test_a_request_is_metered_alike_by_a_scheduler_that_metered_other_ks_before(tiny_checkpoints):
+    """The scheduler keeps a generated token's cost per count of experts each layer used
+    (Scheduler._token_cost): what tiers and a policy that narrows some tokens (top1 beside K = 2,
+    and adaptive, whose layers use different counts) left there must not change a later request's
+    usage, which is what a fresh scheduler meters for it."""
+    from moekit.model.routing import parse_policy
+
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    used = Scheduler(engine.decoder, max_batch=3)
+    generate_batch(used, [Request(prompt=PROMPTS[2], max_new_tokens=6, tier="B"),
+                          Request(prompt=PROMPTS[1], max_new_tokens=6, routing=parse_policy("adaptive:0.6", 2)),
+                          Request(prompt=PROMPTS[3], max_new_tokens=6, routing=parse_policy("top1", 2))])
+    assert used._token_costs  # filled
+    for request in (lambda: Request(prompt=PROMPTS[0], max_new_tokens=6),
+                    lambda: Request(prompt=PROMPTS[0], max_new_tokens=6, tier="A"),
+                    lambda: Request(prompt=PROMPTS[5], max_new_tokens=6, routing=parse_policy("adaptive:0.6", 2))):
+        fresh = Scheduler(engine.decoder, max_batch=3)
+        assert generate_batch(used, [request()])[0].usage == generate_batch(fresh, [request()])[0].usage
+
+
 def test_a_cancelled_request_leaves_and_frees_its_row(tiny_checkpoints):
     engine = load_engine(tiny_checkpoints("olmoe"), compile=False)
     scheduler = Scheduler(engine.decoder, max_batch=1)

@@ -12,7 +12,7 @@ import pytest
 from moekit.serve.streaming import ID_MARK, TEXT_MARK, Dispatcher, Mailbox, cut_template
 
 TEXTS = ["", "a", " the", 'quote " and \\ backslash', "line\nbreak\ttab\r", "\x01\x1f control", "é 漢字 🙂",
-         "\u2028\u2029 separators", "</script>", "\x00"]
+         "\u2028\u2029 separators", "</script>", "\x00", "\ud800 a lone surrogate"]
 
 
 def _completion_chunk(text, ids):

@@ -30,6 +30,7 @@ from collections import deque
 from contextlib import nullcontext
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -42,7 +43,8 @@ from moekit.engine.meter import (ExpertBytes, ParamsPerToken, WorkDone, params_p
 from moekit.engine.prefix_cache import Block, PrefixCache, read_slots, routing_rows, write_slots
 from moekit.engine.router_health import EntropyTally
 from moekit.engine.row_routing import RowRouting
-from moekit.engine.sampling import SamplingParams, check_sampling, make_generator, next_tokens
+from moekit.engine.sampling import (SamplingParams, check_sampling, greedy as greedy_tokens, make_generator,
+                                    next_tokens)
 from moekit.engine.waiting import WaitingQueue
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
@@ -50,6 +52,9 @@ from moekit.model.routing import PolicyRun, PolicyStats, RoutingDecision
 from moekit.model.routing_policies import is_batch_level, policy_width
 
 TIERS = ("S", "A", "B")  # admitted in this order
+# Distinct (layer, experts used) counts whose token cost the scheduler keeps: a few per K in use;
+# per-layer policies can make many, and past this they are computed each time.
+TOKEN_COSTS_KEPT = 4096
 
 
 def tier_top_k(tier: str, model_k: int) -> int:
@@ -237,6 +242,7 @@ class Scheduler:
         self.prefix_cache = prefix_cache
         self.on_step = on_step
         self.counts: ParamsPerToken = params_per_token(spec)
+        self._token_costs: dict[tuple, tuple[WorkDone, int, int]] = {}  # see _token_cost
         self.model_k = max(self.counts.top_k.values(), default=0)
         self.moe_layers = sorted(self.counts.top_k)
         experts = max((spec.layers[l].ffn.num_experts for l in self.moe_layers), default=0)
@@ -763,7 +769,8 @@ class Scheduler:
     def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
         """logits [B, V] → one token per row, each with its own sampling settings, generator and grammar."""
         logits = mask_logits(logits, [row.request.constraint for row in rows])  # free rows untouched
-        greedy = logits.argmax(dim=-1).tolist()
+        # torch.argmax's indices, by moekit::rows_argmax where built: 6 against 43 µs a step at a 32k vocabulary.
+        greedy = greedy_tokens(logits).tolist()
         out = []
         for i, row in enumerate(rows):
             params = row.request.sampling
@@ -815,7 +822,7 @@ class Scheduler:
     # ---- metering ----
 
     def _record(self, row: _Row, layer: int, experts: list[int]) -> None:
-        row.touched.update((layer, e) for e in experts)
+        row.touched.update(zip(repeat(layer), experts))  # (layer, e) pairs, without a generator's frame per pair
 
     def _meter_prompt(self, row: _Row, layers: list, count: bool = True) -> None:
         """layers: (layer, topk_ids [P, K]) of this row's prompt tokens. count: add them to the
@@ -855,11 +862,35 @@ class Scheduler:
                 for e in chosen:
                     counts[e] += 1
                 used[i][layer] = set(chosen)
-                self._meter_cache(row, layer, set(chosen))
+                if self.store is not None:
+                    self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
-            work = work_done(self.counts, per_layer, self.bytes_per_param, self.expert_bytes, dense_tokens=1, head_tokens=1)
+            work, active, read = self._token_cost(per_layer)
             row.work = row.work + work
-            self._meter_token(row, per_layer, work.expert_bytes)
+            row.active.append(active)
+            row.bytes_sum += read
+
+    def _token_cost(self, chosen: dict[int, set]) -> tuple[WorkDone, int, int]:
+        """A generated token's work, active params and bytes read (what _meter_token counts), its row
+        having used the experts chosen[l] in MoE layer l. Where every expert counts at the dtype's
+        bytes (no expert_bytes) these depend on how many experts each layer used, not which: kept per
+        count, as every step of a row at its K asks for the same one (the meter of one row of the ~150M
+        checkpoint, 8 layers: 16 against 22 µs a step with the changes beside it; docs/BENCHMARKS.md)."""
+        key = None
+        if self.expert_bytes is None:
+            key = tuple((layer, len(ids)) for layer, ids in chosen.items())
+            known = self._token_costs.get(key)
+            if known is not None:
+                return known
+        work = work_done(self.counts, chosen, self.bytes_per_param, self.expert_bytes, dense_tokens=1, head_tokens=1)
+        cost = (work, self._active(chosen),
+                pass_bytes_around(self.counts, chosen, self.bytes_per_param, work.expert_bytes, dense_saving=self.dense_saving))
+        if key is not None and len(self._token_costs) < TOKEN_COSTS_KEPT:
+            self._token_costs[key] = cost
+        return cost
+
+    def _active(self, chosen: dict[int, set]) -> int:
+        return self.counts.active({layer: len(ids) for layer, ids in chosen.items()})
 
     def _work(self, chosen: dict) -> WorkDone:
         return work_done(self.counts, chosen, self.bytes_per_param, self.expert_bytes)
@@ -872,16 +903,11 @@ class Scheduler:
         row.misses += missed
         row.hits += len(chosen) - missed
 
-    def _meter_token(self, row: _Row, chosen: dict[int, set], held: Optional[int] = None) -> None:
-        """One generated token's pass: chosen[l] is the experts its row used in MoE layer l; held:
-        those experts' bytes where the caller has them already (work_done's expert_bytes)."""
-        row.active.append(self.counts.active({layer: len(ids) for layer, ids in chosen.items()}))
-        if held is None:
-            row.bytes_sum += pass_bytes(self.counts, chosen, self.bytes_per_param, self.expert_bytes,
-                                        dense_saving=self.dense_saving)
-        else:
-            row.bytes_sum += pass_bytes_around(self.counts, chosen, self.bytes_per_param, held,
-                                               dense_saving=self.dense_saving)
+    def _meter_token(self, row: _Row, chosen: dict[int, set]) -> None:
+        """One generated token's pass: chosen[l] is the experts its row used in MoE layer l."""
+        row.active.append(self._active(chosen))
+        row.bytes_sum += pass_bytes(self.counts, chosen, self.bytes_per_param, self.expert_bytes,
+                                    dense_saving=self.dense_saving)
 
     def _usage(self, row: _Row) -> MoeUsage:
         n = len(row.tokens)

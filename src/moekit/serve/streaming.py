@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections import deque
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring
 from typing import Callable, Optional
 
 TEXT_MARK = "\x00moekit-text\x00"  # placeholders no real chunk holds: json.dumps writes \u0000 for NUL
@@ -107,9 +108,11 @@ class FrameTemplate:
     with_id: bool
 
     def frame(self, text: str, token: int) -> str:
+        # json.dumps(text, ensure_ascii=False) of a str, without the JSONEncoder it builds per call.
+        quoted = encode_basestring(text)
         if self.with_id:
-            return f"{self.head}{json.dumps(text, ensure_ascii=False)}{self.middle}{token}{self.tail}"
-        return f"{self.head}{json.dumps(text, ensure_ascii=False)}{self.middle}"
+            return f"{self.head}{quoted}{self.middle}{token}{self.tail}"
+        return f"{self.head}{quoted}{self.middle}"
 
 
 def cut_template(reference: str, with_id: bool) -> Optional[FrameTemplate]:

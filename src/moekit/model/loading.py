@@ -5,6 +5,9 @@ parameters and how they are laid into it (copy, rows stacked, gpt_oss's interlea
 checks presence and shape of every source first, then copies in place (casting to the model dtype),
 then refuses a checkpoint holding tensors nothing used, unless they are known to be unused
 (DeepSeek's multi-token-prediction layers past the last layer, a tied head, rotary caches).
+Nothing is held twice for long: a GGUF's large tensors are read a few rows at a time, and with
+`--weights int8` each projection becomes q8_0 blocks as it is read (`load_into`), so a model whose
+experts are paged loads in about the memory it then runs in.
 """
 
 from __future__ import annotations

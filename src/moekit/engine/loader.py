@@ -224,7 +224,9 @@ def load_engine(
             notes.append(f"--expert-memory {offload.expert_memory} holds every routed expert: running fully resident")
             plan = None
     decoder = Decoder(spec, dtype=tdtype, device=dev, offload_experts=plan is not None)
-    decoder.load_checkpoint(ckpt, kernels=not compile, operators=operators)
+    # --weights int8: each projection is quantized as it is read, so the load never holds the
+    # dense weights whole at the dtype (quantize_decoder below then does the routed experts).
+    decoder.load_checkpoint(ckpt, kernels=not compile, operators=operators, int8=weights == "int8")
     decoder.eval()
     ckpt.close()  # the dense weights are copied: unmap the files so they are not counted twice
     if checked is not None:

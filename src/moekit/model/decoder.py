@@ -372,14 +372,15 @@ class Decoder(nn.Module):
             logits = logits / self.spec.multipliers.logits_scaling
         return logits.float()
 
-    def load_checkpoint(self, ckpt, kernels: bool = True, operators: bool = False) -> None:
+    def load_checkpoint(self, ckpt, kernels: bool = True, operators: bool = False, int8: bool = False) -> None:
         """Fill every parameter from `ckpt` (Hub names, all checked), then prepare the fast layouts
-        (kernels=False keeps the Hub layout, which the compiled decode step reads; operators: see prepare)."""
+        (kernels=False keeps the Hub layout, which the compiled decode step reads; operators: see prepare).
+        int8: the projections `--weights int8` quantizes are quantized as they are read (moekit.model.loading)."""
         from moekit.model.loading import load_into
 
         if self.prepared:
             raise RuntimeError("load_checkpoint on a prepared decoder: build a new Decoder to load again")
-        load_into(self, ckpt)
+        load_into(self, ckpt, int8=int8)
         self.prepare(kernels, operators)
 
     def prepare(self, kernels: bool = True, operators: bool = False) -> None:

@@ -88,13 +88,20 @@ def gemv_status() -> str:
     return "the q8 operator is loaded" if gemv_operator() is not None else "the q8 operator is not loaded: the reference runs"
 
 
+def quantized_linear(module) -> bool:
+    """Whether `--weights int8` makes this module's weight q8_0 blocks: every Linear but the routers
+    and one-output projections (quantize_decoder, and the loader that quantizes as it reads)."""
+    from moekit.model.linear import Linear
+    from moekit.model.moe import Router
+
+    return isinstance(module, Linear) and not isinstance(module, Router) and module.out_features > 1
+
+
 def quantize_decoder(decoder, experts_only: bool = False) -> str:
     """After loading and preparing: the routed experts (and, unless experts_only, every other
     projection) as q8_0 blocks. Routers stay at the dtype (they choose; a flip changes the experts),
     and so do the embedding, norms and MLA's per-head kv_b halves. Returns what was done, in words."""
     from moekit.model.experts import RoutedExperts
-    from moekit.model.linear import Linear
-    from moekit.model.moe import Router
 
     counts = {"experts": 0, "linears": 0}
     with torch.inference_mode(False):
@@ -102,8 +109,8 @@ def quantize_decoder(decoder, experts_only: bool = False) -> str:
             if isinstance(sub, RoutedExperts):
                 sub.quantize_int8()  # paged experts: a no-op, the store quantizes them as they load
                 counts["experts"] += 1
-            elif isinstance(sub, Linear) and not isinstance(sub, Router) and not experts_only and sub.out_features > 1:
-                sub.quantize_int8()
+            elif not experts_only and quantized_linear(sub):
+                sub.quantize_int8()  # a no-op for one the loader already made int8 (moekit.model.loading)
                 counts["linears"] += 1
     what = f"int8 weights (q8_0 blocks of {BLOCK}): routed experts of {counts['experts']} layers"
     if not experts_only:

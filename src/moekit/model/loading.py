@@ -5,6 +5,9 @@ parameters and how they are laid into it (copy, rows stacked, gpt_oss's interlea
 checks presence and shape of every source first, then copies in place (casting to the model dtype),
 then refuses a checkpoint holding tensors nothing used, unless they are known to be unused
 (DeepSeek's multi-token-prediction layers past the last layer, a tied head, rotary caches).
+Nothing is held twice for long: a GGUF's large tensors are read a few rows at a time, and with
+`--weights int8` each projection becomes q8_0 blocks as it is read (`load_into`), so a model whose
+experts are paged loads in about the memory it then runs in.
 """
 
 from __future__ import annotations
@@ -284,7 +287,12 @@ def _ignored(name: str, decoder) -> bool:
     return name.endswith("rotary_emb.inv_freq")
 
 
-def load_into(decoder, ckpt) -> None:
+def load_into(decoder, ckpt, int8: bool = False) -> None:
+    """Fill every parameter of `decoder` from `ckpt`. int8: each projection `--weights int8` makes
+    q8_0 blocks (moekit.model.int8.quantized_linear; not MLA's, which prepare fuses first) is made so
+    as it is read, one at a time, so the dense weights are never all held at the dtype before
+    quantize_decoder: a Q8_0 GGUF's blocks are taken as stored, any other weight is quantized from
+    the dtype's values by rows, as quantize_decoder would have (tests/model/test_streamed_load.py)."""
     planner = _planned(decoder)
     kept = keep_packed_experts(planner, decoder, ckpt)  # MXFP4 / FP8 experts stay packed; [] otherwise
     pieces, external = planner.pieces, planner.external
@@ -304,18 +312,127 @@ def load_into(decoder, ckpt) -> None:
             f"{ckpt.folder}: unexpected tensor {unused[0]}{more}; is this the model the config describes?"
         )
     params = dict(decoder.named_parameters())
-    mapped = 0
+    linears = _int8_linears(decoder) if int8 else {}
+    reads = _Reads(ckpt)
     with torch.no_grad():
         for piece in pieces:
-            sources = [ckpt.get(name) for name, _ in piece.sources]
-            piece.fill(params[piece.target], sources)
-            mapped += sum(t.numel() * t.element_size() for t in sources)
-            del sources
-            if mapped > UNMAP_EVERY:
-                # Pages read through the memory map count as this process's RSS until unmapped:
-                # without this a model's weights would be counted twice while it loads.
-                ckpt.close()
-                mapped = 0
+            linear = linears.get(piece.target)
+            if linear is None:
+                _fill(piece, params[piece.target], ckpt, reads)
+            else:
+                _fill_int8(piece, linear, ckpt, reads)
         for k in kept:  # one MoE layer at a time, then its pages are unmapped
             k.fill(ckpt)
             ckpt.close()
+
+
+CHUNK = 32 * 1024 * 1024  # bytes of fp32 rows a streamed tensor is read or quantized in at once
+
+
+@dataclass
+class _Reads:
+    """Bytes read through the checkpoint's mmaps since they were last dropped."""
+
+    ckpt: object
+    since: int = 0
+
+    def add(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since > UNMAP_EVERY:
+            # Pages read through the memory map count as this process's RSS until unmapped:
+            # without this a model's weights would be counted twice while it loads.
+            self.ckpt.close()
+            self.since = 0
+
+
+def _chunk_rows(row: Tensor) -> int:
+    """Rows of a tensor whose rows are like `row` that make one CHUNK at fp32."""
+    return max(1, CHUNK // max(1, row.numel() * 4))
+
+
+def _row_reader(piece: Piece, target: Tensor, ckpt):
+    """A reader of the piece's rows (moekit.weights.gguf_checkpoint's row_reader) when the piece is
+    one large tensor copied as it is and the checkpoint reads by rows; else None (read it whole)."""
+    reader = getattr(ckpt, "row_reader", None)
+    if reader is None or piece.fill is not _copy or target.dim() < 2 or target.numel() * 4 <= CHUNK:
+        return None
+    return reader(piece.sources[0][0])
+
+
+def _fill(piece: Piece, target: Tensor, ckpt, reads: _Reads) -> None:
+    """The piece's sources laid into `target` (a large GGUF tensor a CHUNK of rows at a time: its
+    float32 form is never whole in memory)."""
+    rows = _row_reader(piece, target, ckpt)
+    if rows is not None:
+        step = _chunk_rows(target[0])
+        for start in range(0, target.shape[0], step):
+            part = rows(start, min(start + step, target.shape[0]))
+            target[start : start + part.shape[0]].copy_(part)
+            reads.add(part.numel() * part.element_size())
+            del part
+        return
+    sources = [ckpt.get(name) for name, _ in piece.sources]
+    piece.fill(target, sources)
+    nbytes = sum(t.numel() * t.element_size() for t in sources)
+    del sources
+    reads.add(nbytes)
+
+
+def _int8_linears(decoder) -> dict:
+    """Weight name → its Linear, for the projections the loader quantizes as it reads them: those
+    quantize_decoder would, except inside MLA (its prepare fuses and splits them at the dtype)."""
+    from moekit.model.int8 import quantized_linear
+    from moekit.model.mla import MLAttention
+
+    fused = [f"{name}." for name, m in decoder.named_modules() if isinstance(m, MLAttention)]
+    return {f"{name}.weight": m for name, m in decoder.named_modules()
+            if quantized_linear(m) and not any(name.startswith(f) for f in fused)}
+
+
+def _fill_int8(piece: Piece, linear, ckpt, reads: _Reads) -> None:
+    """The piece's weight as q8_0 blocks, into `linear` (as Linear.quantize_int8 leaves it)."""
+    from moekit.model.linear import int8_kernel_for
+
+    target = linear.weight
+    blocks = _stored_q8_0(piece, ckpt)
+    if blocks is not None:
+        reads.add(blocks.numel())
+    else:
+        blocks = _quantized_by_rows(piece, target, ckpt, reads)
+    kernel = int8_kernel_for(target, target.dtype)  # chosen by the float weight's shape and dtype, as quantize_int8
+    linear.weight = torch.nn.Parameter(blocks, requires_grad=False)  # the float weight, never filled, is freed
+    linear.kernel = kernel
+
+
+def _stored_q8_0(piece: Piece, ckpt):
+    """The piece's weight as the checkpoint's own Q8_0 blocks, when every source is stored so
+    (a GGUF) and the piece only stacks rows; else None."""
+    reader = getattr(ckpt, "q8_0_blocks", None)
+    if reader is None or piece.fill not in (_copy, _rows):
+        return None
+    parts = [reader(name) for name, _ in piece.sources]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _quantized_by_rows(piece: Piece, target: Tensor, ckpt, reads: _Reads) -> Tensor:
+    """q8_0 blocks of the piece's weight at the target's dtype, a CHUNK of rows at a time: the bytes
+    quantize_q8_0 gives the whole weight (its blocks never cross a row). A large tensor a GGUF reads
+    by rows is never whole at the dtype; any other is filled whole first (one tensor, freed next)."""
+    from moekit.ops.q8_0 import BLOCK, BLOCK_BYTES, quantize_q8_0
+
+    out_features, in_features = target.shape
+    blocks = torch.empty(out_features, -(-in_features // BLOCK) * BLOCK_BYTES, dtype=torch.uint8)
+    step = _chunk_rows(target[0])
+    streamed = _row_reader(piece, target, ckpt)
+    if streamed is None:
+        _fill(piece, target, ckpt, reads)
+    for start in range(0, out_features, step):
+        stop = min(start + step, out_features)
+        part = target[start:stop] if streamed is None else streamed(start, stop)
+        if streamed is not None:
+            reads.add(part.numel() * part.element_size())
+        blocks[start:stop] = quantize_q8_0(part.to(target.dtype))  # rounded to the dtype first, as the fill rounds
+        del part
+    return blocks

@@ -102,6 +102,42 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.folder}: cannot dequantize {source.tensor} ({t.qtype}): {err}") from None
         return _unpermute(w, source.unpermute_heads) if source.unpermute_heads else w
 
+    def row_reader(self, name: str):
+        """(start, stop) → rows start:stop of `name` as get() gives them, dequantizing only those
+        rows: the loader streams a large tensor (a vocabulary matrix) through it. None where the
+        stored rows are not the Hub's in order (q/k rows permuted by the converter, gpt-oss's pairs)."""
+        source = self._source(name)
+        t = self.gguf.tensors[source.tensor]
+        if source.unpermute_heads or source.interleave is not None or source.mxfp4 is not None or len(t.shape) < 2:
+            return None
+        data = t.data if source.expert is None else t.data[source.expert]
+
+        def rows(start: int, stop: int):
+            self._check(t)
+            try:
+                return dequantize(t, data[start:stop])
+            except Exception as err:  # gguf.quants raises on a malformed block
+                raise CheckpointError(f"{self.folder}: cannot dequantize {source.tensor} ({t.qtype}): {err}") from None
+
+        return rows
+
+    def q8_0_blocks(self, name: str):
+        """`name` as the file stores it when that is Q8_0: uint8 [rows, in / 32 · 34], copied out of
+        the map, rows in the Hub's order. This is the int8 kernels' layout (moekit.ops.q8_0), so
+        `--weights int8` holds the file's own weights, never rounded through the engine's dtype.
+        None for any other type."""
+        import numpy as np
+        import torch
+
+        source = self._source(name)
+        t = self.gguf.tensors[source.tensor]
+        if t.qtype != "Q8_0" or source.interleave is not None or source.mxfp4 is not None or len(t.shape) < 2:
+            return None
+        self._check(t)
+        data = t.data if source.expert is None else t.data[source.expert]
+        blocks = torch.from_numpy(np.array(data))  # [rows, row bytes], a copy: the map's pages are dropped later
+        return _unpermute(blocks, source.unpermute_heads).contiguous() if source.unpermute_heads else blocks
+
     def _gpt_oss_experts(self, source: Source):
         """A Hub gpt-oss expert tensor: MXFP4 blocks or scales in the Hub's layout, or a bias, with
         gate's and up's rows interleaved again where the converter split them."""

@@ -247,7 +247,9 @@ static std::vector<XLanes> lane_chunks(const Q16Row* xs, int64_t R, int64_t nb) 
     for (int64_t r0 = 0; r0 < R; r0 += LANES) chunks.push_back(x_lanes(xs + r0, std::min<int64_t>(LANES, R - r0), nb));
     return chunks;
 }
-constexpr int64_t LANE_ROWS = 4;  // x rows from which they go in the lanes: below, each row on its own
+// x rows from which they go in the lanes (below, each row on its own): at 4 rows the lanes were
+// 25-35% slower than 4 rows alone on a [1024, 512] weight, at 8 rows 25% faster (1 thread, Intel Xeon).
+constexpr int64_t LANE_ROWS = 6;
 #else
 constexpr int LANES = 1;
 static inline void rows_lanes(const uint8_t* w, int64_t row_bytes, Q16Row x, int64_t nb, float* out) { out[0] = q8_dot(w, x, nb); }

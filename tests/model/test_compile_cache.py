@@ -48,6 +48,20 @@ def test_a_second_compile_loads_what_the_first_wrote(tiny_checkpoints, tmp_path)
     torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
 
 
+def test_an_int8_decoders_graphs_are_saved_and_loaded_by_a_later_step(tiny_checkpoints, tmp_path):
+    """Every tensor an int8 graph reads (its q8_0 expert stacks too) is one the decoder holds by
+    name, so the graph is recorded, saved, and loaded by the next step without tracing it again."""
+    decoder = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8", compile=True).decoder
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    first.warm_up((1,))
+    assert first.graphs, "the int8 step was not recorded as a direct graph"
+    want = _step_logits(decoder, first)
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    second.warm_up((1,))
+    assert second.loaded_graphs == 1
+    torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
+
+
 def test_the_key_tells_dtypes_weight_forms_and_shapes_apart(tiny_checkpoints):
     options = {"cpp_wrapper": False}
     keys = {}

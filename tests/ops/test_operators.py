@@ -142,10 +142,12 @@ def test_experts_q8_reads_each_rows_chosen_experts(ops, per_choice):
         ops.experts_q8(x, stack, torch.tensor([[6, 0]] * b))
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 7, 9])
+@pytest.mark.parametrize("rows", [2, 3, 4, 7, 9, 17, 40])
 def test_a_row_of_a_q8_batch_is_its_solo_product_bit_for_bit(ops, rows):
-    """The batch kernel widens each block once for up to 4 rows but keeps the one-row order of
-    operations, so batching cannot move an int8 greedy token (odd block counts included)."""
+    """Few rows are multiplied one at a time against several weight rows in the vector lanes, many
+    rows in the lanes themselves (16 or 8 a set, the last set part empty); both sum each block
+    exactly in integers and add the blocks in the same order, so batching cannot move an int8
+    greedy token (odd block counts, and weight rows short of a full set of lanes, included)."""
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 3 * 32 + 5, generator=gen)  # 4 blocks, the last padded
     packed = quantize_q8_0(torch.randn(40, x.shape[1], generator=gen))

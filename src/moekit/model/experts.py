@@ -175,7 +175,12 @@ class RoutedExperts(nn.Module):
             stacks.append(packed)
             kernels.append(int8)
         self._hold(*(tuple(packed.unbind(0)) for packed in stacks))  # expert e's blocks: a view
-        self.form = resident_form((kernels[0], kernels[1]), self.gate_up, self.down, int8_stacks=(stacks[0], stacks[1]))
+        # The stacks the compiled step reads, held by the module too: a compiled graph may keep only
+        # tensors the decoder holds by name (direct_graph.named_held), and one that read stacks held
+        # by the form alone was never saved: every later server traced its int8 graphs again
+        # (3-4 s a prefill graph, against ~0.1 s to load a saved one).
+        self.int8_stacks = (stacks[0], stacks[1])
+        self.form = resident_form((kernels[0], kernels[1]), self.gate_up, self.down, int8_stacks=self.int8_stacks)
 
     def resident_weights(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up, down) as this module holds them."""

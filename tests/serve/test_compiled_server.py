@@ -112,12 +112,13 @@ def test_a_compiled_server_with_mxfp4_experts_kept_packed_gives_the_solo_eager_t
     called by the generated C++): each client gets the tokens the eager engine gives its prompt alone,
     as soon as the server answers (its prompts on the modules' forward while their prefill graphs
     compile beside the steps) and after its prefill graphs are ready (its prompts by the graphs).
-    Its context (256 slots) is shorter than a step's prefill tokens (2048), so no prompt is prefilled
-    in chunks: no graph of a chunk before the last (compiled_step.served_prefills)."""
+    Its context (--max-context 128) is no longer than a step's prefill tokens (128, the default), so no
+    prompt is prefilled in chunks: no graph of a chunk before the last (compiled_step.served_prefills;
+    tests/model/test_prefill_step.py prefills chunks through that graph)."""
     from quantized_files import write_mxfp4
 
     folder = write_mxfp4(tmp_path / "mxfp4")
-    packed = start_server(folder, "--max-batch", "4", "--compile", timeout=600)
+    packed = start_server(folder, "--max-batch", "4", "--max-context", "128", "--compile", timeout=600)
     try:
         engine = load_engine(folder, compile=False)
         jobs = [([1, 17, 42, 99, 5, 63], 10), ([12, 40, 41], 6), ([5, 9, 33, 7, 81, 14, 3, 60], 8)]
@@ -157,7 +158,7 @@ def _own_home(tmp_path: Path) -> dict:
 
 def test_a_server_stopped_while_compiling_exits_0_and_one_warmed_up_ahead_loads_every_graph(tiny_checkpoints, tmp_path):
     """On one compile cache of its own, one row (--max-batch 1: no batch graph, no graph of several
-    prompts' rows; a context shorter than a step's prefill tokens: no graph of a chunk), three
+    prompts' rows; --max-context 128, a step's prefill tokens: no graph of a chunk), three
     processes one after another. A server stopped as soon as it answers, its
     prefill graphs compiling beside the steps, exits 0 at once: torch's compile cannot be interrupted,
     and a process that exited under it aborted. `moekit serve --warm-up` then loads the decode graph that
@@ -165,7 +166,7 @@ def test_a_server_stopped_while_compiling_exits_0_and_one_warmed_up_ahead_loads_
     it loads every graph and answers with the eager tokens. (One cold decode graph for the three: the
     graphs a server would use are the same whether it was stopped, warmed up ahead or serves.)"""
     folder = tiny_checkpoints("qwen3_moe")
-    args, env = (folder, "--max-batch", "1"), _own_home(tmp_path)
+    args, env = (folder, "--max-batch", "1", "--max-context", "128"), _own_home(tmp_path)
     stopped = start_server(*args, timeout=600, env=env)
     assert stopped.stop() == 0, stopped.log[-5:]
     assert not any("terminate called" in line for line in stopped.log), stopped.log[-5:]

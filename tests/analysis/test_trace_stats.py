@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from moekit.analysis.analyze import analyze
+from moekit.analysis.reuse_stats import coactivation_matrix
 from moekit.analysis.trace_data import from_table, read_routing_trace
 from moekit.errors import MoekitError
 from routing_traces import model, sequence, table, write
@@ -79,6 +80,20 @@ def test_half_overlap_and_top1_share():
     assert [p["experts"] for p in pairs] == [[0, 2], [0, 1]] or [p["experts"] for p in pairs] == [[0, 1], [0, 2]]
     assert all(p["tokens"] == 6 for p in pairs)
     assert pairs[0]["lift"] == pytest.approx(6 * 12 / (12 * 6))
+
+
+def test_coactivation_counts_equal_the_int64_product():
+    # coactivation_matrix counts pairs: the same matrix as the plain onehot.T @ onehot, with tokens
+    # of 1 to 3 choices (shorter rows padded; an expert listed twice is read as one)
+    rng = np.random.default_rng(1)
+    choices = [[int(e) for e in rng.integers(0, 128, size=int(rng.integers(1, 4)))] for _ in range(3000)]
+    assert any(len(set(c)) < len(c) for c in choices)
+    trace = from_table(table(sequence(choices, weights=[[1.0] * len(c) for c in choices]), model(128, 3)))
+    for layer in trace.layers:
+        hot = trace.onehot(layer).astype(np.int64)
+        got = coactivation_matrix(trace, layer)
+        assert got.dtype == np.int64 and np.array_equal(got, hot.T @ hot)
+        assert got.trace() == sum(len(set(c)) for c in choices)
 
 
 def test_layer_choice_predicts_the_next_layer():

@@ -429,3 +429,17 @@ def test_a_servers_warm_up_takes_every_batch_of_its_cache_a_lone_request_include
                 out.append(engine.decoder.forward_rows(torch.arange(5, 5 + b)[:, None], cache, torch.arange(b) + 2))
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     assert len(step.graphs) == 2 and step.direct_steps == calls + 3  # each step ran a warmed-up graph
+
+
+def test_a_server_compiles_the_prefill_graphs_its_prompts_can_take():
+    """served_prefills: several rows' graph only where several rows are prefilled together, and a
+    chunk's (1 row, not full) only where a prompt can be longer than a step's prefill tokens."""
+    from moekit.model.compiled_step import SERVED_PREFILLS, served_prefills
+
+    alone, chunk, burst = SERVED_PREFILLS
+    assert (alone, chunk, burst) == ((1, True), (1, False), (2, True))
+    assert served_prefills(max_batch=4, max_len=4096, prefill_tokens=2048) == (alone, chunk, burst)
+    assert served_prefills(max_batch=1, max_len=4096, prefill_tokens=2048) == (alone, chunk)
+    assert served_prefills(max_batch=4, max_len=2048, prefill_tokens=2048) == (alone, burst)  # never chunked
+    assert served_prefills(max_batch=1, max_len=256, prefill_tokens=2048) == (alone,)
+    assert served_prefills(max_batch=4, max_len=256, prefill_tokens=8) == (alone, chunk, burst)

@@ -34,6 +34,21 @@ def test_two_measuring_at_once_keep_the_first_ones_answer(tmp_path):
     assert remembered("k threads=1", measure("third"), tmp_path) == "first" and calls == ["first"]
 
 
+def test_a_measure_that_asks_for_another_choice_does_not_wait_on_its_own_lock(tmp_path):
+    # As int8's choose_gemv: its timing runs the q8 operator, which asks for variant("q8_0").
+    def outer():
+        return "outer+" + remembered("inner threads=1", lambda: "inner", tmp_path)
+
+    answers = []
+    measuring = threading.Thread(target=lambda: answers.append(remembered("outer threads=1", outer, tmp_path)), daemon=True)
+    measuring.start()
+    measuring.join(30)
+    assert answers == ["outer+inner"]  # not hung on the lock this thread holds
+    assert {k: v for k, v in read_choices(tmp_path).items() if k != LOADS} == {"outer threads=1": "outer+inner",
+                                                                            "inner threads=1": "inner"}
+    assert set(read_choices(tmp_path)[LOADS]) == {"outer threads=1", "inner threads=1"}
+
+
 def test_a_choice_keeps_the_load_it_was_measured_at_and_busy_ones_are_named(tmp_path):
     remembered("k threads=1", lambda: "first", tmp_path)
     loads = read_choices(tmp_path)[LOADS]

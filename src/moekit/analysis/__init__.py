@@ -6,6 +6,8 @@ and the HTML report that shows both.
   reuse_stats    reuse between consecutive tokens, co-activation, cross-layer prefetch headroom
   activation     experts, active parameters and share per token, by domain and position
   hitrate        the expert-cache hit-rate curve (moekit.analysis.cache_sim)
+  replay         a layer's expert cache replayed from its forwards in one loop (cache-sim's and
+                 eval-routing's; counts as the live store's SlotCache does)
   analyze        all of the above as one JSON-ready dict (`moekit analyze`)
   policy_eval    routing policies scored with the engine (`moekit eval-routing`; torch)
   prompts, sample, run_trace   labelled prompts, the shipped held-out sample, tracing them

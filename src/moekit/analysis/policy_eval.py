@@ -15,8 +15,9 @@ A batch's windows run side by side, so each position of the batch is what one de
 `batch` rows would route together (a "step"). Per step and MoE layer:
   experts/step    distinct experts with a non-zero weight: the expert weights a batched step reads
   step overflow   assignments beyond capacity 1.0 (max(1, ceil(B·K/E)) per expert), over all assignments
-  paged hit rate  the steps replayed, layer by layer, through the store's SlotCache (LRU) with a
-                  quarter of the experts' slots: what --expert-memory at 25% would hit without prefetch
+  paged hit rate  the steps replayed, layer by layer, through the store's cache (LRU; by
+                  moekit.analysis.replay, which counts as SlotCache does) with a quarter of the
+                  experts' slots: what --expert-memory at 25% would hit without prefetch
 and the policy's own counters (moekit.model.routing.PolicyStats): cache hits, overflow, dropped, rerouted.
 """
 
@@ -150,9 +151,8 @@ def _score_batch(decoder, group: list[list[int]], policy):
 def score_policies(engine, streams: dict[str, list[int]], policies: list, window: int = 256, batch: int = 8,
                    progress=lambda text: None) -> dict[str, dict[str, PolicyScore]]:
     """domain → str(policy) → PolicyScore; policies[0] must be exact (the reference)."""
+    from moekit.analysis.replay import Replay
     from moekit.engine.meter import params_per_token
-    from moekit.offload.policies import LRU
-    from moekit.offload.slot_cache import SlotCache
 
     params = params_per_token(engine.spec)
     experts_e, k = model_experts(engine.spec), model_k(engine.spec)
@@ -188,10 +188,9 @@ def score_policies(engine, streams: dict[str, list[int]], policies: list, window
                 s.share += float((active / params.total_params).sum())
                 add_counters(s.counters, counters)
                 for layer, (steps, overflow, assignments) in step_loads(decisions, len(group), valid, experts_e, k).items():
-                    cache = paged[str(policy)].setdefault(layer, SlotCache(max(1, experts_e // 4), LRU()))
+                    cache = paged[str(policy)].setdefault(layer, Replay(max(1, experts_e // 4), "lru"))
                     before = cache.hits, cache.misses
-                    for needed in steps:
-                        cache.call(needed)
+                    cache.run(steps)
                     s.paged_hits += cache.hits - before[0]
                     s.paged_accesses += cache.hits + cache.misses - before[0] - before[1]
                     s.steps += len(steps)

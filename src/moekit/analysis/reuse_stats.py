@@ -63,9 +63,18 @@ def reuse(trace: RoutingTrace) -> dict:
 
 
 def coactivation_matrix(trace: RoutingTrace, layer: int) -> np.ndarray:
-    """[E, E] tokens of `layer` that chose both experts; the diagonal is each expert's load."""
-    hot = trace.onehot(layer).astype(np.int64)
-    return hot.T @ hot
+    """[E, E] tokens of `layer` that chose both experts; the diagonal is each expert's load.
+
+    Counted as pairs, not as the product onehot.T @ onehot (the plain definition, which
+    tests/analysis/test_trace_stats.py holds this to): numpy multiplies int64 matrices in a plain
+    loop, ~1.6 s a layer of `moekit report`'s ~10k tokens × 128 experts, and a float64 product
+    goes to OpenBLAS's threads, which wait on each other for ~0.2 s on a loaded 2-core machine.
+    A token's pairs are its K² (first, second) choices, which are distinct (RoutingTrace.ids)."""
+    ids = trace.ids[trace.layer == layer]  # [n, K], -1 where a token chose fewer
+    n_experts = trace.experts[layer]
+    pairs = ids[:, :, None] * n_experts + ids[:, None, :]  # [n, K, K]
+    both = (ids >= 0)[:, :, None] & (ids >= 0)[:, None, :]
+    return np.bincount(pairs[both], minlength=n_experts * n_experts).reshape(n_experts, n_experts).astype(np.int64)
 
 
 def coactivation(trace: RoutingTrace) -> dict:

@@ -144,6 +144,17 @@ class PrefillShape(NamedTuple):
 SERVED_PREFILLS = (PrefillShape(1, True), PrefillShape(1, False), PrefillShape(2, True))
 
 
+def served_prefills(max_batch: int, max_len: int, prefill_tokens: int) -> tuple[PrefillShape, ...]:
+    """The prefill graphs a server of these settings can run, of SERVED_PREFILLS: several rows only
+    where several can be prefilled together (max_batch > 1), and a chunk before the last (1 row, not
+    full) only where a prompt can be longer than a step's prefill tokens (the scheduler chunks no
+    other: slots per row `max_len` > `prefill_tokens`). A graph no prompt takes costs a cold start
+    a compile for nothing (~10-20 s on 2 cores); a prompt without its graph would run the modules'
+    forward anyway, with the same tokens."""
+    return tuple(shape for shape in SERVED_PREFILLS
+                 if (shape.rows == 1 or max_batch > 1) and (shape.full or max_len > prefill_tokens))
+
+
 def shape_name(shape: PrefillShape) -> str:
     """A prefill shape as the progress lines name it: "1 row full", "2 rows full", "1 row"."""
     return f"{shape.rows} row{'s' * (shape.rows > 1)}{' full' * shape.full}"

@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,17 +92,39 @@ def remembered(key: str, measure: Callable[[], Any], cache: Path = builds.DEFAUL
             return known[key]
         load = round(os.getloadavg()[0], 2)
         value = measure()
+        known = read_choices(cache)  # with what a measure that asked for another choice persisted
         loads = {**known.get(LOADS, {}), key: load}
         _write(path, {**known, key: value, LOADS: loads})
     return value
 
 
+class _Held(threading.local):
+    """The choices locks this thread holds. A measure may ask for another choice while its own is
+    locked (int8's choose_gemv times the q8 operator, which asks for variant("q8_0")), and flock
+    on a second open of the lock file waits even in the process that holds it: the process hung
+    for good, with every process on the machine that measured anything waiting behind it."""
+
+    def __init__(self):
+        self.paths: set[Path] = set()
+
+
+_HELD = _Held()
+
+
 @contextmanager
 def _locked(path: Path):
-    """An exclusive lock beside the choices file, held while the context is open."""
+    """An exclusive lock beside the choices file, held while the context is open (a thread that
+    holds it already just goes on: _Held)."""
+    if path in _HELD.paths:
+        yield
+        return
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        yield
+        _HELD.paths.add(path)
+        try:
+            yield
+        finally:
+            _HELD.paths.discard(path)
 
 
 def _write(path: Path, data: dict) -> None:

@@ -160,16 +160,17 @@ class ServerState:
         self.prefill_graphs = self._prefill_graphs(engine.decoder)
 
     def _prefill_graphs(self, decoder) -> Optional[threading.Thread]:
-        """The thread that compiles the scheduler's prefill graphs (moekit.model.compiled_step.SERVED_PREFILLS)
-        once the server answers, not before: three graphs took a cold start from ~45 s to ~150 s here, and a
-        prompt without its graph runs the modules' forward meanwhile (the same tokens). None where no prompt
-        could take them (paged experts, hooks: moekit.model.prefill_step.takes) or nothing is compiled."""
-        from moekit.model.compiled_step import SERVED_PREFILLS
+        """The thread that compiles the scheduler's prefill graphs (moekit.model.compiled_step.served_prefills:
+        those its prompts can take) once the server answers, not before: three graphs took a cold start from
+        ~45 s to ~150 s here, and a prompt without its graph runs the modules' forward meanwhile (the same
+        tokens). None where no prompt could take them (paged experts, hooks: moekit.model.prefill_step.takes)
+        or nothing is compiled."""
+        from moekit.model.compiled_step import served_prefills
         from moekit.model.prefill_step import takes
 
         if decoder.compiled is None or takes(decoder, None, None, last_only=True) is not None:
             return None
-        shapes = SERVED_PREFILLS if self.config.max_batch > 1 else tuple(s for s in SERVED_PREFILLS if s.rows == 1)
+        shapes = served_prefills(self.config.max_batch, self.scheduler.max_len, self.scheduler.prefill_tokens)
         def load() -> None:
             decoder.compiled.warm_up_prefills(shapes, self.config.progress, self.stop)
             self.graphs_ready.set()

@@ -72,9 +72,11 @@ def main() -> None:
 
         def decode(i: int) -> None:
             dec, cache = decoders[i], caches[i]
-            for s in range(lo, hi):
-                slot = torch.full((b,), s)
-                dec.compiled(tokens[s], cache, slot, slot, cache.key_mask[:, : s + 1])
+            # Still forced: a step that goes through Dynamo re-checks the choice it traced with.
+            with forced(args.dtype, args.a if PLACEMENT[i] == "a" else args.b):
+                for s in range(lo, hi):
+                    slot = torch.full((b,), s)
+                    dec.compiled(tokens[s], cache, slot, slot, cache.key_mask[:, : s + 1])
 
         a, b_ms = abba_ms(lambda i: timed_ms(lambda: decode(i), args.steps), args.rounds)
     print(f"{args.checkpoint} {args.dtype} batch {b}, context {lo}, {args.threads} threads: A ({args.a}) {a:.3f} ms, "

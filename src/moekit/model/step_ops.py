@@ -103,8 +103,10 @@ def einsum(equation: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if plan is None:
         return torch.einsum(equation, a, b)
     a_order, b_order, out_order = plan
-    y = a.permute(a_order) @ b.permute(b_order)  # [batch.., rows, columns]
-    return y.permute(out_order)
+    x, w = a.permute(a_order), b.permute(b_order)
+    if x.dim() == 2:  # einsum runs a product with no batch letter as a bmm too; mm sums in another order on some CPUs
+        return torch.bmm(x.unsqueeze(0), w.unsqueeze(0)).squeeze(0).permute(out_order)
+    return (x @ w).permute(out_order)  # [batch.., rows, columns] → the output's letters
 
 
 @lru_cache(maxsize=None)

@@ -281,13 +281,7 @@ def simulate_layer(calls: list[tuple[int, ...]], cache: SlotCache, first_is_pref
         cache.call(needed)
         if i == 0 and first_is_prefill:
             prefill_hits, prefill_misses = cache.hits, cache.misses
-    return LayerResult(
-        hits=cache.hits,
-        misses=cache.misses,
-        evictions=cache.evictions,
-        decode_hits=cache.hits - prefill_hits,
-        decode_misses=cache.misses - prefill_misses,
-    )
+    return _layer_result(cache, prefill_hits, prefill_misses)
 
 
 def replay_layer(calls: list[tuple[int, ...]], replay: Replay, first_is_prefill: bool) -> LayerResult:
@@ -298,13 +292,13 @@ def replay_layer(calls: list[tuple[int, ...]], replay: Replay, first_is_prefill:
         prefill_hits, prefill_misses = replay.hits, replay.misses
         calls = calls[1:]
     replay.run(calls)
-    return LayerResult(
-        hits=replay.hits,
-        misses=replay.misses,
-        evictions=replay.evictions,
-        decode_hits=replay.hits - prefill_hits,
-        decode_misses=replay.misses - prefill_misses,
-    )
+    return _layer_result(replay, prefill_hits, prefill_misses)
+
+
+def _layer_result(walk: SlotCache | Replay, prefill_hits: int, prefill_misses: int) -> LayerResult:
+    """A walk's counts (SlotCache's or Replay's), the decode's being those after the prefill's."""
+    return LayerResult(hits=walk.hits, misses=walk.misses, evictions=walk.evictions,
+                       decode_hits=walk.hits - prefill_hits, decode_misses=walk.misses - prefill_misses)
 
 
 def simulate(trace: TraceCalls, policy: str, slots: int, pins: dict[int, list[int]] | None = None) -> SimResult:

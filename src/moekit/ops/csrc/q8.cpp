@@ -331,12 +331,8 @@ torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bo
     for (int64_t e = 0; e < E; ++e)
         if (first[e + 1] - first[e] >= LANE_ROWS) lanes[e] = lane_chunks(xs.data() + first[e], first[e + 1] - first[e], nb);
 #endif
-    // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
     const int64_t blocks = (N + 15) / 16;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (first[e + 1] > first[e])
-            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
+    const std::vector<int64_t> items = expert_blocks(first, E, blocks);
     at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
             const int64_t e = items[i] / blocks, blk = items[i] % blocks;

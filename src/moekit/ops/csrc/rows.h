@@ -510,6 +510,16 @@ static inline std::pair<std::vector<int64_t>, std::vector<int64_t>> by_expert(co
     return {first, order};
 }
 
+// Work items (expert, block of 16 outputs), as e * blocks + blk, for each expert with rows: a lone
+// row still spreads over the threads.
+static inline std::vector<int64_t> expert_blocks(const std::vector<int64_t>& first, int64_t E, int64_t blocks) {
+    std::vector<int64_t> items;
+    for (int64_t e = 0; e < E; ++e)
+        if (first[e + 1] > first[e])
+            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
+    return items;
+}
+
 // xs[j] = the x row of pair order[j] (row b, choice c): x[b, 0] (X = 1) or x[b, c] (X = C).
 template <typename XRow>
 static auto rows_in_order(XRow xrow, const std::vector<int64_t>& order, int64_t C, int64_t X) {
@@ -532,12 +542,8 @@ static void experts_loop(const int64_t* ids, float* y, int64_t B, int64_t X, int
     const int64_t P = B * C;
     const auto [first, order] = by_expert(ids, P, E);
     const auto xs = rows_in_order(xrow, order, C, X);
-    // Work items are (expert, block of 16 outputs): a lone row still spreads over the threads.
     const int64_t blocks = (N + 15) / 16;
-    std::vector<int64_t> items;
-    for (int64_t e = 0; e < E; ++e)
-        if (first[e + 1] > first[e])
-            for (int64_t blk = 0; blk < blocks; ++blk) items.push_back(e * blocks + blk);
+    const std::vector<int64_t> items = expert_blocks(first, E, blocks);
     at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t begin, int64_t end) {
         float out[64 * 4];  // up to 64 rows × a block's weight rows (Block's G is at most 4)
         for (int64_t i = begin; i < end; ++i) {

@@ -36,7 +36,7 @@ from moekit.offload.budget import SlotPlan, parse_budget, plan_slots, split_slot
 from moekit.offload.memory import pin_mmap_threshold
 from moekit.offload.options import NO_CACHE, OffloadOptions
 from moekit.offload.pins import read_pins
-from moekit.offload.precision import describe, memory_bytes, stored_kind
+from moekit.offload.precision import describe, is_quantized, memory_bytes, stored_kind
 from moekit.offload.policies import LIVE_POLICIES, make_policy
 from moekit.offload.prefetch import install_prefetch
 from moekit.offload.slot_cache import SlotCache, most_pins as pins_allowed
@@ -125,8 +125,9 @@ def plan_offload(spec: ModelSpec, dtype: torch.dtype, options: OffloadOptions, f
     budget = parse_budget(options.expert_memory, total)
     plan = plan_slots(budget, max(sizes.values()), len(layers), first.num_experts, first.router.top_k,
                       text=options.expert_memory, total_bytes=total)
-    if packed is not None and any(stored_kind(ex) for ex in packed.values()):
-        plan = replace(plan, fully_resident=False)  # only the store reads the packed blocks
+    if packed is not None and any(is_quantized(stored_kind(ex) or "") for ex in packed.values()):
+        # Only the store reads int8/int4 blocks; MXFP4 (a gpt-oss GGUF's) the resident load keeps packed too.
+        plan = replace(plan, fully_resident=False)
     return plan
 
 

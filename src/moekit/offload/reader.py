@@ -8,7 +8,9 @@ a packed file holds in a block format (Q8_0, Q4_0) comes back as its bytes, uint
 read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read. An
 expert its checkpoint publishes packed (MXFP4, FP8) comes back as moekit.ops.packed_layout's prepared
 rows, built from the bytes read by the same functions the resident load uses (model.packed_loading),
-so a paged expert is byte for byte the resident kept-packed one.
+so a paged expert is byte for byte the resident kept-packed one. A gpt-oss GGUF's ggml MXFP4 expert
+is read as the prepared rows themselves (gate's slice, up's, down's, back to back in one buffer of
+its own) and its code nibbles reordered in place (moekit.weights.gguf_mxfp4, as the resident load).
 
 Thread-safe by construction: file descriptors are opened once and only ever read with
 positioned reads (no shared file offset), each read fills its own buffer, and os.preadv,
@@ -80,8 +82,12 @@ class _Plan:
 
 def _plan(ex: ExpertExtents) -> _Plan:
     """Coalesce the expert's extents into as few reads as the file order allows (per-expert
-    families store an expert's down, gate and up next to each other: one read)."""
-    order = sorted(range(len(ex.extents)), key=lambda i: (ex.extents[i].file, ex.extents[i].offset))
+    families store an expert's down, gate and up next to each other: one read). A GGUF's MXFP4
+    expert's extents land back to back in their own order instead: the buffer is then its
+    prepared rows, gate_up [2F, G·17] and down, with nothing to copy."""
+    in_place = ex.layout == "gguf_mxfp4"
+    order = range(len(ex.extents)) if in_place else \
+        sorted(range(len(ex.extents)), key=lambda i: (ex.extents[i].file, ex.extents[i].offset))
     spans: list[_Span] = []
     at = [0] * len(ex.extents)
     size = 0
@@ -91,7 +97,7 @@ def _plan(ex: ExpertExtents) -> _Plan:
         if last is not None and last.file == x.file and last.offset + last.length == x.offset:
             spans[-1] = _Span(last.file, last.offset, last.length + x.length, last.at)
         else:
-            size = -(-size // ALIGN) * ALIGN
+            size = size if in_place else -(-size // ALIGN) * ALIGN
             spans.append(_Span(x.file, x.offset, x.length, size))
         at[i] = spans[-1].at + (x.offset - spans[-1].offset)
         size = max(size, at[i] + x.length)
@@ -277,6 +283,8 @@ class ExpertReader:
         the result may be views of it: good only until the scratch is read into again."""
         ex = self._experts(layer, e)
         dtype = self.dtype if cast else None
+        if ex.layout == "gguf_mxfp4":  # reordered in place: a buffer of its own, never the scratch
+            return _gguf_mxfp4(self.read_bytes(layer, e, verify), ex)
         buf = self.read_bytes(layer, e, verify, scratch)
         at = self._plans[layer, e].at
         if ex.layout == "mxfp4":
@@ -328,6 +336,19 @@ class ExpertReader:
         rows = [fp8_rows(w, s, self.fp8_block) for w, s in zip(pieces[0::2], pieces[1::2])]
         *gate_up, down = rows
         return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
+
+
+def _gguf_mxfp4(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's ggml MXFP4 bytes, read back to back (gate, up, down: _plan) → the prepared rows
+    (gate_up [2F, G·17], down [D, G'·17]), views of `buf` with the Hub's nibble order: the bytes
+    moekit.weights.gguf_mxfp4.layer_rows gives the resident load."""
+    from moekit.weights.gguf_mxfp4 import hub_nibbles_
+
+    (gate, up), (down,) = ex.gate_up, ex.down
+    split = gate.length + up.length
+    gate_up = buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1])
+    dn = buf[split : split + down.length].view(down.shape)
+    return hub_nibbles_(gate_up), hub_nibbles_(dn)
 
 
 def _dequantized(buf: torch.Tensor, at, extents, shape, dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -67,6 +67,24 @@ def test_a_slot_and_a_miss_cost_the_stored_mxfp4_bytes(gguf):
     assert stats["peak_resident_expert_bytes"] <= stats["budget_bytes"]
 
 
+def test_a_miss_reads_into_an_evicted_experts_memory(gguf):
+    """Each layer's slots are carved once (moekit.offload.attach.mxfp4_slots); after many misses each
+    slot is still held, by an expert read into it or as a spare, and at most K experts beyond them (a
+    prompt wider than the slots): misses read into evicted experts' memory. The tokens are the
+    resident ones (test above), so no expert was overwritten while in use."""
+    engine = load_engine(gguf, offload=OffloadOptions(SMALL, read_ahead=2), compile=False)
+    try:
+        for prompt in PROMPTS:
+            engine.generate(prompt, max_new_tokens=NEW, stop_ids=())
+        assert engine.store.stats()["loads"] > 4 * 2 * len(engine.store.layers)
+        for store in engine.store.layers.values():
+            held = [w[0].data_ptr() for w in store._spare] + [f.result()[0].data_ptr() for f in store._weights.values()]
+            assert len(store._slot_ptrs) == 2 and store._slot_ptrs <= set(held), store.layer
+            assert len(held) <= 2 + GPT_OSS["num_experts_per_tok"], store.layer
+    finally:
+        engine.close()
+
+
 def test_an_expert_read_by_the_store_is_the_resident_prepared_rows_byte_for_byte(gguf):
     """Read twice, and through O_DIRECT: the nibbles are reordered in a buffer of the read's own, so a
     later read of the same expert starts again from the file's bytes."""

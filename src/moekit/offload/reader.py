@@ -280,11 +280,13 @@ class ExpertReader:
         """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's
         dtype; cast=False leaves float parts in their stored dtype (views of the read where they
         lie so), for a caller that casts as it copies them into place. With `scratch` (read_bytes)
-        the result may be views of it: good only until the scratch is read into again."""
+        the result may be views of it: good only until the scratch is read into again. A GGUF's
+        MXFP4 expert always is (its nibbles reordered there): give it memory the expert may keep,
+        an evicted expert's (gguf_mxfp4_rows), never a buffer shared between reads."""
         ex = self._experts(layer, e)
         dtype = self.dtype if cast else None
-        if ex.layout == "gguf_mxfp4":  # reordered in place: a buffer of its own, never the scratch
-            return _gguf_mxfp4(self.read_bytes(layer, e, verify), ex)
+        if ex.layout == "gguf_mxfp4":  # reordered in place: the result IS the buffer read into
+            return _gguf_mxfp4(self.read_bytes(layer, e, verify, scratch), ex)
         buf = self.read_bytes(layer, e, verify, scratch)
         at = self._plans[layer, e].at
         if ex.layout == "mxfp4":
@@ -338,17 +340,21 @@ class ExpertReader:
         return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
 
 
-def _gguf_mxfp4(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
-    """An expert's ggml MXFP4 bytes, read back to back (gate, up, down: _plan) → the prepared rows
-    (gate_up [2F, G·17], down [D, G'·17]), views of `buf` with the Hub's nibble order: the bytes
-    moekit.weights.gguf_mxfp4.layer_rows gives the resident load."""
-    from moekit.weights.gguf_mxfp4 import hub_nibbles_
-
+def gguf_mxfp4_rows(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF MXFP4 expert's prepared rows (gate_up [2F, G·17], down [D, G'·17]) as views of `buf`
+    (uint8, at least ex.nbytes), where _plan puts its gate, up and down slices back to back."""
     (gate, up), (down,) = ex.gate_up, ex.down
     split = gate.length + up.length
-    gate_up = buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1])
-    dn = buf[split : split + down.length].view(down.shape)
-    return hub_nibbles_(gate_up), hub_nibbles_(dn)
+    return buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1]), buf[split : split + down.length].view(down.shape)
+
+
+def _gguf_mxfp4(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's ggml MXFP4 bytes, read into `buf` → its prepared rows with the Hub's nibble
+    order, in place: the bytes moekit.weights.gguf_mxfp4.layer_rows gives the resident load."""
+    from moekit.weights.gguf_mxfp4 import hub_nibbles_
+
+    gate_up, down = gguf_mxfp4_rows(buf, ex)
+    return hub_nibbles_(gate_up), hub_nibbles_(down)
 
 
 def _dequantized(buf: torch.Tensor, at, extents, shape, dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -192,8 +192,9 @@ class _ExpertLoader:
         kind = self.kinds[layer, e]
         kernels = self.kernels[kind]
         in_place = kind is None and all(k.layout is not None for k in kernels)
-        # Never the thread's scratch for a GGUF MXFP4 expert: the rows it returns are the buffer read into.
-        scratch = self._scratch() if in_place else _whole(into) if self.reader.extents[layer, e].layout == "gguf_mxfp4" else None
+        scratch = self._scratch() if in_place else None
+        if self.reader.extents[layer, e].layout == "gguf_mxfp4":
+            scratch = _whole(into)  # never the thread's scratch: the rows it returns are the buffer read into
         gate_up, down = self.reader.read(layer, e, verify=first, cast=not in_place, scratch=scratch)
         self.verified.add((layer, e))  # only after the check passed
         if kind is not None:
@@ -223,8 +224,8 @@ def _whole(into: Optional[tuple]) -> Optional[torch.Tensor]:
         return None
     gate_up, down = into
     nbytes = gate_up.numel() + down.numel()
-    if gate_up.dtype != torch.uint8 or down.dtype != torch.uint8 or not (gate_up.is_contiguous() and down.is_contiguous()) \
-            or down.data_ptr() != gate_up.data_ptr() + gate_up.numel() \
+    views = all(t.dtype == torch.uint8 and t.is_contiguous() for t in into)
+    if not views or down.data_ptr() != gate_up.data_ptr() + gate_up.numel() \
             or down.untyped_storage().data_ptr() != gate_up.untyped_storage().data_ptr():
         return None
     return gate_up.as_strided((nbytes,), (1,))

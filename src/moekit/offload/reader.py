@@ -345,7 +345,8 @@ def gguf_mxfp4_rows(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor,
     (uint8, at least ex.nbytes), where _plan puts its gate, up and down slices back to back."""
     (gate, up), (down,) = ex.gate_up, ex.down
     split = gate.length + up.length
-    return buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1]), buf[split : split + down.length].view(down.shape)
+    gate_up = buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1])  # [2F, G·17]
+    return gate_up, buf[split : split + down.length].view(down.shape)  # down [D, G'·17]
 
 
 def _gguf_mxfp4(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from cli_runner import refused
 from moekit.bench.make_checkpoint import make_checkpoint
 from moekit.engine.loader import load_engine
 
@@ -29,8 +28,3 @@ def test_the_gguf_generates_the_safetensors_mxfp4_tokens_with_experts_kept_packe
     assert gguf.generate([ids], max_new_tokens=6, stop_ids=()).token_ids == want
     assert gguf.expert_bytes(1, 3) == safetensors.expert_bytes(1, 3)  # packed: 4.25 bits a weight on both
     assert any("MXFP4 experts kept packed" in n for n in gguf.notes)
-
-
-def test_paging_a_gpt_oss_gguf_is_refused_in_one_line(pair, capsys):
-    err = refused(capsys, "run", pair[0], "--prompt-ids", "1,2", "--expert-memory", "50%")
-    assert "gpt-oss GGUF" in err

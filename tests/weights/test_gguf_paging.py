@@ -41,6 +41,15 @@ def _q4_0(name, w):
     return quants.quantize(np.ascontiguousarray(w), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0
 
 
+def _mxfp4(name, w):
+    """MXFP4 experts (gguf's own quantizer) in a family whose kernels do not read them (only gpt-oss's do)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if "_exps" not in name:
+        return None
+    return quants.quantize(np.ascontiguousarray(w), GGMLQuantizationType.MXFP4), GGMLQuantizationType.MXFP4
+
+
 def _k_quant(qtype: str, block_bytes: int, scale_at: tuple[int, ...], scale: float):
     """K-quant experts: gguf-py dequantizes K-quants but cannot quantize them, so the blocks are random
     bytes with their float16 super-block scale(s) set to `scale` (finite weights of a sane size)."""
@@ -65,7 +74,7 @@ _q4_k = _k_quant("Q4_K", 144, (0, 2), 5e-4)  # d, dmin, packed scales, then the 
 
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
-    """kind (f32, bf16, q8_0, q4_0, q4_k, q6_k) → a GGUF of the same tiny qwen3_moe, made on first use."""
+    """kind (f32, bf16, q8_0, q4_0, q4_k, q6_k, mxfp4) → a GGUF of the same tiny qwen3_moe, made on first use."""
     folder = tiny_checkpoint("qwen3_moe", tmp_path_factory.mktemp("paging"), hidden_size=256,
                              moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
     made: dict[str, Path] = {}
@@ -76,7 +85,8 @@ def ggufs(tmp_path_factory):
             if kind in ("f32", "bf16", "q8_0"):
                 made[kind] = convert(folder, kind, out)
             else:
-                made[kind] = rewrite_gguf(get("f32"), out, tensor={"q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k}[kind])
+                writers = {"q4_0": _q4_0, "q4_k": _q4_k, "q6_k": _q6_k, "mxfp4": _mxfp4}
+                made[kind] = rewrite_gguf(get("f32"), out, tensor=writers[kind])
         return made[kind]
 
     return get
@@ -260,6 +270,11 @@ def test_unpageable_experts_are_refused_in_one_line(capsys, converted):
     _, mixed = converted("qwen3_moe", "q8_0")
     line = refused(capsys, "run", mixed, *RUN, "--expert-memory", SMALL)
     assert "layer 0's experts mix types (gate F16, up F16, down Q8_0)" in line
+
+
+def test_mxfp4_experts_of_another_family_than_gpt_oss_are_refused_in_one_line(capsys, ggufs):
+    line = refused(capsys, "run", ggufs("mxfp4"), *RUN, "--expert-memory", SMALL)
+    assert "blk.0.ffn_gate_exps.weight is MXFP4, which the expert store pages for gpt-oss only (this is qwen3_moe)" in line
 
 
 def test_unpageable_experts_are_still_checksummed_whole(capsys, converted, tmp_path):

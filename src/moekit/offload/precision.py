@@ -13,7 +13,8 @@ model) at P and the others at Q. The precisions:
 In a packed file and its manifest a quantized weight is an extent of dtype "Q8_0" or "Q4_0" (GGUF's
 names) whose shape is its bytes, [out, nb * block bytes], nb = ceil(in / 32): the kernel's layout.
 Experts a checkpoint publishes packed (layouts "mxfp4", "fp8": moekit.weights.extents) are their
-own kinds, "MXFP4" and "FP8", held as moekit.ops.packed_layout's prepared rows.
+own kinds, "MXFP4" and "FP8", held as moekit.ops.packed_layout's prepared rows; a gpt-oss GGUF's
+ggml MXFP4 experts (layout "gguf_mxfp4") are "MXFP4" too: the same prepared rows, the same kernels.
 No torch here.
 """
 
@@ -63,7 +64,8 @@ def weight_bytes(dtype: str, shape: tuple[int, int]) -> int:
     return math.prod(shape) * FLOAT_BYTES[dtype]
 
 
-PUBLISHED_KINDS = {"mxfp4": "MXFP4", "fp8": "FP8"}  # layout → kind of experts paged as published
+# layout → kind of experts paged as published (a GGUF's MXFP4 is the Hub's, its nibbles reordered)
+PUBLISHED_KINDS = {"mxfp4": "MXFP4", "fp8": "FP8", "gguf_mxfp4": "MXFP4"}
 
 
 def stored_kind(ex: ExpertExtents) -> Optional[str]:

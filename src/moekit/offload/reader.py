@@ -8,7 +8,9 @@ a packed file holds in a block format (Q8_0, Q4_0) comes back as its bytes, uint
 read buffer in the int8/int4 kernels' layout: nothing is cast or copied after the read. An
 expert its checkpoint publishes packed (MXFP4, FP8) comes back as moekit.ops.packed_layout's prepared
 rows, built from the bytes read by the same functions the resident load uses (model.packed_loading),
-so a paged expert is byte for byte the resident kept-packed one.
+so a paged expert is byte for byte the resident kept-packed one. A gpt-oss GGUF's ggml MXFP4 expert
+is read as the prepared rows themselves (gate's slice, up's, down's, back to back in one buffer of
+its own) and its code nibbles reordered in place (moekit.weights.gguf_mxfp4, as the resident load).
 
 Thread-safe by construction: file descriptors are opened once and only ever read with
 positioned reads (no shared file offset), each read fills its own buffer, and os.preadv,
@@ -80,8 +82,12 @@ class _Plan:
 
 def _plan(ex: ExpertExtents) -> _Plan:
     """Coalesce the expert's extents into as few reads as the file order allows (per-expert
-    families store an expert's down, gate and up next to each other: one read)."""
-    order = sorted(range(len(ex.extents)), key=lambda i: (ex.extents[i].file, ex.extents[i].offset))
+    families store an expert's down, gate and up next to each other: one read). A GGUF's MXFP4
+    expert's extents land back to back in their own order instead: the buffer is then its
+    prepared rows, gate_up [2F, G·17] and down, with nothing to copy."""
+    in_place = ex.layout == "gguf_mxfp4"
+    order = range(len(ex.extents)) if in_place else \
+        sorted(range(len(ex.extents)), key=lambda i: (ex.extents[i].file, ex.extents[i].offset))
     spans: list[_Span] = []
     at = [0] * len(ex.extents)
     size = 0
@@ -91,7 +97,7 @@ def _plan(ex: ExpertExtents) -> _Plan:
         if last is not None and last.file == x.file and last.offset + last.length == x.offset:
             spans[-1] = _Span(last.file, last.offset, last.length + x.length, last.at)
         else:
-            size = -(-size // ALIGN) * ALIGN
+            size = size if in_place else -(-size // ALIGN) * ALIGN
             spans.append(_Span(x.file, x.offset, x.length, size))
         at[i] = spans[-1].at + (x.offset - spans[-1].offset)
         size = max(size, at[i] + x.length)
@@ -274,9 +280,13 @@ class ExpertReader:
         """Expert e of `layer` in our layout: (gate_up [rows, D], down [D, F]), cast to the reader's
         dtype; cast=False leaves float parts in their stored dtype (views of the read where they
         lie so), for a caller that casts as it copies them into place. With `scratch` (read_bytes)
-        the result may be views of it: good only until the scratch is read into again."""
+        the result may be views of it: good only until the scratch is read into again. A GGUF's
+        MXFP4 expert always is (its nibbles reordered there): give it memory the expert may keep,
+        an evicted expert's (gguf_mxfp4_rows), never a buffer shared between reads."""
         ex = self._experts(layer, e)
         dtype = self.dtype if cast else None
+        if ex.layout == "gguf_mxfp4":  # reordered in place: the result IS the buffer read into
+            return _gguf_mxfp4(self.read_bytes(layer, e, verify, scratch), ex)
         buf = self.read_bytes(layer, e, verify, scratch)
         at = self._plans[layer, e].at
         if ex.layout == "mxfp4":
@@ -328,6 +338,24 @@ class ExpertReader:
         rows = [fp8_rows(w, s, self.fp8_block) for w, s in zip(pieces[0::2], pieces[1::2])]
         *gate_up, down = rows
         return (gate_up[0] if len(gate_up) == 1 else torch.cat(gate_up)), down
+
+
+def gguf_mxfp4_rows(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+    """A GGUF MXFP4 expert's prepared rows (gate_up [2F, G·17], down [D, G'·17]) as views of `buf`
+    (uint8, at least ex.nbytes), where _plan puts its gate, up and down slices back to back."""
+    (gate, up), (down,) = ex.gate_up, ex.down
+    split = gate.length + up.length
+    gate_up = buf[:split].view(gate.shape[0] + up.shape[0], gate.shape[1])  # [2F, G·17]
+    return gate_up, buf[split : split + down.length].view(down.shape)  # down [D, G'·17]
+
+
+def _gguf_mxfp4(buf: torch.Tensor, ex: ExpertExtents) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's ggml MXFP4 bytes, read into `buf` → its prepared rows with the Hub's nibble
+    order, in place: the bytes moekit.weights.gguf_mxfp4.layer_rows gives the resident load."""
+    from moekit.weights.gguf_mxfp4 import hub_nibbles_
+
+    gate_up, down = gguf_mxfp4_rows(buf, ex)
+    return hub_nibbles_(gate_up), hub_nibbles_(down)
 
 
 def _dequantized(buf: torch.Tensor, at, extents, shape, dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -24,8 +24,11 @@ Our layout of one expert (moekit.model.experts): gate_up [rows, D] with gate row
   "fp8"                     per-expert block-scaled FP8 (DeepSeek-V3): each weight is (its
                             F8_E4M3 [out, in], its weight_scale_inv [nbr, nbc]); gate_up is gate's
                             pair then up's
+  "gguf_mxfp4"              gpt_oss as llama.cpp converts it: gate_up is (slice e of ffn_gate_exps,
+                            of ffn_up_exps), down slice e of ffn_down_exps, each ggml MXFP4 bytes
+                            [R, G·17] (moekit.weights.gguf_mxfp4): the gate rows, then the up rows
 
-The last two stay packed in memory too: the reader turns them into moekit.ops.packed_layout's prepared
+The last three stay packed in memory too: the reader turns them into moekit.ops.packed_layout's prepared
 rows (mxfp4 [out, G·17], fp8 [out, in + 4·nbc]), the bytes the packed kernels read, so a slot
 holds 4.25 / 8.25 bits a weight and a miss moves the published bytes, nothing more.
 
@@ -46,8 +49,9 @@ from moekit.weights.checkpoint import Header, read_header
 from moekit.weights.hub_names import HubNames, hub_names
 from moekit.spec.model_spec import ModelSpec, MoESpec
 
-Layout = Literal["rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8"]
-LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8")
+Layout = Literal["rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8", "gguf_mxfp4"]
+LAYOUTS: tuple[str, ...] = ("rows", "interleaved_transposed", "transposed", "rows_transposed_down", "mxfp4", "fp8",
+                            "gguf_mxfp4")
 PUBLISHED = ("mxfp4", "fp8")  # layouts of experts kept as the checkpoint publishes them
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -66,7 +70,10 @@ ITEMSIZE.update({"U8": 1, "F8_E4M3": 1})
 # the resident load does): (weights, bytes) per ggml super-block; their shapes count bytes too.
 DEQUANTIZED: dict[str, tuple[int, int]] = {"Q4_K": (256, 144), "Q6_K": (256, 210)}
 ITEMSIZE.update({k: 1 for k in DEQUANTIZED})
+# ... and a GGUF's MXFP4 (gpt_oss): bytes [R, G · 17] per expert slice, a shape that counts bytes.
+ITEMSIZE["MXFP4"] = 1
 MXFP4_BLOCK = 32  # inputs per E8M0 scale (moekit.weights.mxfp4, which needs torch)
+MXFP4_BLOCK_BYTES = 17  # a ggml MXFP4 block, as a prepared row's: the E8M0 scale, then 16 bytes of codes
 
 
 
@@ -289,6 +296,8 @@ def extent_counts_fit(layout: str, gate_up: int, down: int) -> bool:
     """Whether a manifest entry with these numbers of gate_up and down extents can be of `layout`."""
     if layout in PUBLISHED:
         return down == 2 and (gate_up == 2 or (layout == "fp8" and gate_up == 4))
+    if layout == "gguf_mxfp4":
+        return gate_up == 2 and down == 1
     if layout in ("interleaved_transposed", "transposed"):
         return gate_up == 1 and down == 1
     return gate_up >= 1 and down == 1
@@ -302,6 +311,10 @@ def our_shapes(experts: ExpertExtents) -> tuple[tuple[int, int], tuple[int, int]
     if experts.layout == "mxfp4":
         (up, _), (down, _) = pairs(experts.gate_up) + pairs(experts.down)
         return (up.shape[0], up.shape[1] * MXFP4_BLOCK), (down.shape[0], down.shape[1] * MXFP4_BLOCK)
+    if experts.layout == "gguf_mxfp4":
+        inputs = [x.shape[1] // MXFP4_BLOCK_BYTES * MXFP4_BLOCK for x in experts.extents]
+        (gate, up), (down,) = experts.gate_up, experts.down
+        return (gate.shape[0] + up.shape[0], inputs[0]), (down.shape[0], inputs[2])
     if experts.layout == "fp8":
         weights = [w for w, _ in pairs(experts.gate_up)]
         (down, _), = pairs(experts.down)

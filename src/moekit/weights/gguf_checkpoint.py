@@ -304,9 +304,6 @@ def engine_parts(ckpt: GGUFCheckpoint, offload, verify: bool = True) -> tuple[Op
     from moekit.weights.gguf_tokenizer import gguf_tokenizer
 
     ckpt = getattr(ckpt, "inner", ckpt)  # gpt-oss: the GGUF under its packed view (packed_view)
-    if offload is not None and ckpt.config["model_type"] == "gpt_oss":
-        raise CheckpointError(f"{ckpt.folder}: paging a gpt-oss GGUF's MXFP4 experts is not supported yet; run it "
-                              "resident (no --expert-memory), or page its mxfp4 safetensors form")
     ckpt.verify = verify
     notes = [ckpt.note(paged=offload is not None)]
     store_manifest = None

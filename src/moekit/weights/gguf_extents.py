@@ -14,6 +14,11 @@ third (moekit.weights.extents). The bytes stay as stored:
                   dtype (moekit.offload.reader, gguf-py's own dequantization, the function the
                   resident load uses, so paged and resident weights are the same values); a miss
                   reads the K-quant bytes (4.5 / 6.56 bits a weight) and pays the dequantization
+  MXFP4           gpt-oss's experts (ggml's block: the E8M0 scale, then 16 bytes of FP4 codes):
+                  layout "gguf_mxfp4", kind "MXFP4"; a slot holds the packed kernels' prepared rows
+                  [out, G · 17], the same 17 bytes with the code nibbles reordered as read
+                  (moekit.weights.gguf_mxfp4), gate's slice then up's: 4.25 bits a weight, held
+                  and read, and the kernels and PackedFormat of the resident load
 
 An expert whose gate/up and down are of different kinds (a block format and a float: the converter
 keeps rows that are not whole blocks at F16) is refused: the store runs one kind per expert. Floats
@@ -66,7 +71,8 @@ SUFFIX = ".moekit-experts.json"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_TYPES = ("Q8_0", "Q4_0")  # ggml's blocks that are moekit's int8 / int4 kernel layout
 DEQUANTIZED_TYPES = tuple(DEQUANTIZED)  # K-quants: dequantized as they are read, held at the engine dtype
-PAGED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES
+MXFP4 = "MXFP4"  # gpt-oss's experts: kept packed, as the packed kernels' prepared rows
+PAGED_TYPES = FLOAT_TYPES + BLOCK_TYPES + DEQUANTIZED_TYPES + (MXFP4,)
 STACKED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # gate, up, down: ExpertExtents order
 CHUNK = 64 * 1024 * 1024  # crc32 in pieces: a huge tensor never needs one huge buffer
 
@@ -113,7 +119,8 @@ def _stacked(gguf: GGUFFile, spec: ModelSpec) -> dict[int, tuple[GGUFTensor, GGU
 
 def _extents(gguf: GGUFFile, spec: ModelSpec, file: str) -> ExtentMap:
     return {
-        (layer, e): ExpertExtents((_slice(gate, e, file), _slice(up, e, file)), (_slice(down, e, file),))
+        (layer, e): ExpertExtents((_slice(gate, e, file), _slice(up, e, file)), (_slice(down, e, file),),
+                                  "gguf_mxfp4" if gate.qtype == MXFP4 else "rows")
         for layer, (gate, up, down) in _stacked(gguf, spec).items()
         for e in range(gate.shape[0])
     }
@@ -126,7 +133,10 @@ def unpageable(gguf: GGUFFile, spec: ModelSpec) -> Optional[str]:
             if t.qtype not in PAGED_TYPES:
                 return (f"{gguf.path}: {t.name} is {t.qtype}, which the expert store does not page "
                         f"(it pages {', '.join(PAGED_TYPES)} experts)")
-        kinds = [t.qtype in BLOCK_TYPES and t.qtype for t in parts]
+        kinds = [t.qtype in BLOCK_TYPES + (MXFP4,) and t.qtype for t in parts]
+        if MXFP4 in kinds and spec.model_type != "gpt_oss":  # only gpt-oss's kernels read MXFP4 experts
+            return (f"{gguf.path}: {parts[kinds.index(MXFP4)].name} is MXFP4, which the expert store pages "
+                    f"for gpt-oss only (this is {spec.model_type})")
         if len(set(kinds)) > 1:
             types = ", ".join(f"{part.split('_')[1]} {t.qtype}" for part, t in zip(STACKED, parts))
             return (f"{gguf.path}: layer {layer}'s experts mix types ({types}); the expert store pages an expert "
@@ -190,7 +200,8 @@ def build(gguf: GGUFFile, spec: ModelSpec, progress: Optional[Progress] = None) 
     extents = [x for _, ex in sorted(experts.items()) for x in ex.extents]
     crcs = _crcs(path, [(x.offset, x.length) for x in extents] + [(t.offset, t.n_bytes) for t in others], progress)
     with_crc = iter(replace(x, crc32=c) for x, c in zip(extents, crcs))
-    experts = {key: ExpertExtents(tuple(next(with_crc) for _ in ex.gate_up), tuple(next(with_crc) for _ in ex.down))
+    experts = {key: replace(ex, gate_up=tuple(next(with_crc) for _ in ex.gate_up),
+                            down=tuple(next(with_crc) for _ in ex.down))
                for key, ex in sorted(experts.items())}
     tensors = tuple(TensorSum(t.name, path.name, t.offset, t.n_bytes, c) for t, c in zip(others, crcs[len(extents):]))
     return Manifest(fingerprint(gguf, spec), experts, built=True, tensors=tensors), note

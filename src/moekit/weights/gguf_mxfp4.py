@@ -29,6 +29,9 @@ from moekit.weights.gguf_file import GGUFTensor
 ROW_BLOCK = 17  # bytes per 32 inputs: the scale, then 16 bytes of codes (either layout)
 _NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _4, _32 = np.uint64(4), np.uint64(32)  # numpy shifts a uint64 only by a uint64
+# uint64s in each of hub_nibbles_'s temporaries: 64 KiB, which stay in cache, and below the 128 KiB
+# from which glibc maps (and page-faults) every allocation afresh once the store pins its threshold.
+CHUNK_WORDS = 8 * 1024
 
 
 def hub_nibbles_(rows: Tensor) -> Tensor:
@@ -36,7 +39,18 @@ def hub_nibbles_(rows: Tensor) -> Tensor:
 
     Each block's 16 code bytes are two little-endian words (unaligned: after the scale byte); a
     word's low nibbles are 8 consecutive values, 4 Hub bytes once packed two to a byte, and its high
-    nibbles 8 more. Whole-word arithmetic is several times faster than byte-wise gathers here."""
+    nibbles 8 more. Whole-word arithmetic is several times faster than byte-wise gathers here (and
+    than a 64K-entry table of byte pairs, measured). A few rows at a time: the dozen temporaries
+    then stay in cache and on the heap instead of each being a fresh mapping of MBs, faulted in page
+    by page (the paged store pays this on every miss: docs/BENCHMARKS.md, "Paged gpt-oss-20b GGUF")."""
+    r, width = rows.shape
+    step = max(1, CHUNK_WORDS // (width // ROW_BLOCK))  # rows at a time
+    for start in range(0, r, step):
+        _hub_nibbles_rows_(rows[start : start + step])
+    return rows
+
+
+def _hub_nibbles_rows_(rows: Tensor) -> None:
     r, width = rows.shape
     words = np.ndarray((r, width // ROW_BLOCK, 2), dtype="<u8", buffer=rows.numpy(), offset=1,
                        strides=(width, ROW_BLOCK, 8))  # [R, G, 2]: ggml code bytes 0-7, 8-15
@@ -44,7 +58,6 @@ def hub_nibbles_(rows: Tensor) -> Tensor:
     low = _pack(first & _NIBBLES) | (_pack(second & _NIBBLES) << _32)  # values 0-15: Hub bytes 0-7
     high = _pack((first >> _4) & _NIBBLES) | (_pack((second >> _4) & _NIBBLES) << _32)  # values 16-31
     words[..., 0], words[..., 1] = low, high
-    return rows
 
 
 def _pack(m):

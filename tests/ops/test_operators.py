@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from moekit.ops import (KINDS, Choice, bf16_tiles, c_shims, chosen, copy_into, from_tiles, kind_of, namespaces, op, reference,
                         rows_argmax, tiles_fit, to_tiles, variant, widen_batch)
 from moekit.ops.build import NARROW
-from moekit.ops.q8_0 import quantize_q8_0
+from moekit.ops.q8_0 import quantize_q8_0, round_to_q16
 from moekit.ops.runtime import suffix
 from moekit.ops.shims import C_ARGS
 
@@ -156,6 +156,23 @@ def test_a_row_of_a_q8_batch_is_its_solo_product_bit_for_bit(ops, rows):
     batch, experts = ops.rows_q8(x, packed), ops.experts_q8(x[:, None], stack, ids)[:, 0]
     solo = torch.cat([ops.rows_q8(x[i : i + 1], packed) for i in range(rows)])
     assert torch.equal(batch, solo) and torch.equal(experts, solo)
+
+
+def test_a_q8_product_rounds_x_to_int16_exactly_as_the_reference(ops):
+    """Weight rows that pick one input each (code 1, scale 1.0) give back x as the operator rounded
+    it, q · s, bit for bit: the vector rounding (AVX-512) is the plain one's, ties to even included."""
+    gen = torch.Generator().manual_seed(3)
+    width = 4 * 32
+    x = torch.randn(2, width, generator=gen)
+    x[1, 32:64] = torch.arange(32) * 0.5 + 0.25  # a block whose largest |x| leaves quotients near halves
+    x[1, 64:96] = 0.0  # a block of zeros: scale 0, codes 0
+    x[1, 96] = 1e-30  # one tiny value beside zeros
+    picks = torch.zeros(width, width // 32, 34, dtype=torch.uint8)  # [N = width, nb, 34]
+    picks[..., :2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)  # every block's scale 1.0
+    for n in range(width):
+        picks[n, n // 32, 2 + n % 32] = 1
+    got = ops.rows_q8(x, picks.view(width, -1))
+    assert torch.equal(got, round_to_q16(x))
 
 
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "q8_0"])

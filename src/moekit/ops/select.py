@@ -36,6 +36,11 @@ KINDS = ("float32", "bfloat16", "q8_0")
 PROBE_BYTES = 128 << 20  # past the last-level cache of the machines measured (32 MB on the AMD EPYC)
 PROBE_EXPERTS, PROBE_CHOSEN = 32, 4  # a stack's experts, and those one row's call reads
 BF16_MARGIN = 0.2  # past the probe's spread between processes for bf16 here (up to 16%, measured)
+# fp32 keeps the native build unless another beats it by this much: on the Intel Xeon (AMX) the
+# AVX-512 build's compiled fp32 step took 0.90x the AVX2 build's time at batch 1 and 0.91x at batch
+# 16 (docs/BENCHMARKS.md), yet the probe, timed at load ~10, chose AVX2 there; on the AMD EPYC (Zen
+# 4) AVX2 streamed fp32 ~20% faster and the probe chose it in 10 of 10 processes, past this margin.
+FLOAT32_MARGIN = 0.1
 BATCH_PROBE_ROWS = 8  # the batch the issue's targets name
 WIDEN_MARGIN = 0.1  # a batch's bf16 products are widened only where that is clearly faster
 
@@ -175,7 +180,8 @@ def variant(kind: str) -> Choice:
     builds within noise, while inside a compiled step the AVX-512 build's bf16 step was 11% faster
     and its fp32 step 22-28% slower; with the experts probe fp32 took the AVX2 build in 10 of 10
     processes, as the step wants; bf16 still swung. So for bf16 the build that multiplies bf16 pairs
-    (AVX512-BF16, the default build on such a CPU) is kept unless another beats it by BF16_MARGIN."""
+    (AVX512-BF16, the default build on such a CPU) is kept unless another beats it by BF16_MARGIN,
+    and for fp32 the native build unless another beats it by FLOAT32_MARGIN (`pick`)."""
     spaces = namespaces()
     if not spaces or kind not in KINDS:
         return Choice()
@@ -195,9 +201,21 @@ def _measure_variant(kind: str, spaces: tuple[str, ...]) -> Choice:
                 product(x, stack, ids, v.grouped)
 
     median = alternating_medians({v: (lambda v=v: run(v)) for v in candidates}, rounds=8)
-    best = min(candidates, key=median.get)
-    if kind == "bfloat16" and cpu_has_avx512_bf16() and median[best] * (1 + BF16_MARGIN) > median[Choice()]:
+    return pick(kind, median, cpu_has_avx512_bf16())
+
+
+def pick(kind: str, median: dict[Choice, float], multiplies_bf16: bool) -> Choice:
+    """The Choice that the probe's medians (Choice → seconds) make for this kind: the fastest, except
+    that bf16 keeps the default Choice() where the CPU multiplies bf16 pairs (multiplies_bf16) and
+    fp32 the native build (its faster way), unless another beats it by BF16_MARGIN / FLOAT32_MARGIN."""
+    best = min(median, key=median.get)
+    if kind == "bfloat16" and multiplies_bf16 and median[best] * (1 + BF16_MARGIN) > median[Choice()]:
         return Choice()
+    native = [c for c in median if c.namespace == Choice().namespace]
+    if kind == "float32" and native:
+        fastest_native = min(native, key=median.get)
+        if median[best] * (1 + FLOAT32_MARGIN) > median[fastest_native]:
+            return fastest_native
     return best
 
 

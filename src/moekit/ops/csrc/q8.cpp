@@ -33,17 +33,47 @@ struct Q16Rows {
     Q16Row row(int64_t r, int64_t nb) const { return {q.data() + r * nb * 32, s.data() + r * nb}; }
 };
 
+// One block of 32 x values to int16 and its scale, written plainly: the definition above.
+static inline float q16_block(const float* xb, int16_t* q) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float s = amax / 32767.f;
+    for (int j = 0; j < 32; ++j) q[j] = s == 0.f ? 0 : (int16_t)std::nearbyint(xb[j] / s);
+    return s;
+}
+
+#if MK_WIDE == 16
+// q16_block in two vectors: the same max, the same correctly rounded division and the same
+// round-to-nearest-even (the conversion's default mode, as nearbyint's), so the same codes for any
+// finite x. Every q8_0 product rounds its x first, on the calling thread before the threads split
+// the rows; the plain loop (a division and a rounding per value, one at a time) cost ~0.3 us of a
+// batch-1 [512, 512] product's ~12 us in cache (1-3% of its CPU time, Intel Xeon; from memory the
+// product takes ~35 us and the difference is within the noise).
+static inline float q16_block_wide(const float* xb, int16_t* q) {
+    const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+    const __m512 mag = _mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b));
+    const float s = _mm512_reduce_max_ps(mag) / 32767.f;
+    if (s == 0.f) {
+        std::memset(q, 0, 32 * sizeof(int16_t));
+        return s;
+    }
+    const __m512 sv = _mm512_set1_ps(s);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(a, sv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(_mm512_div_ps(b, sv))));
+    return s;
+}
+#endif
+
 static Q16Rows q16_rows(const float* x, int64_t rows, int64_t nb) {
     Q16Rows out;
     out.q.resize(rows * nb * 32);
     out.s.resize(rows * nb);
     for (int64_t rb = 0; rb < rows * nb; ++rb) {
-        const float* xb = x + rb * 32;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
-        const float s = amax / 32767.f;
-        out.s[rb] = s;
-        for (int j = 0; j < 32; ++j) out.q[rb * 32 + j] = s == 0.f ? 0 : (int16_t)std::nearbyint(xb[j] / s);
+#if MK_WIDE == 16
+        out.s[rb] = q16_block_wide(x + rb * 32, out.q.data() + rb * 32);
+#else
+        out.s[rb] = q16_block(x + rb * 32, out.q.data() + rb * 32);
+#endif
     }
     return out;
 }

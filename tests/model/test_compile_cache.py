@@ -28,24 +28,22 @@ def _step_logits(decoder, step) -> torch.Tensor:
         return torch.cat([decoder(torch.tensor([[t]]), cache, torch.tensor([[3 + s]])) for s, t in enumerate((7, 81))], 1)
 
 
-def test_a_second_compile_loads_what_the_first_wrote(tiny_checkpoints, tmp_path):
-    decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
-    said = []
-    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    first.warm_up((1,), say=said.append)
+def test_a_second_compile_loads_what_the_first_wrote(qwen3_compiled_cold):
+    """The first compile: tests/model/conftest.py's, into an empty folder (test_saved_graphs starts from it too)."""
+    cold = qwen3_compiled_cold
+    decoder, first, said = cold.decoder, cold.step, cold.said
     assert said[0].startswith("compiling the decode step (batch 1)") and str(first.cache_folder) in said[0], said
     assert said[1].endswith(" s")
-    assert first.cache_folder.parent == tmp_path and is_cached(first.cache_folder)
-    written = _generated(first.cache_folder)
-    want = _step_logits(decoder, first)
+    assert first.cache_folder.parent == cold.root and is_cached(first.cache_folder)
+    assert cold.written
 
-    said.clear()
-    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    said = []
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=cold.root)
     assert second.cache_folder == first.cache_folder
     second.warm_up((1,), say=said.append)
     assert said[0].startswith("loading the compiled decode step (batch 1) from"), said
-    assert _generated(second.cache_folder) == written  # loaded, not generated again
-    torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
+    assert _generated(second.cache_folder) == cold.written  # loaded, not generated again
+    torch.testing.assert_close(_step_logits(decoder, second), cold.logits, rtol=0, atol=0)
 
 
 def test_an_int8_decoders_graphs_are_saved_and_loaded_by_a_later_step(tiny_checkpoints, tmp_path):

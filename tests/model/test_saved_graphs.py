@@ -33,15 +33,13 @@ def _records(step) -> list:
 
 
 @pytest.fixture(scope="module")
-def compiled_in(tiny_checkpoints, tmp_path_factory):
+def compiled_in(qwen3_compiled_cold):
     """A decoder, the folder its first step compiled into (its graph saved there), and its logits:
-    one cold compile for the module (the tests below write into copies of the folder)."""
-    decoder = load_engine(tiny_checkpoints("qwen3_moe"), compile=True).decoder
-    folder = tmp_path_factory.mktemp("compiled")
-    first = CompiledStep(decoder, cpp_wrapper=False, cache=folder)
-    want = _step_logits(decoder, first)
-    assert first.loaded_graphs == 0 and len(_records(first)) == 1
-    return decoder, folder, want
+    tests/model/conftest.py's cold compile, which test_compile_cache shares (the tests below write
+    into copies of the folder)."""
+    cold = qwen3_compiled_cold
+    assert cold.step.loaded_graphs == 0 and len(_records(cold.step)) == 1
+    return cold.decoder, cold.root, cold.logits
 
 
 @pytest.fixture

@@ -25,17 +25,21 @@ def serve_process():
         server.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server():
-    """The bundled model served (max batch 16) to one test module; it must exit 0 on SIGTERM."""
+    """The bundled model served (max batch 16) to every module of a worker's session that asks for it:
+    one start-up (~3 s of a core) instead of one per module. Its tests hold it to what a client sees
+    of its own requests (their tokens, counters read before and after, a routing policy no other
+    test sends), so none depends on what ran before it. It must exit 0 on SIGTERM."""
     s = start_server("--eager", "--max-batch", "16")
     yield s
     assert s.stop() == 0
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine():
-    """The bundled model in this process: the oracle for what the server answers."""
+    """The bundled model in this process: the oracle for what the server answers (generate leaves
+    no state behind, so the modules share one)."""
     return load_engine(bundled_model_path(), compile=False)
 
 

@@ -17,9 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from server_process import start_server
-from moekit.engine.default_model import bundled_model_path
-from moekit.engine.loader import load_engine
 
 pytest.importorskip("lm_eval")
 
@@ -56,21 +53,16 @@ def greedy_text(engine, context: str, new: int) -> str:
     return text.split("\n", 1)[0]
 
 
-def test_lm_eval_local_completions_scores_and_generates_through_moekit_serve(tmp_path):
-    server = start_server("--eager", "--max-batch", "8")
-    try:
-        env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-        done = subprocess.run(lm_eval_command(server.v1, tmp_path / "out"), cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=600)
-    finally:
-        assert server.stop() == 0
+def test_lm_eval_local_completions_scores_and_generates_through_moekit_serve(server, engine, tmp_path):
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(lm_eval_command(server.v1, tmp_path / "out"), cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "remote tokenizer" in done.stderr.lower()  # lm-eval used the server's /tokenize
     [results] = (tmp_path / "out").rglob("results_*.json")
     scores = json.loads(results.read_text())["results"]
     assert 0.0 <= scores["moekit_mc"]["acc,none"] <= 1.0 and "exact_match,none" in scores["moekit_gen"]
 
-    engine = load_engine(bundled_model_path(), compile=False)
     [mc] = (tmp_path / "out").rglob("samples_moekit_mc_*.jsonl")
     for line in mc.read_text().splitlines():
         sample = json.loads(line)

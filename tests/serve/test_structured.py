@@ -79,10 +79,9 @@ def random_server(random_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    server = start_server("--eager", "--max-batch", "4")
-    yield server
-    assert server.stop() == 0
+def demo_server(server):
+    """The bundled model's server: conftest's, which the session's other modules share."""
+    return server
 
 
 def _client(server):

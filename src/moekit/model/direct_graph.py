@@ -239,7 +239,7 @@ def compile_fill(sources: Sequence[Source]) -> Callable[[list, Sequence[torch.Te
     for at, s in enumerate(sources):
         if s.kind == INPUT:
             lines.append(f"    args[{at}] = inputs[{s.index}]")
-        elif s.kind in (SIZE, STRIDE):
+        elif s.kind in (SIZE, STRIDE):  # the kinds are the tensor methods' names
             lines.append(f"    args[{at}] = inputs[{s.index}].{s.kind}({s.dim})")
     namespace: dict = {}
     exec(compile("def fill(args, inputs):\n" + "\n".join(lines or ["    pass"]), "<direct graph fill>", "exec"), namespace)

@@ -23,6 +23,7 @@ from moekit.model.linear import TILES, Linear
 from moekit.model.experts import RoutedExperts
 from moekit.model.expert_forms import Int8Stacks, Packed
 from moekit.model.moe import Router
+from moekit.model.routing import PolicyRun, parse_policy
 from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
 from tests.model.engine_pairs import eager_and_compiled
 from tests.weights.quantized_files import FP8_PARTIAL, write_fp8, write_mxfp4
@@ -156,6 +157,52 @@ def test_a_row_k_past_the_models_runs_compiled_and_matches_eager(engines):
             assert torch.equal(b.topk_ids[row, :k], a.topk_ids[row, :k])
             torch.testing.assert_close(b.topk_weights[row, :k], a.topk_weights[row, :k], rtol=1e-5, atol=1e-6)
             assert not b.topk_weights[row, k:].any()
+
+
+def _switching_steps(decoder, stacked: bool) -> list:
+    """One row's steps whose routing changes from one step to the next: the model's K, a row's K
+    below and past it, a policy, router health's entropy, and back → per step (token, logits [V],
+    each MoE layer's (ids, entropy))."""
+    widest = decoder.widest_k
+    plan = ({}, {"top_k": [1]}, {}, {"policy": "topk:1"}, {}, {"top_k": [widest + 1]}, {"entropy": True}, {},
+            {"top_k": [1]}, {"top_k": [widest]}, {})
+    prompt = [5, 9, 33, 7, 81]
+    cache = decoder.new_cache(1, len(prompt) + len(plan) + 1, stacked=stacked)
+    steps = []
+    try:
+        with torch.inference_mode():
+            logits = decoder.forward_modules(torch.tensor([prompt]), cache, torch.arange(len(prompt))[None])
+            token = int(logits[0, -1].argmax())
+            for s, how in enumerate(plan):
+                decoder.entropy_watched = how.get("entropy", False)
+                policy = PolicyRun(parse_policy(how["policy"], widest, 8), rows=1) if "policy" in how else None
+                made: list = []
+                logits = decoder.forward_rows(torch.tensor([[token]]), cache, torch.tensor([len(prompt) + s]), made,
+                                              top_k=how.get("top_k"), policy=policy)
+                token = int(logits[0, -1].argmax())
+                steps.append((token, logits[0, -1], [(d.topk_ids, d.entropy) for _, d in made]))
+    finally:
+        decoder.entropy_watched = False
+    return steps
+
+
+def test_a_steps_routing_may_change_from_one_step_to_the_next(engines):
+    """Decoder._step takes the common step's routing from two constants and seats no policy when
+    it has none: steps that switch between the model's K, a row's own K, a policy and router
+    health's entropy, and back, each decode as the modules' forward does (an unstacked cache: the
+    plain reference) — the same tokens, logits within 1e-4, the same experts."""
+    eager, compiled = engines("qwen3_moe")
+    want, got = _switching_steps(eager.decoder, stacked=False), _switching_steps(compiled.decoder, stacked=True)
+    assert [t for t, _, _ in got] == [t for t, _, _ in want]
+    for (_, want_logits, want_layers), (_, got_logits, got_layers) in zip(want, got):
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-4)
+        for (want_ids, want_entropy), (got_ids, got_entropy) in zip(want_layers, got_layers, strict=True):
+            k = want_ids.shape[1]  # a seated step's decision is padded to its width (seated_policy.padded)
+            assert torch.equal(got_ids[:, :k], want_ids)
+            assert (got_entropy is None) == (want_entropy is None)
+            if want_entropy is not None:
+                torch.testing.assert_close(got_entropy, want_entropy, rtol=1e-4, atol=1e-5)
+    assert compiled.decoder.seat.policy is None
 
 
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama4_text"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.model.direct_graph import HELD, INPUT, SIZE, direct_graph, held_tensors
+from moekit.model.direct_graph import HELD, INPUT, SIZE, DirectGraph, compile_check, compile_guards, direct_graph, held_tensors
 
 
 class Scaled(torch.nn.Module):
@@ -103,6 +103,65 @@ def test_a_recorded_graph_refuses_inputs_it_was_not_compiled_for(recorded, what,
     with torch.inference_mode():
         call(*_inputs())
     assert not graphs[0].accepts(inputs()), what
+    assert not graphs[0].accepts_reference(inputs()), what
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return t.dtype, t.device, t.is_inference(), t.requires_grad
+
+
+# A guard text as Dynamo writes them: static sizes, strides as products of sizes, an offset, a
+# relation between two inputs' dynamic sizes, one of them named twice in a term.
+GUARDS = ("L['t0'].size()[0] == 2 and L['t0'].stride()[0] == 8 and L['t0'].storage_offset() == 0 and "
+          "L['t1'].stride()[0] == L['t1'].size()[1] and L['t1'].size()[0] == L['t0'].size()[0] and "
+          "(4*L['t1'].size()[1]) != (4*L['t2'].size()[0]) and 2 <= L['t1'].size()[1] and L['t1'].size()[1] <= L['t2'].size()[0]")
+
+
+def _guarded(*inputs) -> tuple:
+    with torch.inference_mode():
+        return tuple(t.clone() for t in inputs)
+
+
+def _views(first, second, third, view_second, view_first=lambda t: t) -> tuple:
+    """Inference tensors, the first two through the given views (an offset, a stride the guards refuse)."""
+    first, second, third = _guarded(first, second, third)
+    return view_first(first), view_second(second), third
+
+
+@pytest.mark.parametrize(
+    "what, inputs, accepted",
+    [
+        ("as traced", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 5, dtype=torch.bool), torch.ones(9)), True),
+        ("another length", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 8, dtype=torch.bool), torch.ones(12)), True),
+        ("another static size", lambda: _guarded(torch.ones(3, 8), torch.ones(3, 5, dtype=torch.bool), torch.ones(9)), False),
+        ("a relation broken (equal lengths)", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 9, dtype=torch.bool), torch.ones(9)), False),
+        ("a relation broken (longer)", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 10, dtype=torch.bool), torch.ones(9)), False),
+        ("a dynamic size below its least", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 1, dtype=torch.bool), torch.ones(9)), False),
+        ("a strided input", lambda: _views(torch.ones(2, 8), torch.ones(2, 10, dtype=torch.bool), torch.ones(9), lambda t: t[:, :5]), False),
+        ("an offset input", lambda: _views(torch.ones(3, 8), torch.ones(2, 5, dtype=torch.bool), torch.ones(9), lambda t: t, lambda t: t[1:]), False),
+        ("another dtype", lambda: _guarded(torch.ones(2, 8, dtype=torch.float64), torch.ones(2, 5, dtype=torch.bool), torch.ones(9)), False),
+        ("a normal tensor", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 5, dtype=torch.bool))[:2] + (torch.ones(9),), False),
+        ("one input short", lambda: _guarded(torch.ones(2, 8), torch.ones(2, 5, dtype=torch.bool)), False),
+    ],
+)
+def test_the_compiled_check_answers_as_the_guard_text_evaluated(what, inputs, accepted):
+    """DirectGraph.accepts (compile_check: one function, each size and stride read once) against
+    accepts_reference (the guard text evaluated as Dynamo wrote it), on inputs either side of each guard."""
+    traced = _guarded(torch.ones(2, 8), torch.ones(2, 5, dtype=torch.bool), torch.ones(9))
+    graph = DirectGraph(None, (), compile_guards(GUARDS), tuple(_kind(t) for t in traced), GUARDS)
+    assert graph.accepts_reference(inputs()) is accepted, what
+    assert graph.accepts(inputs()) is accepted, what
+
+
+def test_a_guard_text_read_some_other_way_falls_back_to_the_reference():
+    """compile_check takes only size(), stride() and storage_offset() of an input: other reads of L
+    (none Dynamo writes today) leave the graph to the guard text evaluated as it is."""
+    text = "L['t0'].dim() == 1"
+    kinds = (_kind(_guarded(torch.ones(3))[0]),)
+    assert compile_check(kinds, text) is None
+    graph = DirectGraph(None, (), compile_guards(text), kinds, text)
+    assert graph.accepts(_guarded(torch.ones(3))) and not graph.accepts(_guarded(torch.ones(3, 1)))
+    assert compile_check(kinds, None)(*_guarded(torch.ones(3)))  # no guards: the kinds alone
 
 
 def test_a_graph_reading_a_tensor_the_model_does_not_hold_is_not_recorded():

@@ -177,6 +177,7 @@ def generate(
     cache.key_mask[:, width:] = True  # generated tokens are real in every row
     generator = make_generator(sampling, device)
     stop = torch.tensor(sorted(set(int(s) for s in stop_ids)), dtype=torch.int64, device=device)
+    stops = bool(stop.numel())  # with none, no row ever finishes: the loop skips the masking
 
     out = torch.zeros((batch, max_new_tokens), dtype=torch.int64, device=device)  # [B, max_new]
     finished = torch.zeros(batch, dtype=torch.bool, device=device)  # [B]
@@ -197,24 +198,24 @@ def generate(
         prefill_s = time.perf_counter() - start
         if decisions is not None:
             routing.append(_routing(0, width, decisions))
-        if stop.numel():
+        if stops:
             finished |= torch.isin(token, stop)
         if on_token is not None:
             on_token(0, [int(t) for t in token.tolist()])
 
         start = time.perf_counter()
         for step in range(1, max_new_tokens):
-            if stop.numel() and bool(finished.all()):
+            if stops and bool(finished.all()):
                 break
             step_ids[:, 0] = token
             decisions = [] if record_routing else None
             logits = decoder(step_ids, cache, step_pos, decisions, **routed)  # [B, 1, V]
             token = next_tokens(logits[:, -1], sampling, generator)
-            was_finished = finished.clone() if on_token is not None else None
-            token = token.masked_fill(finished, pad_id)
-            out[:, step] = token
-            if stop.numel():
+            was_finished = finished.clone() if on_token is not None and stops else finished
+            if stops:
+                token = token.masked_fill(finished, pad_id)
                 finished |= torch.isin(token, stop)
+            out[:, step] = token
             step_pos += 1
             steps_done = step
             if decisions is not None:

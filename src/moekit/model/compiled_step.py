@@ -347,20 +347,36 @@ class CompiledStep:
         routing.width), a graph of its own; routing: the step's constants (Decoder.step_routing), a
         graph each (a seated policy is the decoder's, held for this call: Decoder._step). The cache
         must be stacked (KVCache.stack; Decoder.new_cache's are)."""
+        logits, chosen, weights, entropy = self.outputs(ids, cache, slot, positions, key_mask, top_k, routing)
+        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy)
+
+    def outputs(self, ids, cache, slot, positions, key_mask, top_k=None, routing: StepRouting = FAMILY) -> tuple:
+        """The step as __call__ takes it → its outputs as they are: (logits [B, V] fp32, chosen
+        [L_moe, B, K], weights [L_moe, B, K], entropy [L_moe, B] or None). What Decoder._step calls
+        on every token, so it builds nothing a token does not need (no StepResult, no view of the logits)."""
         if cache.stack is None:
             raise ValueError("the compiled step needs a stacked cache (Decoder.new_cache makes one)")
-        rope = self.decoder.rope  # its tables cover the cache: Decoder.new_cache reserved them
         # Dynamo guards on whether a tensor was made under inference mode: the small per-step inputs
         # and the rope tables are made so here, whoever the caller is, so one graph serves them all
-        # (the caches are always normal tensors: Decoder.new_cache makes them outside it).
-        with torch.inference_mode():
-            tables = self._held(cache.stack, rope)
-            small = (ids[:, 0], slot, positions, key_mask) + (() if top_k is None else (top_k,))  # ids [B]
-            small = tuple(t.clone() for t in small)
-            inputs = (*small[:4], cache.stack, *tables, *small[4:])
-            logits, chosen, weights, *entropy = self._run(routing, inputs, small, _mark_step, 4 if routing.entropy else 3,
-                                                          lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
-        return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
+        # (the caches are always normal tensors: Decoder.new_cache makes them outside it). generate and
+        # the scheduler step under inference mode already: entering it again would cost ~1 µs a step.
+        if not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                return self.outputs(ids, cache, slot, positions, key_mask, top_k, routing)
+        tables = self._held(cache.stack, self.decoder.rope)  # its tables cover the cache: Decoder.new_cache reserved them
+        # Fresh tensors: inference ones, and none of them another's (forward_rows passes one tensor as slot and positions).
+        small = (ids[:, 0].clone(), slot.clone(), positions.clone(), key_mask.clone())  # ids [B]
+        if top_k is not None:
+            small += (top_k.clone(),)
+        inputs = (*small[:4], cache.stack, *tables, *small[4:])
+        graph = self._recorded(routing, inputs)
+        if graph is not None:  # the common step: straight to the graph
+            self.direct_steps += 1
+            outputs = graph(inputs)
+        else:
+            outputs = self._run(routing, inputs, small, _mark_step, 4 if routing.entropy else 3,
+                                lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
+        return outputs[0], outputs[1], outputs[2], outputs[3] if routing.entropy else None
 
     def prefill(self, ids, cache, positions, key_mask, routing: StepRouting = FAMILY,
                 trace: bool = True) -> Optional[StepResult]:
@@ -390,9 +406,11 @@ class CompiledStep:
     def _recorded(self, key, inputs: tuple) -> Optional[DirectGraph]:
         """The graph of `key` recorded in this process that accepts inputs (moved first: the graph of
         the last call is tried first), or None."""
-        graphs = self._graphs.get(key, [])
-        graph = next((g for g in graphs if g.accepts(inputs)), None)
-        if graph is not None and graph is not graphs[0]:
+        graphs = self._graphs.get(key)
+        if not graphs or graphs[0].accepts(inputs):  # the last call's graph: most steps'
+            return graphs[0] if graphs else None
+        graph = next((g for g in graphs[1:] if g.accepts(inputs)), None)
+        if graph is not None:
             graphs.remove(graph)
             graphs.insert(0, graph)
         return graph

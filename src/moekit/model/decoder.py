@@ -62,6 +62,7 @@ class StepRouting(NamedTuple):
 
 
 FAMILY = StepRouting()  # the family's routing at the model's K
+WATCHED = StepRouting(entropy=True)  # the same, router health watching (Decoder.entropy_watched)
 
 
 class Block(nn.Module):
@@ -184,6 +185,9 @@ class Decoder(nn.Module):
         # A step's decision width unless a row or a policy asks for more (StepRouting.width): the
         # model's K. A step takes any K up to E (MoE.specs_by_k), as the modules' forward does.
         self.widest_k = min((self.layers[i].ffn.router.spec.top_k for i in self.moe_layers), default=0)
+        # The most experts a row may ask for: the fewest any MoE layer has (its specs_by_k, one per K).
+        # Fixed once built; step_routing reads it every step (looked up through the modules: ~8 µs).
+        self.most_k = min((len(self.layers[i].ffn.specs_by_k) for i in self.moe_layers), default=0)
         # Where the decode step finds a step's routing policy (moekit.model.seated_policy).
         self.seat = PolicySeat({i: self.layers[i].ffn.router.spec for i in self.moe_layers})
         for i in self.moe_layers:
@@ -330,10 +334,11 @@ class Decoder(nn.Module):
         entropy = self.entropy_watched
         if policy is not None:
             return StepRouting(max(policy.width(self.widest_k), 1), True, entropy)
-        widest = max(top_k) if top_k is not None else 0
-        experts = min((len(self.layers[i].ffn.specs_by_k) for i in self.moe_layers), default=0)
-        if widest > experts:
-            raise ValueError(f"a row asks for {widest} experts per token; the model's MoE layers have {experts}")
+        if top_k is None:  # the common step: one of two constants
+            return WATCHED if entropy else FAMILY
+        widest = max(top_k)
+        if widest > self.most_k:
+            raise ValueError(f"a row asks for {widest} experts per token; the model's MoE layers have {self.most_k}")
         return StepRouting(widest if widest > self.widest_k else 0, False, entropy)
 
     def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None, policy=None) -> torch.Tensor:
@@ -343,16 +348,23 @@ class Decoder(nn.Module):
         ks = None
         if top_k is not None and policy is None:
             ks = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
-        with self.seat.holding(policy):
-            if self.compiled is not None:
-                result = self.compiled(input_ids, cache, slot, positions, key_mask, ks, routing)
-                logits, chosen, weights, entropy = result.logits[:, 0], result.chosen, result.weights, result.entropy
-            else:
-                logits, chosen, weights, entropy = decode_step(self, input_ids[:, 0], slot, positions, key_mask, cache.stack,
-                                                               self.rope.cos_table, self.rope.sin_signed_table, ks, routing)
+        if policy is None:  # nothing to seat: only a seated step (StepRouting.seated) reads the seat
+            logits, chosen, weights, entropy = self._step_outputs(input_ids, cache, slot, positions, key_mask, ks, routing)
+        else:
+            with self.seat.holding(policy):
+                logits, chosen, weights, entropy = self._step_outputs(input_ids, cache, slot, positions, key_mask, ks,
+                                                                      routing)
         if decisions is not None:
             decisions.extend(step_decisions(self.moe_layers, chosen, weights, entropy))
         return logits[:, None, :]
+
+    def _step_outputs(self, input_ids, cache, slot, positions, key_mask, ks, routing: StepRouting) -> tuple:
+        """decode_step's outputs (logits [B, V], chosen, weights, entropy or None): the compiled
+        graph's where compile_decode() ran, else the eager step's."""
+        if self.compiled is not None:
+            return self.compiled.outputs(input_ids, cache, slot, positions, key_mask, ks, routing)
+        return decode_step(self, input_ids[:, 0], slot, positions, key_mask, cache.stack, self.rope.cos_table,
+                           self.rope.sin_signed_table, ks, routing)
 
     def compile_decode(self, cpp_wrapper: bool = True) -> None:
         """Run every later T = 1 step (generate's decode, continuous batching, routing policies) as one

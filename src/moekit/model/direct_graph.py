@@ -16,10 +16,16 @@ What stands in for Dynamo's guards, so that a graph only ever runs inputs it was
 Inputs that pass none of a step's direct graphs go through Dynamo, which may compile a new graph
 (and record it here). A graph whose inputs cannot all be traced to a held tensor or a per-call
 input, or whose guards cannot be written, is not recorded: Dynamo keeps running it.
+
+Both checks run on every token, so they run as one Python function written from them once
+(compile_check: each input's size(), stride() and storage_offset() read once, where the guard text
+reads them once per term), and so does filling in the graph's arguments (compile_fill); the guard
+text evaluated as it is stays beside it as the reference (DirectGraph.accepts_reference).
 """
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
 from types import CodeType
 from typing import Callable, Optional, Sequence
@@ -58,10 +64,19 @@ class DirectGraph:
     def __post_init__(self):
         # A call copies the held tensors' list and fills in the rest (~80 arguments, ~10 per call).
         object.__setattr__(self, "_template", [s.tensor for s in self.sources])
-        object.__setattr__(self, "_fills", [(at, s.kind, s.index, s.dim) for at, s in enumerate(self.sources)
-                                            if s.kind != HELD])
+        object.__setattr__(self, "_fill", compile_fill(self.sources))
+        object.__setattr__(self, "_check", compile_check(self.kinds, self.guard_source))
 
     def accepts(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """Whether this graph was compiled for inputs: accepts_reference's answer, from one function."""
+        if len(inputs) != len(self.kinds):
+            return False
+        if self._check is None:  # a guard text compile_check does not take: the reference
+            return self.accepts_reference(inputs)
+        return self._check(*inputs)
+
+    def accepts_reference(self, inputs: Sequence[torch.Tensor]) -> bool:
+        """accepts, plainly: each input's kind, then the guard text evaluated as Dynamo wrote it."""
         if len(inputs) != len(self.kinds) or any(_kind(t) != k for t, k in zip(inputs, self.kinds)):
             return False
         if self.guards is None:
@@ -71,9 +86,7 @@ class DirectGraph:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list:
         """The traced function's results on `inputs` (which accepts() passed), as a list."""
         args = list(self._template)
-        for at, kind, index, dim in self._fills:
-            t = inputs[index]
-            args[at] = t if kind == INPUT else t.size(dim) if kind == SIZE else t.stride(dim)
+        self._fill(args, inputs)
         return self.run(*args)
 
 
@@ -166,5 +179,68 @@ def _guards(fakes: list) -> str | None | bool:
 
 
 def compile_guards(source: Optional[str]) -> Optional[CodeType]:
-    """A guard expression (as _guards writes it) ready for DirectGraph.accepts; None stays None."""
+    """A guard expression (as _guards writes it) ready for DirectGraph.accepts_reference; None stays None."""
     return None if source is None else compile(source, "<direct graph guards>", "eval")
+
+
+_READS = ("size", "stride", "storage_offset")  # what a guard asks of an input tensor
+
+
+class _Reads(ast.NodeTransformer):
+    """Rewrites each L['tN'].size() (stride(), storage_offset()) of a guard text as a local read once."""
+
+    def __init__(self):
+        self.reads: dict[str, tuple[int, str]] = {}  # local name → (input index, method)
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        f = node.func
+        if (node.args or node.keywords or not isinstance(f, ast.Attribute) or f.attr not in _READS
+                or not isinstance(f.value, ast.Subscript) or not isinstance(f.value.value, ast.Name)
+                or f.value.value.id != "L" or not isinstance(f.value.slice, ast.Constant)):
+            return node
+        key = f.value.slice.value
+        if not (isinstance(key, str) and key[:1] == "t" and key[1:].isdigit()):
+            return node
+        name = f"{f.attr}_{key[1:]}"
+        self.reads[name] = (int(key[1:]), f.attr)
+        return ast.copy_location(ast.Name(name, ast.Load()), node)
+
+
+def compile_check(kinds: tuple, source: Optional[str]) -> Optional[Callable[..., bool]]:
+    """DirectGraph.accepts_reference's test as one function of the inputs t0, t1, ... (as many as
+    kinds): each input's kind, then the guard text with each tensor's size(), stride() and
+    storage_offset() read once, up front (they have no side effects, so reading them before the
+    terms that short-circuit changes no answer). None where the text reads an input some other way
+    (then the reference runs)."""
+    names = [f"t{i}" for i in range(len(kinds))]
+    terms = [f"({n}.dtype, {n}.device, {n}.is_inference(), {n}.requires_grad) == _k{i}" for i, n in enumerate(names)]
+    lines = []
+    if source is not None:
+        reads = _Reads()
+        tree = reads.visit(ast.parse(source, mode="eval"))
+        if any(isinstance(node, ast.Name) and node.id == "L" for node in ast.walk(tree)):
+            return None
+        if any(index >= len(kinds) for index, _ in reads.reads.values()):
+            return None
+        lines = [f"    {name} = t{index}.{method}()" for name, (index, method) in sorted(reads.reads.items())]
+        lines.append(f"    return bool({ast.unparse(tree)})")
+    code = (f"def check({', '.join(names)}):\n"
+            f"    if not ({' and '.join(terms) or 'True'}):\n        return False\n" + "\n".join(lines or ["    return True"]))
+    namespace = {**SYMPY_INTERP, **{f"_k{i}": k for i, k in enumerate(kinds)}}
+    exec(compile(code, "<direct graph check>", "exec"), namespace)
+    return namespace["check"]
+
+
+def compile_fill(sources: Sequence[Source]) -> Callable[[list, Sequence[torch.Tensor]], None]:
+    """The function that writes a call's per-call arguments into the list of the held ones: each
+    INPUT, SIZE and STRIDE source's value from the inputs, as one assignment each."""
+    lines = []
+    for at, s in enumerate(sources):
+        if s.kind == INPUT:
+            lines.append(f"    args[{at}] = inputs[{s.index}]")
+        elif s.kind in (SIZE, STRIDE):  # the kinds are the tensor methods' names
+            lines.append(f"    args[{at}] = inputs[{s.index}].{s.kind}({s.dim})")
+    namespace: dict = {}
+    exec(compile("def fill(args, inputs):\n" + "\n".join(lines or ["    pass"]), "<direct graph fill>", "exec"), namespace)
+    return namespace["fill"]

@@ -138,6 +138,9 @@ class Request:
     on_logprob: Optional[Callable[[TokenLogprob], None]] = None  # called just before on_token
     prompt_logprobs: Optional[int] = None  # the prompt's tokens' logprobs (echo), this many top ones
     on_prompt_logprobs: Optional[Callable[[list], None]] = None  # once, after the prefill
+    # Set by the client once it has passed the first token on (a server: its frame written); the decode step
+    # after the one that made it waits for that, briefly (Scheduler's first_token_wait_s). None: no wait.
+    first_passed: Optional[threading.Event] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
     submitted_at: float = 0.0
     priority: int = 0  # within its tier, lower is admitted first (vLLM's convention)
@@ -212,6 +215,7 @@ class Scheduler:
         on_step: Optional[Callable[[StepStats], None]] = None,
         prefill_tokens: int = 2048,
         prefix_cache: Optional[PrefixCache] = None,
+        first_token_wait_s: float = 0.0,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
         bytes_per_param, expert_bytes, dense_saving: what the usage meter counts a weight and each
@@ -223,7 +227,12 @@ class Scheduler:
         prefilled together: a burst of arrivals is one forward instead of one after another); a
         prompt longer than this is prefilled in chunks of this many tokens, one per step, between
         the running rows' decode steps (chunked prefill).
-        prefix_cache: where prompt prefixes' KV is kept across requests (None: none is)."""
+        prefix_cache: where prompt prefixes' KV is kept across requests (None: none is).
+        first_token_wait_s: after a step's prefills gave requests their first tokens, how long at most
+        its decode waits for those requests' `first_passed` events (all of them together). A server's
+        event loop writes a first token's frame while this thread sleeps, instead of while the decode's
+        threads hold every core (two here): the first token's way out is part of its TTFT, the decode's
+        delay is the loop's own work, done either way."""
         spec = decoder.spec
         if max_batch < 1:
             raise MoekitError(f"max-batch must be at least 1, got {max_batch}")
@@ -267,6 +276,8 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
+        self.first_token_wait_s = first_token_wait_s
+        self._first_passed: list[threading.Event] = []  # of this step's first tokens (see _let_first_tokens_out)
 
     # ---- the client side (any thread) ----
 
@@ -404,12 +415,14 @@ class Scheduler:
         there was nothing to do."""
         started = time.perf_counter()
         self._run_between()
+        self._first_passed = []
         with torch.inference_mode():
             self._release()
             admitted = self._admit()
             self._release()  # a request can finish at its first token
             batch = len(self.rows)
             if batch:
+                self._let_first_tokens_out()
                 self._decode()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
@@ -691,6 +704,18 @@ class Scheduler:
         if running:
             self._advance(running, logits[-1:].expand(len(running), -1))
 
+    def _let_first_tokens_out(self) -> None:
+        """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
+        first tokens this step's prefills made have passed them on (their `first_passed` events)."""
+        events, self._first_passed = self._first_passed, []
+        if not events or self.first_token_wait_s <= 0:
+            return
+        deadline = time.perf_counter() + self.first_token_wait_s
+        for event in events:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not event.wait(left):
+                return
+
     def _decode(self) -> None:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
@@ -785,6 +810,8 @@ class Scheduler:
         row.tokens.append(token)
         if len(row.tokens) == 1:
             row.first_token_at = time.perf_counter()
+            if row.request.first_passed is not None:
+                self._first_passed.append(row.request.first_passed)
         if logprob is not None and row.request.on_logprob is not None:
             row.request.on_logprob(logprob)
         if row.request.on_token is not None:

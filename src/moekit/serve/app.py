@@ -42,6 +42,10 @@ from moekit.serve.validation import read_body
 from moekit.serve.tokenizer_routes import register_tokenizer_routes
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+# How long at most the decode step after a prefill waits for the event loop to write the first tokens'
+# frames (moekit.engine.scheduler's first_token_wait_s): the loop's share of a token is ~0.1-0.2 ms of CPU
+# (docs/BENCHMARKS.md), a first frame (response start, the reply's task) a few times that.
+FIRST_FRAME_WAIT_S = 0.001
 
 
 @dataclass
@@ -68,6 +72,7 @@ class ServeConfig:
     sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
     backend: Optional[object] = None  # loads and steps the engine elsewhere (moekit.serve.sharded: over ranks)
     progress: Optional[Callable[[str], None]] = None  # told what the compiled step's warm-up does, and its time
+    first_frame_wait_s: float = FIRST_FRAME_WAIT_S  # 0: the decode after a first token never waits for its frame
 
 
 @dataclass
@@ -154,6 +159,7 @@ class ServerState:
             store=engine.store,
             on_step=self._step_done,
             prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,
+            first_token_wait_s=cfg.first_frame_wait_s,
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
@@ -496,6 +502,8 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
     dispatcher = state.dispatcher_for(asyncio.get_running_loop())
     for index, request in enumerate(requests):
         _wire(request, index, exchange, dispatcher)
+        if body.stream:  # its first frame goes out before the next decode step takes the cores (_Reply.events)
+            request.first_passed = threading.Event()
     canary = on_canary(state.scheduler.canary, http.headers.get(CANARY_HEADER))
     for request in requests:
         _place(state, request)
@@ -746,11 +754,19 @@ class _Reply:
         return choice.request.logprobs is None and not self.body.continuous_usage
 
     def _mark_first_sent(self) -> None:
-        """After a write: each choice whose first token's frame was in it has been sent now."""
+        """After a write: each choice whose first token's frame was in it has been sent now (and the
+        engine thread, waiting for that before its next decode step, goes on)."""
         now = time.perf_counter()
         for choice in self.choices:
             if choice.first_sent is None and choice.token_ids:
                 choice.first_sent = now
+                choice.request.first_passed.set()
+
+    def _release_engine(self) -> None:
+        """The stream has ended: the engine thread waits for none of its first frames any more."""
+        for choice in self.choices:
+            if choice.request.first_passed is not None:
+                choice.request.first_passed.set()
 
     async def events(self, first: list):
         """The SSE stream: every item taken at once is written at once (one write, several frames)."""
@@ -802,5 +818,6 @@ class _Reply:
                     self._mark_first_sent()
                 items = await self.exchange.box.take(loop)
         finally:
+            self._release_engine()
             if not finished:  # the client went away mid-stream
                 self.abandon()

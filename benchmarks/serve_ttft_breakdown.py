@@ -104,7 +104,8 @@ def tree_commands(trees: list[str], setup: ServeSetup, workload: Workload, flags
     """Each --tree NAME=SRC (none: this process's moekit, named "moekit") → a port → its `moekit serve` command."""
     commands = []
     for name, src in [tuple(t.split("=", 1)) for t in trees] or [("moekit", "")]:
-        env = {"PYTHONPATH": os.path.abspath(src)} if src else {}
+        # SRC may list folders (os.pathsep between): a tree with packages installed apart, e.g. src:/tmp/deps.
+        env = {"PYTHONPATH": os.pathsep.join(os.path.abspath(p) for p in src.split(os.pathsep))} if src else {}
         # A cold start compiles the step's graphs: at a high load that is past the usual 600 s.
         commands.append(lambda port, n=name, e=env: replace(moekit_command(setup, workload, flags, port), name=n, env=e,
                                                             ready_timeout_s=3600.0))

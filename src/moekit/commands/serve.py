@@ -264,21 +264,27 @@ def _run_server(config, sock, host, port, grace, log_level, max_batch, dtype, fo
     import uvicorn
 
     from moekit.serve.app import create_app
+    from moekit.serve.http_stack import http_stack
 
     bound = sock.getsockname()
+    stack = http_stack()  # uvloop + httptools; asyncio / h11 where one is missing, with a note
 
     def ready(state) -> None:
         for note in state.engine.notes:
             typer.echo(f"note: {note}", err=True)
         typer.echo(
             f"serving {config.model_name!r} on http://{bound[0]}:{bound[1]}/v1 "
-            f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype}, {state.threads} torch threads)",
+            f"(max batch {max_batch}, context {state.scheduler.max_len}, {dtype}, {state.threads} torch threads, "
+            f"{stack.loop} + {stack.http})",
             err=True,
         )
 
     app = create_app(config, on_ready=ready)
+    for note in stack.notes:
+        typer.echo(f"note: {note}", err=True)
     server = _graceful_server(
-        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False)
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=grace, access_log=False,
+                       loop=stack.loop, http=stack.http)
     )
     state = app.state.moekit
     state.on_fatal = lambda message: setattr(server, "should_exit", True)

@@ -205,6 +205,23 @@ def test_a_steps_routing_may_change_from_one_step_to_the_next(engines):
     assert compiled.decoder.seat.policy is None
 
 
+def test_a_decoder_may_trace_more_graphs_than_dynamos_default_limit(engines):
+    """One decoder's steps make many graphs (batch 1 and a batch, per-row Ks, policies, router
+    health, prefills): Dynamo's default of 8 recompiles per code object would run the ninth eagerly
+    (found by the whole suite, where one test module's decoder steps through all of them). While the
+    step traces, the limit is GRAPHS_PER_STEP; outside it is Dynamo's own."""
+    from moekit.model.compiled_step import GRAPHS_PER_STEP
+
+    _, compiled = engines("qwen3_moe")
+    step = compiled.decoder.compiled
+    seen = []
+    outside = torch._dynamo.config.recompile_limit
+    assert step._run(("no such routing",), (), (), lambda small: None, 3,
+                     lambda: seen.append(torch._dynamo.config.recompile_limit) or ()) == []
+    assert seen == [GRAPHS_PER_STEP] and GRAPHS_PER_STEP > 8
+    assert torch._dynamo.config.recompile_limit == outside
+
+
 @pytest.mark.parametrize("family", ("qwen3_moe", "llama4_text"))
 def test_per_row_k_runs_compiled_and_matches_eager(engines, family):
     """Expert-budget tiers' per-row K (route_rows) in the compiled step: each row routed by the

@@ -125,6 +125,11 @@ def _mark_prefill(small) -> None:
         mark(t, 1)
 
 
+# Graphs Dynamo may trace from one decoder's copy of decode_step (or prefill_step) before it stops
+# compiling and runs the function eagerly (its recompile_limit, 8 by default, counts per code object):
+# batch 1 and larger batches, each StepRouting (per-row Ks, a policy's width, router health) and the
+# cache forms make more than 8 on a server with tiers and policies, and the ninth would run eagerly.
+GRAPHS_PER_STEP = 64
 PREFILL = "prefill"  # the first field of a prefill graph's key (CompiledStep._graphs, saved records' routing)
 
 
@@ -430,7 +435,8 @@ class CompiledStep:
                     mark(small)
                     self._tracing = (inputs, key, outputs)
                     try:
-                        return list(trace())
+                        with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_STEP):
+                            return list(trace())
                     finally:
                         self._tracing = None
         self.direct_steps += 1

@@ -297,60 +297,39 @@ def test_with_rows_running_an_arrival_during_a_prefill_waits_for_the_next_step(t
         assert outcomes[i].token_ids == alone(engine, list(request.prompt), request.max_new_tokens)
 
 
-
-def _passing_on(seen: list, passed, delay_s: float = 0.02):
-    """A client that passes each token on a moment later, from another thread (as the event loop
-    writes its frame), recording tokens and passes in `seen` → its on_token."""
+def test_the_decode_after_a_first_token_waits_until_its_client_has_passed_it_on(tiny_checkpoints):
+    """A server's event loop writes a first token's frame before the next decode step starts
+    (Request.first_passed, Scheduler first_token_wait_s); the tokens stay the lone ones."""
     import threading
 
-    def pass_on(token: int) -> None:
-        threading.Event().wait(delay_s)
-        seen.append(("passed", token))
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    seen: list = []
+    passed = threading.Event()
+
+    def pass_on_later() -> None:  # the event loop, writing the frame while the engine thread waits
+        threading.Event().wait(0.05)
+        seen.append("passed")
         passed.set()
 
     def on_token(token: int) -> None:
         seen.append(token)
-        threading.Thread(target=pass_on, args=(token,)).start()
+        if len(seen) == 1:
+            threading.Thread(target=pass_on_later).start()
 
-    return on_token
-
-
-def test_the_decode_after_a_first_token_waits_until_its_client_has_passed_it_on(tiny_checkpoints):
-    """A server's event loop writes a first token's frame before the next forward takes the cores
-    (Request.passed, Scheduler first_token_wait_s); the tokens stay the lone ones."""
-    import threading
-
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
-    seen: list = []
-    passed = threading.Event()
     scheduler = Scheduler(engine.decoder, max_batch=2, first_token_wait_s=60.0)
-    request = Request(prompt=PROMPTS[0], max_new_tokens=3, on_token=_passing_on(seen, passed), passed=passed)
+    request = Request(prompt=PROMPTS[0], max_new_tokens=3, on_token=on_token, first_passed=passed)
     [outcome] = generate_batch(scheduler, [request])
     lone = alone(engine, PROMPTS[0], 3)
-    assert seen[:3] == [lone[0], ("passed", lone[0]), lone[1]]  # later tokens are not waited for
+    assert seen == [lone[0], "passed", *lone[1:]]
     assert outcome.token_ids == lone
 
 
-def test_with_a_token_wait_each_forward_waits_for_the_tokens_before_it_to_be_passed_on(tiny_checkpoints):
+def test_a_first_token_nobody_passes_on_holds_the_decode_only_for_the_wait(tiny_checkpoints):
     import threading
 
     engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
-    seen: list = []
-    passed = threading.Event()
-    scheduler = Scheduler(engine.decoder, max_batch=2, first_token_wait_s=60.0, token_wait_s=60.0)
-    request = Request(prompt=PROMPTS[0], max_new_tokens=4, on_token=_passing_on(seen, passed), passed=passed)
-    [outcome] = generate_batch(scheduler, [request])
-    lone = alone(engine, PROMPTS[0], 4)
-    assert seen == [item for token in lone for item in (token, ("passed", token))]
-    assert outcome.token_ids == lone
-
-
-def test_tokens_nobody_passes_on_hold_the_forward_only_for_the_wait(tiny_checkpoints):
-    import threading
-
-    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
-    scheduler = Scheduler(engine.decoder, max_batch=2, first_token_wait_s=0.01, token_wait_s=0.01)
-    requests = [Request(prompt=p, max_new_tokens=4, passed=threading.Event()) for p in PROMPTS[:2]]
+    scheduler = Scheduler(engine.decoder, max_batch=2, first_token_wait_s=0.01)
+    requests = [Request(prompt=p, max_new_tokens=4, first_passed=threading.Event()) for p in PROMPTS[:2]]
     outcomes = generate_batch(scheduler, requests)
     for prompt, outcome in zip(PROMPTS[:2], outcomes):
         assert outcome.token_ids == alone(engine, prompt, 4)

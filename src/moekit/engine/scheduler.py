@@ -138,10 +138,9 @@ class Request:
     on_logprob: Optional[Callable[[TokenLogprob], None]] = None  # called just before on_token
     prompt_logprobs: Optional[int] = None  # the prompt's tokens' logprobs (echo), this many top ones
     on_prompt_logprobs: Optional[Callable[[list], None]] = None  # once, after the prefill
-    # Set by the client once it has passed on every token it was handed (a server: their frames written). The
-    # scheduler clears it as it hands one over and waits for it, briefly, before its next step's forward
-    # (Scheduler's first_token_wait_s, token_wait_s). None: never waited for.
-    passed: Optional[threading.Event] = None
+    # Set by the client once it has passed the first token on (a server: its frame written); the decode step
+    # after the one that made it waits for that, briefly (Scheduler's first_token_wait_s). None: no wait.
+    first_passed: Optional[threading.Event] = None
     cancelled: bool = False  # set by Scheduler.cancel; the row leaves at the next step
     submitted_at: float = 0.0
     priority: int = 0  # within its tier, lower is admitted first (vLLM's convention)
@@ -217,7 +216,6 @@ class Scheduler:
         prefill_tokens: int = 2048,
         prefix_cache: Optional[PrefixCache] = None,
         first_token_wait_s: float = 0.0,
-        token_wait_s: float = 0.0,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
         bytes_per_param, expert_bytes, dense_saving: what the usage meter counts a weight and each
@@ -230,12 +228,11 @@ class Scheduler:
         prompt longer than this is prefilled in chunks of this many tokens, one per step, between
         the running rows' decode steps (chunked prefill).
         prefix_cache: where prompt prefixes' KV is kept across requests (None: none is).
-        first_token_wait_s, token_wait_s: how long at most the next forward (the step's decode after its
-        prefills, or the next step) waits, in all, for the `passed` events of the requests just handed
-        their first token, or a later one (0: it does not wait for them). A server's event loop then
-        writes their frames while this thread sleeps, instead of while the forward's threads hold every
-        core: the loop's work costs the forward its own time, not a preempted thread that stalls the
-        rest of the team at its next barrier."""
+        first_token_wait_s: after a step's prefills gave requests their first tokens, how long at most
+        its decode waits for those requests' `first_passed` events (all of them together). A server's
+        event loop writes a first token's frame while this thread sleeps, instead of while the decode's
+        threads hold every core (two here): the first token's way out is part of its TTFT, the decode's
+        delay is the loop's own work, done either way."""
         spec = decoder.spec
         if max_batch < 1:
             raise MoekitError(f"max-batch must be at least 1, got {max_batch}")
@@ -280,9 +277,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
         self.first_token_wait_s = first_token_wait_s
-        self.token_wait_s = token_wait_s
-        self._handed: list[threading.Event] = []  # `passed` of the requests handed a token since the last forward
-        self._handed_wait = 0.0  # how long the next forward waits for them (see _let_tokens_out)
+        self._first_passed: list[threading.Event] = []  # of this step's first tokens (see _let_first_tokens_out)
 
     # ---- the client side (any thread) ----
 
@@ -420,14 +415,14 @@ class Scheduler:
         there was nothing to do."""
         started = time.perf_counter()
         self._run_between()
-        self._let_tokens_out()  # the last step's tokens, before this step's prefill or decode
+        self._first_passed = []
         with torch.inference_mode():
             self._release()
             admitted = self._admit()
             self._release()  # a request can finish at its first token
             batch = len(self.rows)
             if batch:
-                self._let_tokens_out()  # the first tokens its prefills made
+                self._let_first_tokens_out()
                 self._decode()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
@@ -709,15 +704,13 @@ class Scheduler:
         if running:
             self._advance(running, logits[-1:].expand(len(running), -1))
 
-    def _let_tokens_out(self) -> None:
-        """Before a forward: wait, at most first_token_wait_s or token_wait_s in all (the longer of
-        those the tokens handed since the last forward ask for), until their clients have passed them
-        on (the requests' `passed` events)."""
-        events, wait = self._handed, self._handed_wait
-        self._handed, self._handed_wait = [], 0.0
-        if not events:
+    def _let_first_tokens_out(self) -> None:
+        """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
+        first tokens this step's prefills made have passed them on (their `first_passed` events)."""
+        events, self._first_passed = self._first_passed, []
+        if not events or self.first_token_wait_s <= 0:
             return
-        deadline = time.perf_counter() + wait
+        deadline = time.perf_counter() + self.first_token_wait_s
         for event in events:
             left = deadline - time.perf_counter()
             if left <= 0 or not event.wait(left):
@@ -815,14 +808,10 @@ class Scheduler:
     def _accept(self, row: _Row, token: int, logprob: Optional[TokenLogprob] = None) -> None:
         """Row's next token: tell the client, then decide whether the row has ended."""
         row.tokens.append(token)
-        first = len(row.tokens) == 1
-        if first:
+        if len(row.tokens) == 1:
             row.first_token_at = time.perf_counter()
-        wait = self.first_token_wait_s if first else self.token_wait_s
-        if row.request.passed is not None and wait > 0:
-            row.request.passed.clear()  # before the client hears of the token: set again once it has passed it on
-            self._handed.append(row.request.passed)
-            self._handed_wait = max(self._handed_wait, wait)
+            if row.request.first_passed is not None:
+                self._first_passed.append(row.request.first_passed)
         if logprob is not None and row.request.on_logprob is not None:
             row.request.on_logprob(logprob)
         if row.request.on_token is not None:

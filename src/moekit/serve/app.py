@@ -36,17 +36,16 @@ from moekit.serve.canary import HEADER as CANARY_HEADER, on_canary
 from moekit.serve.health import EntropyCollector, JitterMetrics
 from moekit.serve.sla import GoodputCollector, TierControl
 from moekit.serve.text import StopText
-from moekit.serve.threads import cores_taken, engine_threads, seat_http_thread
+from moekit.serve.threads import engine_threads, seat_http_thread
 from moekit.serve.tools import ToolStream, content_or_none, render_prompt
 from moekit.serve.validation import read_body
 from moekit.serve.tokenizer_routes import register_tokenizer_routes
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
-# How long at most the engine thread's next forward waits for the event loop to write the frames of the
-# tokens it just made (moekit.engine.scheduler's first_token_wait_s, token_wait_s): the loop's share of a
-# token is ~0.1-0.2 ms of CPU (docs/BENCHMARKS.md), a first frame (the response's start) a few times that.
+# How long at most the decode step after a prefill waits for the event loop to write the first tokens'
+# frames (moekit.engine.scheduler's first_token_wait_s): the loop's share of a token is ~0.1-0.2 ms of CPU
+# (docs/BENCHMARKS.md), a first frame (response start, the reply's task) a few times that.
 FIRST_FRAME_WAIT_S = 0.001
-FRAME_WAIT_S = 0.001
 
 
 @dataclass
@@ -73,10 +72,7 @@ class ServeConfig:
     sla_action: str = "reject"  # --sla-action: what a request over its tier's TTFT target gets
     backend: Optional[object] = None  # loads and steps the engine elsewhere (moekit.serve.sharded: over ranks)
     progress: Optional[Callable[[str], None]] = None  # told what the compiled step's warm-up does, and its time
-    first_frame_wait_s: float = FIRST_FRAME_WAIT_S  # 0: the forward after a first token never waits for its frame
-    # The same for later tokens, where the engine's threads take every core (moekit.serve.threads.cores_taken):
-    # with a core to spare the loop runs beside the forward, and waiting for it would only add its time.
-    frame_wait_s: float = FRAME_WAIT_S
+    first_frame_wait_s: float = FIRST_FRAME_WAIT_S  # 0: the decode after a first token never waits for its frame
 
 
 @dataclass
@@ -164,7 +160,6 @@ class ServerState:
             on_step=self._step_done,
             prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,
             first_token_wait_s=cfg.first_frame_wait_s,
-            token_wait_s=cfg.frame_wait_s if cores_taken(self.threads) else 0.0,
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine
@@ -507,8 +502,8 @@ async def _generate(http: HttpRequest, state: ServerState, body: Sampled, prompt
     dispatcher = state.dispatcher_for(asyncio.get_running_loop())
     for index, request in enumerate(requests):
         _wire(request, index, exchange, dispatcher)
-        if body.stream:  # its frames go out before the next forward takes the cores (_Reply.events)
-            request.passed = threading.Event()
+        if body.stream:  # its first frame goes out before the next decode step takes the cores (_Reply.events)
+            request.first_passed = threading.Event()
     canary = on_canary(state.scheduler.canary, http.headers.get(CANARY_HEADER))
     for request in requests:
         _place(state, request)
@@ -758,20 +753,20 @@ class _Reply:
         """Whether a token's chunk of this choice holds only its text and id (the template's form)."""
         return choice.request.logprobs is None and not self.body.continuous_usage
 
-    def _written(self) -> None:
-        """After a write: each choice whose first token's frame was in it has been sent now, and the
-        engine thread, which waits for its tokens' frames before its next forward, goes on."""
+    def _mark_first_sent(self) -> None:
+        """After a write: each choice whose first token's frame was in it has been sent now (and the
+        engine thread, waiting for that before its next decode step, goes on)."""
         now = time.perf_counter()
         for choice in self.choices:
             if choice.first_sent is None and choice.token_ids:
                 choice.first_sent = now
-            choice.request.passed.set()
+                choice.request.first_passed.set()
 
     def _release_engine(self) -> None:
-        """The stream has ended: the engine thread waits for none of its frames any more."""
+        """The stream has ended: the engine thread waits for none of its first frames any more."""
         for choice in self.choices:
-            if choice.request.passed is not None:
-                choice.request.passed.set()
+            if choice.request.first_passed is not None:
+                choice.request.first_passed.set()
 
     async def events(self, first: list):
         """The SSE stream: every item taken at once is written at once (one write, several frames)."""
@@ -799,7 +794,7 @@ class _Reply:
                     if kind == "finish" and frames and choice.first_sent is None and choice.token_ids:
                         yield "".join(frames)  # its first token's frame before its end: the stream stage is timed
                         frames = []
-                        self._written()
+                        self._mark_first_sent()
                     piece = self._take(item)
                     if kind == "token" and self._plain(choice) and (self.chat or not self.body.echo or index in echoed):
                         frames.append(self._token_frame(choice, piece, value))
@@ -820,7 +815,7 @@ class _Reply:
                 if frames:
                     yield "".join(frames)
                     frames = []
-                    self._written()
+                    self._mark_first_sent()
                 items = await self.exchange.box.take(loop)
         finally:
             self._release_engine()

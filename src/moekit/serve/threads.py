@@ -20,7 +20,6 @@ spins, as it would without the server.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Optional
 
@@ -38,13 +37,6 @@ def engine_threads(requested: Optional[int]) -> int:
     if requested:
         torch.set_num_threads(requested)
     return torch.get_num_threads()
-
-
-def cores_taken(threads: int) -> bool:
-    """Whether the engine's `threads` torch threads take every core this process may run on: the event
-    loop then runs on a core that one of them wants (moekit.serve.app's frame_wait_s)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return threads >= cores
 
 
 def seat_http_thread(stop: threading.Event, engine: int) -> threading.Thread:

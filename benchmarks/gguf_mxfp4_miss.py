@@ -12,7 +12,6 @@ Nothing here is imported by moekit.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import resource
 import statistics
@@ -27,12 +26,7 @@ from moekit.weights.gguf_checkpoint import open_gguf
 from moekit.weights.gguf_extents import store_manifest
 from moekit.weights.gguf_mxfp4 import hub_nibbles_
 
-
-def _other(path: str):
-    spec = importlib.util.spec_from_file_location("other_gguf_mxfp4", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.hub_nibbles_
+from gguf_mxfp4_nibbles import other_hub_nibbles
 
 
 def main() -> None:
@@ -47,7 +41,7 @@ def main() -> None:
     ckpt = getattr(ckpt, "inner", ckpt)
     manifest, _ = store_manifest(ckpt.gguf, ckpt.spec(), verify=False)
     keys = [(layer, e) for layer in (0, 1) for e in range(4)]
-    old_nibbles = _other(args.other)
+    old_nibbles = other_hub_nibbles(args.other)
     with ExpertReader(args.gguf, manifest, torch.bfloat16) as reader:
         slot = torch.zeros(reader.read_size(), dtype=torch.uint8)  # a slot, already backed
         for key in keys:  # the file's pages into the page cache; both ways give the same rows

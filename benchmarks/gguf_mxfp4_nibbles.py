@@ -29,7 +29,8 @@ from moekit.weights.gguf_mxfp4 import hub_nibbles_
 SHAPES = ((5760, 90 * 17), (2880, 90 * 17))
 
 
-def _other(path: str):
+def other_hub_nibbles(path: str):
+    """hub_nibbles_ of another gguf_mxfp4.py (e.g. an older commit's), loaded from its file."""
     spec = importlib.util.spec_from_file_location("other_gguf_mxfp4", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -45,7 +46,7 @@ def main() -> None:
     pin_mmap_threshold()  # as the expert store's process does (moekit.offload.attach): a miss's conditions
     rng = np.random.default_rng(0)
     experts = [torch.from_numpy(rng.integers(0, 256, size=s, dtype=np.uint8)) for s in SHAPES]
-    runs = {"other": _other(args.other), "this tree": hub_nibbles_}
+    runs = {"other": other_hub_nibbles(args.other), "this tree": hub_nibbles_}
     for x in experts:
         assert torch.equal(runs["other"](x.clone()), runs["this tree"](x.clone())), "the two give other bytes"
     print("uptime:", os.getloadavg())

@@ -21,7 +21,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -30,28 +29,7 @@ from moekit.engine.generate import generate
 from moekit.engine.loader import load_engine
 from moekit.model.cache import copy_row
 
-
-def call_counts(fn, inside_code) -> Counter:
-    """Python ("py") and C ("C") calls made while fn runs, split by whether inside_code is on the stack."""
-    counts: Counter = Counter()
-    depth = [0]
-
-    def profile(frame, event, arg):
-        if event == "call":
-            if frame.f_code is inside_code:
-                depth[0] += 1
-            counts["inside py" if depth[0] else "outside py"] += 1
-        elif event == "return" and frame.f_code is inside_code:
-            depth[0] -= 1
-        elif event == "c_call":
-            counts["inside C" if depth[0] else "outside C"] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return counts
+from served_step_cost import call_counts  # keys: "forward" / "forward C" inside the code, "outside" / "outside C"
 
 
 def stub_graphs(step) -> None:
@@ -108,15 +86,15 @@ def main() -> None:
         raise SystemExit("forward_rows and generate gave different tokens")
     steps = new - 1
     counts = call_counts(lambda: rows(steps), type(decoder).forward_rows.__code__)
-    print("forward_rows, calls per token: " + f"Python {counts['inside py'] / steps:.1f} / C {counts['inside C'] / steps:.1f}")
+    print("forward_rows, calls per token: " + f"Python {counts['forward'] / steps:.1f} / C {counts['forward C'] / steps:.1f}")
     # A decode step's share: a run of `new` tokens less a run of half as many (the prefill and set-up cancel).
     half = new // 2
     counts = call_counts(generated, type(decoder).forward.__code__)
     counts.subtract(call_counts(lambda: generated(half), type(decoder).forward.__code__))
     each = {k: v / (new - half) for k, v in counts.items()}
     print("generate's decode loop, calls per token: "
-          + f"Decoder.forward Python {each['inside py']:.1f} / C {each['inside C']:.1f}, "
-          + f"outside it Python {each['outside py']:.1f} / C {each['outside C']:.1f}")
+          + f"Decoder.forward Python {each['forward']:.1f} / C {each['forward C']:.1f}, "
+          + f"outside it Python {each['outside']:.1f} / C {each['outside C']:.1f}")
 
     # The wrapper's time is this thread's CPU time (time.thread_time): a loaded machine preempts the
     # thread, which wall time would count; on one thread, nothing of the step runs elsewhere. The

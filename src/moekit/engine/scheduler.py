@@ -707,7 +707,7 @@ class Scheduler:
     def _let_first_tokens_out(self) -> None:
         """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
         first tokens this step's prefills made have passed them on (their `first_passed` events)."""
-        events, self._first_passed = self._first_passed, []
+        events = self._first_passed  # emptied as each step starts
         if not events or self.first_token_wait_s <= 0:
             return
         deadline = time.perf_counter() + self.first_token_wait_s

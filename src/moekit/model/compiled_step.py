@@ -374,13 +374,8 @@ class CompiledStep:
         if top_k is not None:
             small += (top_k.clone(),)
         inputs = (*small[:4], cache.stack, *tables, *small[4:])
-        graph = self._recorded(routing, inputs)
-        if graph is not None:  # the common step: straight to the graph
-            self.direct_steps += 1
-            outputs = graph(inputs)
-        else:
-            outputs = self._run(routing, inputs, small, _mark_step, 4 if routing.entropy else 3,
-                                lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
+        outputs = self._run(routing, inputs, small, _mark_step, 4 if routing.entropy else 3,
+                            lambda: self._fn(self.decoder, *inputs[:7], top_k_of(inputs), routing))
         return outputs[0], outputs[1], outputs[2], outputs[3] if routing.entropy else None
 
     def prefill(self, ids, cache, positions, key_mask, routing: StepRouting = FAMILY,

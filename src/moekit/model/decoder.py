@@ -13,6 +13,7 @@ then lays every projection out for this device and dtype's fastest kernel (moeki
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -63,6 +64,7 @@ class StepRouting(NamedTuple):
 
 FAMILY = StepRouting()  # the family's routing at the model's K
 WATCHED = StepRouting(entropy=True)  # the same, router health watching (Decoder.entropy_watched)
+NOTHING_SEATED = nullcontext()  # a step without a policy holds no seat (nullcontext is reusable)
 
 
 class Block(nn.Module):
@@ -348,12 +350,9 @@ class Decoder(nn.Module):
         ks = None
         if top_k is not None and policy is None:
             ks = torch.tensor(top_k, dtype=torch.int64, device=self.device)  # [B]
-        if policy is None:  # nothing to seat: only a seated step (StepRouting.seated) reads the seat
+        # Nothing to seat without a policy: only a seated step (StepRouting.seated) reads the seat.
+        with NOTHING_SEATED if policy is None else self.seat.holding(policy):
             logits, chosen, weights, entropy = self._step_outputs(input_ids, cache, slot, positions, key_mask, ks, routing)
-        else:
-            with self.seat.holding(policy):
-                logits, chosen, weights, entropy = self._step_outputs(input_ids, cache, slot, positions, key_mask, ks,
-                                                                      routing)
         if decisions is not None:
             decisions.extend(step_decisions(self.moe_layers, chosen, weights, entropy))
         return logits[:, None, :]

@@ -16,7 +16,7 @@ class ColdCompile:
     root: Path  # the cache the step compiled under (its key's folder below it)
     step: object  # the CompiledStep that compiled
     said: list  # its warm-up's lines
-    written: list  # every file the compile wrote under step.cache_folder (test_compile_cache._generated)
+    written: list  # every file the compile wrote under root: its graphs and the kernels beside them (test_compile_cache._generated)
     logits: object  # its logits on test_compile_cache._step_logits' steps
 
 
@@ -36,5 +36,5 @@ def qwen3_compiled_cold(tiny_checkpoints, tmp_path_factory) -> ColdCompile:
     said: list = []
     step = CompiledStep(decoder, cpp_wrapper=False, cache=root)
     step.warm_up((1,), say=said.append)
-    written = _generated(step.cache_folder)
+    written = _generated(root)
     return ColdCompile(decoder, root, step, said, written, _step_logits(decoder, step))

@@ -2,15 +2,19 @@
 
 A second compile of the same decoder into the same folder must load what the first wrote (no new
 generated code) and give the same logits; the folder's key must tell apart what must not share
-compiled code: dtypes, weight forms, model shapes.
+compiled graphs: dtypes, weight forms, model shapes. The kernels Inductor generates are shared by
+the models under one cache: a kernel one model's compile built is another's, not built again.
 """
 
 from __future__ import annotations
 
+import shutil
+
+import pytest
 import torch
 
 from moekit.engine.loader import load_engine
-from moekit.model.compile_cache import is_cached, step_key
+from moekit.model.compile_cache import is_cached, kernels_folder, step_key
 from moekit.model.compiled_step import CompiledStep
 
 
@@ -35,29 +39,69 @@ def test_a_second_compile_loads_what_the_first_wrote(qwen3_compiled_cold):
     assert said[0].startswith("compiling the decode step (batch 1)") and str(first.cache_folder) in said[0], said
     assert said[1].endswith(" s")
     assert first.cache_folder.parent == cold.root and is_cached(first.cache_folder)
-    assert cold.written
+    assert cold.written and not _libraries(first.cache_folder)  # the kernels are in the shared folder
+    assert _libraries(kernels_folder(first.cache_folder))
 
     said = []
     second = CompiledStep(decoder, cpp_wrapper=False, cache=cold.root)
     assert second.cache_folder == first.cache_folder
     second.warm_up((1,), say=said.append)
     assert said[0].startswith("loading the compiled decode step (batch 1) from"), said
-    assert _generated(second.cache_folder) == cold.written  # loaded, not generated again
+    assert _generated(cold.root) == cold.written  # loaded, not generated again: graphs nor kernels
     torch.testing.assert_close(_step_logits(decoder, second), cold.logits, rtol=0, atol=0)
 
 
-def test_an_int8_decoders_graphs_are_saved_and_loaded_by_a_later_step(tiny_checkpoints, tmp_path):
+def _libraries(folder) -> dict:
+    """Every kernel library under folder, by path below it, with the time it was written."""
+    return {p.relative_to(folder): p.stat().st_mtime_ns for p in folder.rglob("*.so")}
+
+
+@pytest.fixture(scope="module")
+def int8_compiled_alone(tiny_checkpoints, tmp_path_factory):
+    """tiny qwen3_moe's int8 decoder, its batch-1 step compiled into an empty cache, and its logits."""
+    decoder = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8", compile=True).decoder
+    root = tmp_path_factory.mktemp("int8-alone")
+    first = CompiledStep(decoder, cpp_wrapper=False, cache=root)
+    first.warm_up((1,))
+    return decoder, first, _step_logits(decoder, first)
+
+
+def test_an_int8_decoders_graphs_are_saved_and_loaded_by_a_later_step(int8_compiled_alone):
     """Every tensor an int8 graph reads (its q8_0 expert stacks too) is one the decoder holds by
     name, so the graph is recorded, saved, and loaded by the next step without tracing it again."""
-    decoder = load_engine(tiny_checkpoints("qwen3_moe"), weights="int8", compile=True).decoder
-    first = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
-    first.warm_up((1,))
+    decoder, first, want = int8_compiled_alone
     assert first.graphs, "the int8 step was not recorded as a direct graph"
-    want = _step_logits(decoder, first)
-    second = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    second = CompiledStep(decoder, cpp_wrapper=False, cache=first.cache_folder.parent)
     second.warm_up((1,))
     assert second.loaded_graphs == 1
     torch.testing.assert_close(_step_logits(decoder, second), want, rtol=0, atol=0)
+
+
+def test_a_second_model_under_the_cache_builds_only_the_kernels_the_first_did_not(
+        qwen3_compiled_cold, int8_compiled_alone, tmp_path):
+    """The int8 decoder compiled where the fp32 one was (a copy of its cache): its graphs go in a
+    folder of its own and the fp32 one's stay as they were (a model never loads another's graph),
+    while the kernels the two graphs share (the norms, rope, routing around the products) are
+    loaded from the fp32 compile's, not built again: it builds only what it built alone less
+    those, and its logits are those of the int8 step compiled alone."""
+    cold = qwen3_compiled_cold
+    decoder, alone, want = int8_compiled_alone
+    shutil.copytree(cold.root, tmp_path, dirs_exist_ok=True)
+    fp32_folder = tmp_path / cold.step.cache_folder.name
+    fp32_graphs = _generated(fp32_folder)
+    built = _libraries(tmp_path)
+
+    step = CompiledStep(decoder, cpp_wrapper=False, cache=tmp_path)
+    step.warm_up((1,))
+    assert step.loaded_graphs == 0 and is_cached(step.cache_folder) and step.cache_folder != fp32_folder
+    assert _generated(fp32_folder) == fp32_graphs
+    libraries = _libraries(tmp_path)
+    assert {p.parts[0] for p in libraries} == {kernels_folder(step.cache_folder).name}  # none in a model's folder
+    assert {p: libraries[p] for p in built} == built  # none of the fp32 compile's built again
+    alone_names, built_names = {p.name for p in _libraries(alone.cache_folder.parent)}, {p.name for p in built}
+    assert alone_names & built_names, "the two graphs share no kernel: this test checks nothing"
+    assert {p.name for p in libraries} - built_names == alone_names - built_names
+    torch.testing.assert_close(_step_logits(decoder, step), want, rtol=0, atol=0)
 
 
 def test_the_key_tells_dtypes_weight_forms_and_shapes_apart(tiny_checkpoints):

@@ -10,6 +10,15 @@ model is one `rm -r` to clear; and the key isolates what must not be mixed, as t
 does (moekit.ops.build.build_key): torch's version, this CPU's feature flags, a hash of moekit's
 model and operator sources, and the decoder's shape, dtype and weight form (every tensor the step
 reads: name, dtype, size).
+
+What the key keeps apart is the graphs (the FX-graph and AOTAutograd caches, moekit's saved graphs):
+a model must never load another's. The code Inductor generates from them (C++ kernels, their
+libraries, the Python that calls them) is named by Inductor itself with a hash of its source and
+compiler command, and most of it (norms, rope, softmax, routing) is the same text in many models:
+tests/model/test_compiled_step.py's 18 model folders held 412 kernel libraries, 267 distinct. So
+that code goes in one folder beside the models', kernels-<the key without the model>, and a kernel
+another model built is loaded, not built again. Clearing a model is `rm -r` of its folder; the
+kernels folder is only ever read by name, so what it keeps of a removed model is never loaded.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import hashlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
+from unittest.mock import patch
 
 import torch
 
@@ -58,16 +68,28 @@ def weights_digest(decoder: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def step_key(decoder: torch.nn.Module, options: dict) -> str:
-    """The folder name of one decoder's compiled steps: torch's version, the CPU's capability and a
-    hash of its flags, a hash of moekit's sources (Python and C++) and of the decoder and Inductor's options."""
+def tree_key() -> str:
+    """What every compile on this machine and tree shares: torch's version, the CPU's capability and
+    a hash of its flags, a hash of moekit's sources (Python and C++)."""
     cpu = hashlib.sha256(" ".join(cpu_flags()).encode()).hexdigest()[:10]
     code = hashlib.sha256((python_digest() + sources_digest(CSRC)).encode()).hexdigest()[:12]
+    torch_version = torch.__version__.replace("+", "_")
+    return f"torch{torch_version}-{torch.backends.cpu.get_cpu_capability().lower()}-{cpu}-{code}"
+
+
+def step_key(decoder: torch.nn.Module, options: dict) -> str:
+    """The folder name of one decoder's compiled steps: tree_key and a hash of the decoder and
+    Inductor's options."""
     shown = repr(sorted((k, repr(v) if not isinstance(v, dict) else repr(sorted(map(str, v.values()))))
                         for k, v in options.items()))
     model = hashlib.sha256((weights_digest(decoder) + shown).encode()).hexdigest()[:12]
-    torch_version = torch.__version__.replace("+", "_")
-    return f"torch{torch_version}-{torch.backends.cpu.get_cpu_capability().lower()}-{cpu}-{code}-{model}"
+    return f"{tree_key()}-{model}"
+
+
+def kernels_folder(folder: Path) -> Path:
+    """Where the compiles of the model folder `folder` keep Inductor's generated code: one folder
+    beside it that every model under the same cache and tree_key shares (the module's docstring)."""
+    return folder.parent / f"kernels-{tree_key()}"
 
 
 def is_cached(folder: Path) -> bool:
@@ -79,9 +101,28 @@ def is_cached(folder: Path) -> bool:
 
 @contextmanager
 def compiling_into(folder: Path) -> Iterator[None]:
-    """Inductor's caches read and written in folder while the block runs (a compile)."""
+    """Inductor's graph caches read and written in folder while the block runs (a compile or a
+    load), and the code they generate in kernels_folder(folder)."""
     folder.mkdir(parents=True, exist_ok=True)
-    with inductor_cache_dir(str(folder)):
+    kernels = kernels_folder(folder)
+    kernels.mkdir(exist_ok=True)
+    with inductor_cache_dir(str(kernels)), graph_caches_in(folder):
+        yield
+
+
+@contextmanager
+def graph_caches_in(folder: Path) -> Iterator[None]:
+    """A context in which Inductor's FX-graph cache and AOTAutograd's are folder/fxgraph and
+    folder/aotautograd, wherever the rest of Inductor's cache is (inductor_cache_dir). Why private:
+    torch puts both under its one cache folder, with no setting of their own; each cache's
+    _get_tmp_dir is the one place that names it. Replace with: a public setting of torch.compile
+    for the graph caches' folder apart from the generated code's."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor.codecache import FxGraphCache
+
+    fxgraph, aotautograd = str(folder / "fxgraph"), str(folder / "aotautograd")
+    with patch.object(FxGraphCache, "_get_tmp_dir", staticmethod(lambda: fxgraph)), \
+            patch.object(AOTAutogradCache, "_get_tmp_dir", classmethod(lambda cls: aotautograd)):
         yield
 
 

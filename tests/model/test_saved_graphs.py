@@ -23,6 +23,7 @@ from test_compile_cache import _step_logits
 
 from moekit.engine.loader import load_engine
 from moekit.model import saved_graphs
+from moekit.model.compile_cache import compiling_into, kernels_folder
 from moekit.model.compiled_step import CompiledStep
 from moekit.model.direct_graph import named_held
 from moekit.weights.manifest import MANIFEST_NAME
@@ -63,9 +64,13 @@ def test_a_later_step_loads_the_saved_graph_instead_of_tracing(compiled_once, tm
     torch.testing.assert_close(_step_logits(decoder, None), want, rtol=0, atol=1e-4)  # the eager reference
 
 
-def test_another_process_runs_the_saved_graph_with_the_same_logits(tiny_checkpoints, tmp_path):
+def test_another_process_runs_the_saved_graph_with_the_same_logits(qwen3_compiled_cold, tiny_checkpoints, tmp_path):
     """Two fresh processes (as two `moekit run`s are): the first traces, compiles and saves; the
-    second loads what the first saved, runs no step through Dynamo, and gives the same logits."""
+    second loads what the first saved, runs no step through Dynamo, and gives the same logits.
+    The cache starts with the kernels of tests/model/conftest.py's cold compile and none of its
+    graphs (as after another model's compile): the first process compiles the graph, and builds no kernel."""
+    kernels = kernels_folder(qwen3_compiled_cold.step.cache_folder)
+    shutil.copytree(kernels, tmp_path / kernels.name)
     script = textwrap.dedent(f"""
         import sys, torch
         from pathlib import Path
@@ -91,6 +96,8 @@ def test_another_process_runs_the_saved_graph_with_the_same_logits(tiny_checkpoi
         assert done.returncode == 0, done.stderr[-2000:]
         said.append(done.stdout.split())
     assert said == [["loaded", "0", "direct", "1"], ["loaded", "1", "direct", "2"]], said
+    folders = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert folders == sorted([kernels.name, qwen3_compiled_cold.step.cache_folder.name])  # the same key as the cold compile
 
 
 def test_a_record_made_under_other_constants_is_not_used(compiled_once, tmp_path):
@@ -124,10 +131,11 @@ def test_a_held_tensor_that_differs_keeps_the_record_from_loading(compiled_once,
     [record] = saved_graphs.saved(first.cache_folder, first._constants)
     named = named_held(decoder)
     held = [row for row in record.sources if row[0] == "held"]
-    assert held and saved_graphs.load(record, named) is not None
-    name = held[0][1]
-    assert saved_graphs.load(record, {**named, name: named[name].t()}) is None  # another stride
-    assert saved_graphs.load(record, {k: v for k, v in named.items() if k != name}) is None  # missing
+    with compiling_into(first.cache_folder):  # as CompiledStep loads it: the kernels the compile built
+        assert held and saved_graphs.load(record, named) is not None
+        name = held[0][1]
+        assert saved_graphs.load(record, {**named, name: named[name].t()}) is None  # another stride
+        assert saved_graphs.load(record, {k: v for k, v in named.items() if k != name}) is None  # missing
 
 
 def test_a_graph_that_finds_process_objects_by_handle_is_not_saved():

@@ -15,7 +15,7 @@ What the key keeps apart is the graphs (the FX-graph and AOTAutograd caches, moe
 a model must never load another's. The code Inductor generates from them (C++ kernels, their
 libraries, the Python that calls them) is named by Inductor itself with a hash of its source and
 compiler command, and most of it (norms, rope, softmax, routing) is the same text in many models:
-tests/model/test_compiled_step.py's 18 model folders held 412 kernel libraries, 267 distinct. So
+tests/model/test_compiled_step.py's 18 model folders held 436 kernel libraries, 297 distinct. So
 that code goes in one folder beside the models', kernels-<the key without the model>, and a kernel
 another model built is loaded, not built again. Clearing a model is `rm -r` of its folder; the
 kernels folder is only ever read by name, so what it keeps of a removed model is never loaded.

@@ -333,3 +333,48 @@ def test_a_first_token_nobody_passes_on_holds_the_decode_only_for_the_wait(tiny_
     outcomes = generate_batch(scheduler, requests)
     for prompt, outcome in zip(PROMPTS[:2], outcomes):
         assert outcome.token_ids == alone(engine, prompt, 4)
+
+
+def test_every_token_and_end_is_handed_out_before_the_next_forward_or_the_idle_wait(tiny_checkpoints):
+    """on_items_out (a server's hand-off of the callbacks' items to its event loop) comes after each
+    token and each end, before the next decode's forward and before the scheduler goes idle; the
+    tokens stay the lone ones."""
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    seen: list = []
+    forward_rows = engine.decoder.forward_rows
+
+    def forward(*args, **kwargs):
+        seen.append("forward")
+        return forward_rows(*args, **kwargs)
+
+    engine.decoder.forward_rows = forward
+    prefill = engine.decoder.forward
+
+    def prefill_forward(*args, **kwargs):
+        seen.append("forward")
+        return prefill(*args, **kwargs)
+
+    engine.decoder.forward = prefill_forward  # nn.Module's call finds it: the prefills' forward
+    scheduler = Scheduler(engine.decoder, max_batch=2, on_items_out=lambda: seen.append("out"))
+    requests = [Request(prompt=p, max_new_tokens=n, on_token=lambda t: seen.append("token"))
+                for p, n in zip(PROMPTS[:2], (5, 3))]
+    outcomes = {}
+    for i, request in enumerate(requests):
+        request.on_finish = lambda outcome, i=i: (seen.append("finish"), outcomes.__setitem__(i, outcome))
+    scheduler.submit(requests[0])
+    scheduler.step(), scheduler.step()
+    scheduler.submit(requests[1])  # prefilled while the first row runs, its tokens pending
+    while scheduler.step_or_wait(idle_wait_s=0.0):
+        pass
+    assert seen.count("forward") >= 4 and seen.count("token") == 8 and seen.count("finish") == 2
+    pending = False
+    for event in seen:
+        if event in ("token", "finish"):
+            pending = True
+        elif event == "out":
+            pending = False
+        else:
+            assert not pending, seen  # a forward with items not yet handed out
+    assert not pending, seen  # and none left when the scheduler went idle
+    for i, (prompt, new) in enumerate(zip(PROMPTS[:2], (5, 3))):
+        assert outcomes[i].token_ids == alone(engine, prompt, new)

@@ -7,13 +7,14 @@ streams --requests completions of --tokens tokens from an 8-token id prompt, one
 stamps every socket read that holds SSE frames. The server's own parts are stamped by wrapping, on
 the loaded objects, the scheduler's step, the decoder's forward_rows, the compiled step's graph
 call (CompiledStep._run), the sampling, the token callback and the dispatcher's wake of the loop.
-Per generated token after the first (medians, µs):
+Per decode step (medians and p90, µs):
 
   step         one scheduler step, start to start (the engine's inter-token time)
   graph        the compiled graph's call (Inductor's kernels and moekit's operators)
   step python  forward_rows less the graph (the compiled step's Python)
   sample       the scheduler's sampling (greedy: the row argmax)
   scheduler    the step less forward_rows and sampling (admission, release, meter, callbacks)
+  between      one step's end to the next one's start (the run loop; a wait for the GIL)
   to wake      the token's callback on the engine thread → the loop runs the dispatcher's wake
   to client    the token's callback → the client's read that holds its frame (wake, the reply's
                task, the SSE frame, HTTP, the socket)
@@ -90,33 +91,47 @@ def thread_cpu_ns(tid: int) -> int:
 
 
 class Stamps:
-    """Wall-clock stamps (perf_counter seconds) of the server's parts, appended from whichever thread."""
+    """Per scheduler step: [start, end, forward_rows, graph, sampling] (perf_counter seconds, the
+    last three summed over the step's calls), then the engine thread's CPU seconds in the step, in
+    forward_rows, in the graph and in sampling (time.thread_time: not the time it waited for the GIL
+    or a core); the token callbacks' and the loop's wakes' times."""
 
     def __init__(self):
         self.on = False
-        self.steps: list[float] = []  # each step's start
-        self.forward: list[float] = []  # forward_rows' wall, per call
-        self.graph: list[float] = []
-        self.sample: list[float] = []
-        self.tokens: list[float] = []  # each token's callback
-        self.wakes: list[float] = []  # each run of the dispatcher's wake, on the loop
+        self.steps: list[list[float]] = []
+        self.tokens: list[float] = []  # each token's callback (engine thread)
+        self.wakes: list[float] = []  # each run of the dispatcher's wake (event loop)
 
-    def wrap(self, obj, name: str, into: list | None = None, starts: list | None = None) -> None:
-        fn = getattr(obj, name)
+    def wrap_step(self, obj) -> None:
+        fn = obj.step
 
-        def wrapper(*args, **kwargs):
+        def step(*args, **kwargs):
             if not self.on:
                 return fn(*args, **kwargs)
-            start = time.perf_counter()
-            if starts is not None:
-                starts.append(start)
+            record = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0, time.thread_time(), 0.0, 0.0, 0.0]
+            self.steps.append(record)
             try:
                 return fn(*args, **kwargs)
             finally:
-                if into is not None:
-                    into.append(time.perf_counter() - start)
+                record[1] = time.perf_counter()
+                record[5] = time.thread_time() - record[5]
 
-        setattr(obj, name, wrapper)
+        obj.step = step
+
+    def wrap_part(self, obj, name: str, index: int) -> None:
+        fn = getattr(obj, name)
+
+        def part(*args, **kwargs):
+            if not self.on or not self.steps:
+                return fn(*args, **kwargs)
+            record, start, cpu = self.steps[-1], time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                record[index] += time.perf_counter() - start
+                record[index + 4] += time.thread_time() - cpu
+
+        setattr(obj, name, part)
 
 
 def median_us(values) -> float:
@@ -142,11 +157,11 @@ def main() -> None:
 
     def ready(state) -> None:
         scheduler = state.scheduler
-        stamps.wrap(scheduler, "step", starts=stamps.steps)
-        stamps.wrap(scheduler, "_sample", into=stamps.sample)
-        stamps.wrap(scheduler.decoder, "forward_rows", into=stamps.forward)
+        stamps.wrap_step(scheduler)
+        stamps.wrap_part(scheduler.decoder, "forward_rows", 2)
         if scheduler.decoder.compiled is not None:
-            stamps.wrap(scheduler.decoder.compiled, "_run", into=stamps.graph)
+            stamps.wrap_part(scheduler.decoder.compiled, "_run", 3)
+        stamps.wrap_part(scheduler, "_sample", 4)
 
     flush = streaming.Dispatcher._flush
 
@@ -235,54 +250,56 @@ def llama_server(args) -> None:
     finally:
         server.terminate()
         server.wait()
-    gaps = []
-    for request in done["reads"]:
-        times = [t for t, n in request for _ in range(n)]
-        gaps += [b - a for a, b in zip(times[1:], times[2:])]  # after the first token's
-    per_token = [t["predicted_ms"] / 1e3 / max(t["predicted_n"], 1) for t in done["timings"]]
+    gaps, rests = [], []
+    for request, timings in zip(done["reads"], done["timings"]):
+        times = [t for t, n in request for _ in range(n)][:-1]  # the tokens' frames (the last: the finish)
+        gaps += [b - a for a, b in zip(times, times[1:])]
+        # Per request: the client's mean time a token after the first against the server's own eval.
+        own = timings["predicted_ms"] / 1e3 / max(timings["predicted_n"], 1)
+        rests.append((times[-1] - times[0]) / max(len(times) - 1, 1) - own)
     print(f"llama-server {args.checkpoint.name}, threads {args.threads}: client frame gap p50 "
-          f"{median_us(gaps):.1f} µs; its own eval per token {median_us(per_token):.1f} µs "
-          f"(the rest of a token: {median_us(gaps) - median_us(per_token):.1f} µs)")
+          f"{median_us(gaps):.1f} µs; per request, the client's mean gap less llama-server's own eval per "
+          f"token (timings.predicted_ms / predicted_n): median {median_us(rests):.1f} µs")
 
 
 def report(args, stack, stamps: Stamps, result: dict) -> None:
     reads = [read for request in result["reads"] for read in request]
     frames = sum(n for _, n in reads)
     tokens = stamps.tokens
-    steps = stamps.steps
-    gaps = [b - a for a, b in zip(steps, steps[1:]) if b - a < 0.5]  # not across requests' idle waits
-    forward = stamps.forward
-    graph = stamps.graph if stamps.graph else [0.0] * len(forward)
-    # Each token's callback → the client's read that held its frame: the reads in order, each
+    # Decode steps only (one forward_rows, no prefill): a step whose next one starts within 0.5 s.
+    steps = [(record, following[0]) for record, following in zip(stamps.steps, stamps.steps[1:])
+             if following[0] - record[0] < 0.5 and record[2] > 0]
+    has_graph = any(record[3] for record, _ in steps)
+    parts = {
+        "step, start to start": [nxt - r[0] for r, nxt in steps],
+        "graph (the compiled step's call)": [r[3] for r, _ in steps] if has_graph else [],
+        "step python (forward_rows less graph)": [r[2] - r[3] for r, _ in steps],
+        "sample": [r[4] for r, _ in steps],
+        "scheduler (the step less forward_rows, sample)": [r[1] - r[0] - r[2] - r[4] for r, _ in steps],
+        "  of which the engine thread's CPU": [r[5] - r[6] - r[8] for r, _ in steps],
+        "step python, the engine thread's CPU": [r[6] - r[7] for r, _ in steps],
+        "between steps (run loop, waits)": [nxt - r[1] for r, nxt in steps],
+    }
+    # The last frame of each request is its finish frame (no token); the reads in order, each
     # covering `n` frames, the tokens in order.
-    # The last frame of each request is its finish frame (no token).
     arrivals = [t for request in result["reads"] for t in [t for t, n in request for _ in range(n)][:-1]]
-    to_client = [a - t for t, a in zip(tokens, arrivals)] if len(arrivals) == len(tokens) else []
-    to_wake = []
-    wakes = stamps.wakes
-    j = 0
+    parts["token callback -> client read"] = ([a - t for t, a in zip(tokens, arrivals)]
+                                              if len(arrivals) == len(tokens) else [])
+    wakes, to_wake, j = stamps.wakes, [], 0
     for t in tokens:
         while j < len(wakes) and wakes[j] < t:
             j += 1
         if j < len(wakes):
             to_wake.append(wakes[j] - t)
+    parts["token callback -> loop wake"] = to_wake
     n = len(tokens)
-    step = median_us(gaps)
-    parts = {
-        "step (start to start)": step,
-        "graph": median_us(graph),
-        "step python (forward_rows less graph)": median_us([f - g for f, g in zip(forward, graph)]),
-        "sample": median_us(stamps.sample),
-        "scheduler (step less forward_rows, sample)": step - median_us(forward) - median_us(stamps.sample),
-        "token callback -> loop wake": median_us(to_wake),
-        "token callback -> client read": median_us(to_client),
-    }
     print(f"{args.checkpoint} {args.dtype}, threads {args.threads}, {stack.loop} + {stack.http}: "
-          f"{n} tokens ({frames} frames read by the client), {len(steps)} steps")
-    for name, value in parts.items():
-        print(f"  {name:45s} {value:8.1f} µs")
-    print(f"  loop wakes per token {len(wakes) / n:.2f}, client reads per token {len(reads) / n:.2f}")
-    print(f"  the event loop's CPU per token {result['cpu'] / n / 1e3:.1f} µs")
+          f"{n} tokens ({frames} frames read by the client), {len(steps)} decode steps; medians (p90) µs")
+    for name, values in parts.items():
+        p90 = sorted(values)[int(0.9 * (len(values) - 1))] * 1e6 if values else float("nan")
+        print(f"  {name:50s} {median_us(values):8.1f} ({p90:.0f})")
+    print(f"  loop wakes per token {len(wakes) / n:.2f}, client reads per token {len(reads) / n:.2f}, "
+          f"the event loop's CPU per token {result['cpu'] / n / 1e3:.1f} µs")
 
 
 if __name__ == "__main__":

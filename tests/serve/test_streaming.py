@@ -100,6 +100,8 @@ def test_the_held_threads_items_wait_for_its_post_and_other_threads_wake_the_loo
         engine_thread.start()
         dispatcher = Dispatcher(loop, held=engine_thread.ident)
         waiting = asyncio.ensure_future(box.take(loop))
+        while box.waiter is None:  # the reader waits before any item comes (else it takes them at once)
+            await asyncio.sleep(0)
         go.set()
         await asyncio.sleep(0.3)  # the puts are done by now; held, they have not woken the reader
         early = waiting.done()

@@ -80,44 +80,6 @@ def test_every_item_reaches_its_mailbox_in_order_across_threads():
         assert got == list(range(count))
 
 
-def test_the_held_threads_items_wait_for_its_post_and_other_threads_wake_the_loop_at_once():
-    """A server's engine thread (held) hands its items on at its scheduler's post, before the next
-    forward; an item another thread puts (a shutdown's abort) wakes the loop as it comes."""
-
-    async def main():
-        loop = asyncio.get_running_loop()
-        box, other = Mailbox(), Mailbox()
-        go, posting = threading.Event(), threading.Event()
-
-        def engine():
-            go.wait(60)
-            dispatcher.put(box, (0, "token", 1))
-            dispatcher.put(box, (0, "token", 2))
-            posting.wait(60)
-            dispatcher.post()
-
-        engine_thread = threading.Thread(target=engine)
-        engine_thread.start()
-        dispatcher = Dispatcher(loop, held=engine_thread.ident)
-        waiting = asyncio.ensure_future(box.take(loop))
-        while box.waiter is None:  # the reader waits before any item comes (else it takes them at once)
-            await asyncio.sleep(0)
-        go.set()
-        await asyncio.sleep(0.3)  # the puts are done by now; held, they have not woken the reader
-        early = waiting.done()
-        posting.set()
-        got = await asyncio.wait_for(waiting, timeout=60)
-        engine_thread.join()
-        threading.Thread(target=dispatcher.put, args=(other, (0, "finish", "outcome"))).start()
-        got_other = await asyncio.wait_for(other.take(loop), timeout=60)
-        return early, got, got_other
-
-    early, got, got_other = asyncio.run(main())
-    assert not early
-    assert got == [(0, "token", 1), (0, "token", 2)]
-    assert got_other == [(0, "finish", "outcome")]
-
-
 def test_an_abandoned_mailbox_hands_on_what_comes_later():
     async def main():
         loop = asyncio.get_running_loop()

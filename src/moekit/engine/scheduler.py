@@ -216,7 +216,6 @@ class Scheduler:
         prefill_tokens: int = 2048,
         prefix_cache: Optional[PrefixCache] = None,
         first_token_wait_s: float = 0.0,
-        on_items_out: Optional[Callable[[], None]] = None,
     ):
         """max_len: slots per row (prompt + generated), at most the model's context.
         bytes_per_param, expert_bytes, dense_saving: what the usage meter counts a weight and each
@@ -233,13 +232,7 @@ class Scheduler:
         its decode waits for those requests' `first_passed` events (all of them together). A server's
         event loop writes a first token's frame while this thread sleeps, instead of while the decode's
         threads hold every core (two here): the first token's way out is part of its TTFT, the decode's
-        delay is the loop's own work, done either way.
-        on_items_out: called on this thread right before each decode's forward and where a step ends
-        without one (and after abort_all): the points where a server that holds the requests'
-        callbacks' items (moekit.serve.streaming.Dispatcher) hands them to its clients. Handed on at
-        the token, the event loop's Python for it contends for the GIL with this thread's own Python
-        up to the graph (each small torch op lets the loop in); handed on here it runs while the
-        graph, which holds no GIL, does (docs/BENCHMARKS.md, "The bundled demo model served at c = 1")."""
+        delay is the loop's own work, done either way."""
         spec = decoder.spec
         if max_batch < 1:
             raise MoekitError(f"max-batch must be at least 1, got {max_batch}")
@@ -285,7 +278,6 @@ class Scheduler:
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
         self.first_token_wait_s = first_token_wait_s
         self._first_passed: list[threading.Event] = []  # of this step's first tokens (see _let_first_tokens_out)
-        self.on_items_out = on_items_out
 
     # ---- the client side (any thread) ----
 
@@ -343,8 +335,6 @@ class Scheduler:
         return [len(row.tokens) for row in self.rows]
 
     def _run_between(self) -> None:
-        if self._between:
-            self._items_out()  # what runs here (a weight swap) may take long
         while True:
             with self._lock:
                 if not self._between:
@@ -412,7 +402,6 @@ class Scheduler:
         for row in self.rows:
             row.finish, row.error = reason, message
         self._release()
-        self._items_out()
 
     # ---- the scheduler's own thread ----
 
@@ -429,16 +418,12 @@ class Scheduler:
         self._first_passed = []
         with torch.inference_mode():
             self._release()
-            if self._fill is not None or self.num_waiting:
-                self._items_out()  # before a prefill's forward too: the running rows' tokens wait for none
             admitted = self._admit()
             self._release()  # a request can finish at its first token
             batch = len(self.rows)
             if batch:
                 self._let_first_tokens_out()
                 self._decode()
-            else:
-                self._items_out()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
         return bool(batch or admitted or self.num_waiting or self._fill is not None)
@@ -725,16 +710,11 @@ class Scheduler:
         events = self._first_passed  # emptied as each step starts
         if not events or self.first_token_wait_s <= 0:
             return
-        self._items_out()  # the first tokens' items must reach the loop for it to pass them on
         deadline = time.perf_counter() + self.first_token_wait_s
         for event in events:
             left = deadline - time.perf_counter()
             if left <= 0 or not event.wait(left):
                 return
-
-    def _items_out(self) -> None:
-        if self.on_items_out is not None:
-            self.on_items_out()
 
     def _decode(self) -> None:
         n = len(self.rows)
@@ -743,7 +723,6 @@ class Scheduler:
         canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)]
         top_k, policy = self._routing(self.rows, skip=set(canary))
         decisions: list = []
-        self._items_out()
         try:
             logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
@@ -781,7 +760,6 @@ class Scheduler:
             lengths = torch.tensor([row.length], dtype=torch.int64, device=self.device)
             top_k, policy = self._routing([row])
             decisions: list = []
-            self._items_out()
             try:
                 with self._weights_for(row.request):
                     logits = self.decoder.forward_rows(ids, single, lengths, decisions, top_k, policy)

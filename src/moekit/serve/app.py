@@ -99,18 +99,8 @@ class ServerState:
     def dispatcher_for(self, loop) -> Dispatcher:
         """The dispatcher of the loop that serves (made on the first request it serves)."""
         if self.dispatcher is None or self.dispatcher.loop is not loop:
-            if self.dispatcher is not None:  # its replies may still run: their items now wake their loop at once
-                self.dispatcher.held = None
-                self.dispatcher.post()
-            # The engine thread's items wait for its scheduler's _items_out (see Dispatcher).
-            self.dispatcher = Dispatcher(loop, held=self.thread.ident if self.thread is not None else None)
+            self.dispatcher = Dispatcher(loop)
         return self.dispatcher
-
-    def _items_out(self) -> None:
-        """The scheduler's on_items_out (engine thread): the engine thread's items to the event loop."""
-        dispatcher = self.dispatcher
-        if dispatcher is not None:
-            dispatcher.post()
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._engine_thread, name="moekit-engine", daemon=True)
@@ -170,7 +160,6 @@ class ServerState:
             on_step=self._step_done,
             prefix_cache=PrefixCache(cfg.prefix_cache_bytes) if cfg.prefix_cache_bytes else None,
             first_token_wait_s=cfg.first_frame_wait_s,
-            on_items_out=self._items_out,
         )
         self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size, tuple(engine.eos_ids))
         self.engine = engine

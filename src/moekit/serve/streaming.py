@@ -23,7 +23,6 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring
-from threading import get_ident
 from typing import Callable, Optional
 
 TEXT_MARK = "\x00moekit-text\x00"  # placeholders no real chunk holds: json.dumps writes \u0000 for NUL
@@ -68,34 +67,20 @@ class Mailbox:
 
 
 class Dispatcher:
-    """Wakes the event loop once per burst of items, for every mailbox that got some.
+    """Wakes the event loop once per burst of items, for every mailbox that got some."""
 
-    held: the thread (threading.get_ident) whose items wait for `post` instead of waking the loop as
-    they come: the engine thread, whose scheduler posts right before each decode's forward
-    (moekit.engine.scheduler's on_items_out). The loop's Python for a token then runs while the
-    compiled graph runs without the GIL, not between the scheduler's own Python and the graph,
-    where each small torch op releases the GIL and the engine thread then waits for the loop's whole
-    turn. Items from any other thread (a shutdown's aborts) wake the loop at once."""
-
-    def __init__(self, loop, held: Optional[int] = None):
+    def __init__(self, loop):
         self.loop = loop
-        self.held = held
         self._dirty: deque = deque()
         self._armed = False
 
     def put(self, box: Mailbox, item: tuple) -> None:
-        """`item` into `box`; a wake of the loop unless one is on its way, or unless this is the
-        held thread (its items go at its next post)."""
+        """On the engine thread: `item` into `box`; a wake of the loop unless one is on its way.
+        The item goes in before the flag is read, so a flush that has already cleared the flag
+        either finds it or is followed by the wake this call posts."""
         box.items.append(item)
         self._dirty.append(box)
-        if self.held is None or get_ident() != self.held:
-            self.post()
-
-    def post(self) -> None:
-        """Any thread: a wake of the loop for the items put so far, unless one is on its way. The
-        items go in before the flag is read, so a flush that has already cleared the flag either
-        finds them or is followed by the wake this call posts."""
-        if self._dirty and not self._armed:
+        if not self._armed:
             self._armed = True
             try:
                 self.loop.call_soon_threadsafe(self._flush)

@@ -10,7 +10,8 @@ call (CompiledStep._run), the sampling, the token callback and the dispatcher's 
 Per decode step (medians and p90, µs):
 
   step         one scheduler step, start to start (the engine's inter-token time)
-  graph        the compiled graph's call (Inductor's kernels and moekit's operators)
+  graph        the compiled graph's call (Inductor's kernels and moekit's operators; with the
+               few µs of CompiledStep._run's lookup of the recorded graph)
   step python  forward_rows less the graph (the compiled step's Python)
   sample       the scheduler's sampling (greedy: the row argmax)
   scheduler    the step less forward_rows and sampling (admission, release, meter, callbacks)
@@ -19,7 +20,9 @@ Per decode step (medians and p90, µs):
   to client    the token's callback → the client's read that holds its frame (wake, the reply's
                task, the SSE frame, HTTP, the socket)
 
-and counts: loop wakes per token, client reads per token, and the event loop thread's CPU per token
+The scheduler's part and the step's Python are also given as the engine thread's CPU
+(time.thread_time): wall less CPU is time it waited, for the GIL or for a core. And counts: loop
+wakes per token, client reads per token, and the event loop thread's CPU per token
 (/proc/self/task/TID/schedstat).
 
   PYTHONPATH=src .venv/bin/python benchmarks/served_token_split.py models/moekit-demo --threads 2

@@ -99,8 +99,9 @@ class Stamps:
     forward_rows, in the graph and in sampling (time.thread_time: not the time it waited for the GIL
     or a core); the token callbacks' and the loop's wakes' times."""
 
-    def __init__(self):
+    def __init__(self, profile=None):
         self.on = False
+        self.profile = profile  # a cProfile.Profile run around each step, or None
         self.steps: list[list[float]] = []
         self.tokens: list[float] = []  # each token's callback (engine thread)
         self.wakes: list[float] = []  # each run of the dispatcher's wake (event loop)
@@ -113,9 +114,13 @@ class Stamps:
                 return fn(*args, **kwargs)
             record = [time.perf_counter(), 0.0, 0.0, 0.0, 0.0, time.thread_time(), 0.0, 0.0, 0.0]
             self.steps.append(record)
+            if self.profile is not None:
+                self.profile.enable()
             try:
                 return fn(*args, **kwargs)
             finally:
+                if self.profile is not None:
+                    self.profile.disable()
                 record[1] = time.perf_counter()
                 record[5] = time.thread_time() - record[5]
 
@@ -151,12 +156,16 @@ def main() -> None:
     parser.add_argument("--llama-server", action="store_true", help="the checkpoint is a GGUF: serve it with "
                         "llama-server (--llama-binary) instead: the client's frames against its own eval per token")
     parser.add_argument("--llama-binary", type=Path, default=Path("bench-out/llama.cpp/server-build/bin/llama-server"))
+    parser.add_argument("--profile", type=int, default=0, help="also cProfile the engine's steps and list this "
+                        "many functions by their own time (the parts' times then include the profiler's)")
     args = parser.parse_args()
     if args.llama_server:
         llama_server(args)
         return
 
-    stamps = Stamps()
+    import cProfile
+
+    stamps = Stamps(cProfile.Profile() if args.profile else None)
 
     def ready(state) -> None:
         scheduler = state.scheduler
@@ -224,6 +233,10 @@ def main() -> None:
     if "reads" not in result:
         raise SystemExit("the client got no tokens")
     report(args, stack, stamps, result)
+    if stamps.profile is not None:
+        import pstats
+
+        pstats.Stats(stamps.profile).sort_stats("tottime").print_stats(args.profile)
 
 
 def llama_server(args) -> None:

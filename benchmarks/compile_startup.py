@@ -2,8 +2,9 @@
 step, with torch's own compile-phase timers (Dynamo tracing, AOTAutograd, Inductor codegen and
 C++ compile, loading cached code) and its cache hit/miss counters. `--no-saved` traces with Dynamo
 even where an earlier process saved the graph (moekit.model.saved_graphs), for the A/B. Run it twice: the first run
-with the model's folder under ~/.cache/moekit/compile removed is "cold" (a fresh HOME would also
-rebuild moekit's operators, minutes more), the second "warm".
+with the model's folder under ~/.cache/moekit/compile removed has no graph of its own but still finds
+the kernels other models built (the kernels-* folder beside it, shared by every model): remove that
+too for "cold" (a fresh HOME would also rebuild moekit's operators, minutes more); the second run is "warm".
 
     PYTHONPATH=src .venv/bin/python benchmarks/compile_startup.py bench-out/ckpt/qwen3_moe-150m
 """

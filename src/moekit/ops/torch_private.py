@@ -71,8 +71,9 @@ def storage_use_count(t) -> int:
 
 def inductor_cache_dir(directory: str):
     """A context in which Inductor's on-disk caches (FX-graph, AOTAutograd, the C++ it compiles) are
-    in `directory`: moekit.model.compile_cache's own folder per model, not torch's default under
-    /tmp. Why private: torch has no public setting for it besides its environment variable, which
+    in `directory`: moekit.model.compile_cache's kernels folder, shared by every model of a build (it
+    sends the FX-graph and AOTAutograd caches back to each model's own folder), not torch's default
+    under /tmp. Why private: torch has no public setting for it besides its environment variable, which
     this sets for the block and restores. Replace with: a public cache-directory option of
     torch.compile."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir

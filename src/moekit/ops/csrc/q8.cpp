@@ -78,14 +78,22 @@ static Q16Rows q16_rows(const float* x, int64_t rows, int64_t nb) {
     return out;
 }
 
-// q8_0 rows do ~8 times the arithmetic per byte that fp32 rows do, and the hardware prefetcher
-// falls behind: a software prefetch 2 KB ahead, every other block, took a scratch 4-row q8_0 kernel
-// from 9-11 to 17-18 G weights/s on a 139 MB weight (Intel Xeon, 2 threads; 512 B: no gain, 4 KB:
-// 14). For fp32 / bf16 rows the same prefetch gained nothing here and lost on an AMD EPYC.
-static constexpr int64_t Q8_PREFETCH = 2048;
-static inline void q8_prefetch(const uint8_t* block) {
+// A one-row product takes LANES weight rows a step, block by block: LANES short streams (17 lines
+// each at 512 inputs) that the hardware prefetcher follows late (~4.2 ns a block from memory, 8 GB/s,
+// against ~1 ns a block in L2: memory-bound, not compute-bound). The LANES rows are one contiguous
+// run of bytes, so it is asked for as one stream instead: at block b of nb, the lines Q8_AHEAD bytes
+// past the run's b-th nb-th, into L2 (benchmarks/q8_block.cpp, one core of the Intel Xeon, 128 MB of
+// [*, 512] rows: 9.0 -> 12.2 GB/s, the same with both cores reading; 8 KB ahead: 11.7, 32 KB: 12.3;
+// into L1 at 8 KB: 10.4). The earlier form, 2 KB ahead along each row every other block, read 9.0.
+static constexpr int64_t Q8_AHEAD = 16384;
+// Lines [from, to) (not past stop: the bytes after a span belong to another thread or are not read).
+static inline void q8_prefetch(const uint8_t* from, const uint8_t* to, const uint8_t* stop) {
 #ifdef MK_AVX2
-    _mm_prefetch(reinterpret_cast<const char*>(block) + Q8_PREFETCH, _MM_HINT_T0);
+    const uint8_t* end = std::min(to, stop);
+    const auto line = reinterpret_cast<uintptr_t>(from) & ~uintptr_t(63);
+    for (const char* p = reinterpret_cast<const char*>(line); p < reinterpret_cast<const char*>(end); p += 64) _mm_prefetch(p, _MM_HINT_T1);
+#else
+    (void)from, (void)to, (void)stop;
 #endif
 }
 
@@ -187,16 +195,16 @@ static inline VF lane_scales(const uint8_t* w, int64_t row_bytes) {
 #endif
 
 #ifdef MK_WIDE
-// LANES consecutive weight rows (`row_bytes` apart) against one x row: out[0 .. LANES).
-static inline void rows_lanes(const uint8_t* w, int64_t row_bytes, Q16Row x, int64_t nb, float* out) {
+// LANES consecutive weight rows (`row_bytes` apart) against one x row: out[0 .. LANES). The bytes
+// Q8_AHEAD past them are prefetched, none from `stop` on.
+static inline void rows_lanes(const uint8_t* w, int64_t row_bytes, Q16Row x, int64_t nb, float* out, const uint8_t* stop) {
     VF acc = vzero();
     VI part[LANES];
+    const int64_t run = LANES * row_bytes;
     for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* blk = w + b * 34;
-        for (int i = 0; i < LANES; ++i) {
-            if ((b & 1) == 0) q8_prefetch(blk + i * row_bytes);
-            part[i] = block_lanes(blk + i * row_bytes + 2, x.q + b * 32);
-        }
+        q8_prefetch(w + Q8_AHEAD + run * b / nb, w + Q8_AHEAD + run * (b + 1) / nb, stop);
+        for (int i = 0; i < LANES; ++i) part[i] = block_lanes(blk + i * row_bytes + 2, x.q + b * 32);
         acc = vfma(tofloat(lane_sums(part)), fmul(lane_scales(blk, row_bytes), vset(x.s[b])), acc);
     }
     vstore(out, acc);
@@ -282,14 +290,15 @@ static std::vector<XLanes> lane_chunks(const Q16Row* xs, int64_t R, int64_t nb) 
 constexpr int64_t LANE_ROWS = 6;
 #else
 constexpr int LANES = 1;
-static inline void rows_lanes(const uint8_t* w, int64_t row_bytes, Q16Row x, int64_t nb, float* out) { out[0] = q8_dot(w, x, nb); }
+static inline void rows_lanes(const uint8_t* w, int64_t, Q16Row x, int64_t nb, float* out, const uint8_t*) { out[0] = q8_dot(w, x, nb); }
 #endif
 
 // Weight rows n0 .. n1 (`row_bytes` apart from w) against x rows xs[0 .. R): put(n, r, value).
-// Few x rows: each on its own, LANES weight rows at a time; many: x rows in the lanes.
+// Few x rows: each on its own, LANES weight rows at a time, prefetching none of the bytes from
+// `stop` on; many: x rows in the lanes.
 template <typename Put>
 static void q8_span(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, const Q16Row* xs, int64_t R, int64_t nb,
-                    const void* chunks, Put put) {
+                    const void* chunks, const uint8_t* stop, Put put) {
 #ifdef MK_WIDE
     if (R >= LANE_ROWS) {
         std::vector<const uint8_t*> rows(n1 - n0);
@@ -303,7 +312,7 @@ static void q8_span(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1,
     for (int64_t r = 0; r < R; ++r) {
         int64_t n = n0;
         for (; n + LANES <= n1; n += LANES) {
-            rows_lanes(w + n * row_bytes, row_bytes, xs[r], nb, out);
+            rows_lanes(w + n * row_bytes, row_bytes, xs[r], nb, out, stop);
             for (int i = 0; i < LANES; ++i) put(n + i, r, out[i]);
         }
         for (; n < n1; ++n) put(n, r, q8_dot(w + n * row_bytes, xs[r], nb));
@@ -334,7 +343,8 @@ torch::Tensor rows_q8(torch::Tensor x, torch::Tensor w, bool grouped) {
     const int64_t unit = std::max<int64_t>(LANES, 4), units = (N + unit - 1) / unit;
     const int64_t grain = std::max<int64_t>(1, MIN_THREAD_BYTES / std::max<int64_t>(1, unit * row_bytes * std::max<int64_t>(1, M / 16)));
     at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-        q8_span(wp, row_bytes, begin * unit, std::min(N, end * unit), xs.data(), M, nb, lanes,
+        const int64_t n1 = std::min(N, end * unit);
+        q8_span(wp, row_bytes, begin * unit, n1, xs.data(), M, nb, lanes, wp + n1 * row_bytes,
                 [&](int64_t n, int64_t m, float v) { yp[m * N + n] = v; });
     });
     return y.finish();
@@ -367,7 +377,9 @@ torch::Tensor experts_q8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, bo
         for (int64_t i = begin; i < end; ++i) {
             const int64_t e = items[i] / blocks, blk = items[i] % blocks;
             const int64_t j0 = first[e], R = first[e + 1] - j0;
+            // The prefetch runs on through the expert's next rows (the thread's next item, mostly).
             q8_span(wp + e * N * row_bytes, row_bytes, blk * 16, std::min(N, (blk + 1) * 16), xs.data() + j0, R, nb, &lanes[e],
+                    wp + (e + 1) * N * row_bytes,
                     [&](int64_t n, int64_t r, float v) { yp[order[j0 + r] * N + n] = v; });
         }
     });

@@ -31,10 +31,10 @@ struct Bench {
 
 extern "C" {
 
-// type: 0 f32, 1 q8_0. experts 0: a weight [N, K] times x [K]; else a stack [experts, N, K] of which
+// type: 0 f32, 1 q8_0, 2 bf16. experts 0: a weight [N, K] times x [K]; else a stack [experts, N, K] of which
 // x's one row chooses `chosen` distinct experts (mul_mat_id). Returns null where the context fails.
 void* bench_new(int type, long long N, long long K, long long experts, long long chosen, int threads, long long bytes) {
-    const ggml_type t = type == 1 ? GGML_TYPE_Q8_0 : GGML_TYPE_F32;
+    const ggml_type t = type == 1 ? GGML_TYPE_Q8_0 : type == 2 ? GGML_TYPE_BF16 : GGML_TYPE_F32;
     const long long stack = std::max(experts, 1LL);
     const size_t wbytes = ggml_row_size(t, K) * N * stack, read = ggml_row_size(t, K) * N * (experts ? chosen : 1);
     auto* b = new Bench;
@@ -48,6 +48,7 @@ void* bench_new(int type, long long N, long long K, long long experts, long long
     for (auto& v : src) v = normal(gen);
     std::vector<uint8_t> packed(wbytes);
     if (t == GGML_TYPE_Q8_0) ggml_quantize_chunk(t, src.data(), packed.data(), 0, N * stack, K, nullptr);
+    else if (t == GGML_TYPE_BF16) ggml_fp32_to_bf16_row(src.data(), (ggml_bf16_t*)packed.data(), N * stack * K);
     else std::memcpy(packed.data(), src.data(), wbytes);
     ggml_tensor* x = ggml_new_tensor_3d(b->ctx, GGML_TYPE_F32, K, 1, 1);
     for (long long k = 0; k < K; ++k) ((float*)x->data)[k] = normal(gen);

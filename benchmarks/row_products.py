@@ -9,6 +9,7 @@ calling thread's CPU time, which a loaded machine's waits for a core do not infl
 
     PYTHONPATH=src .venv/bin/python benchmarks/row_products.py --kinds float32,q8_0 --threads 1 --clock cpu
     PYTHONPATH=src .venv/bin/python benchmarks/row_products.py --against /tmp/base/src/moekit/ops/csrc
+    PYTHONPATH=src .venv/bin/python benchmarks/row_products.py --kinds bfloat16,tiles --shapes oss_head,oss_qkv,oss_o --bytes 1200000000
 
 --against CSRC times the same operators built from another version of csrc/ beside this tree's
 (this tree's as the namespace rows_this, the other's as its native build, found in the cache where
@@ -34,6 +35,7 @@ import torch
 
 from moekit.ops import build as builds
 from moekit.ops.q8_0 import quantize_q8_0
+from moekit.ops.tiles import to_tiles
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -51,7 +53,11 @@ class Shape:
 
 
 SHAPES = (Shape("head", 32000, 512), Shape("qkv", 1024, 512), Shape("o", 512, 512),
-          Shape("gate_up", 512, 512, EXPERTS), Shape("down", 512, 256, EXPERTS))
+          Shape("gate_up", 512, 512, EXPERTS), Shape("down", 512, 256, EXPERTS),
+          # gpt-oss-20b's bf16 ones (not run unless named in --shapes): lm_head, fused qkv, o
+          Shape("oss_head", 201088, 2880), Shape("oss_qkv", 5120, 2880), Shape("oss_o", 2880, 4096))
+DEFAULT_SHAPES = "head,qkv,o,gate_up,down"
+GGML_TYPES = {"float32": 0, "q8_0": 1, "bfloat16": 2, "tiles": 2}  # tiles: bf16 in moekit's tiles layout (ggml's is plain bf16)
 
 
 def ggml_library() -> ctypes.CDLL:
@@ -80,14 +86,20 @@ def moekit_side(ops, kind: str, shape: Shape, total: int):
     """(one pass, copies, bytes a product reads, one call): one operator call per distinct copy."""
     gen = torch.Generator().manual_seed(1)
     w = torch.randn(*((shape.experts,) if shape.experts else ()), shape.out, shape.width, generator=gen)
+    x = torch.randn(1, shape.width, generator=gen)
     if kind == "q8_0":
         w = quantize_q8_0(w.reshape(-1, shape.width)).reshape(*w.shape[:-1], -1)
+    elif kind in ("bfloat16", "tiles"):  # a bf16 engine's step: bf16 x too (multiplied as bf16 pairs where the CPU can)
+        w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+        if kind == "tiles":
+            w = to_tiles(w)
     copies = [w] + [w.clone() for _ in range(max(0, total // (w.nbytes // shape.experts * CHOSEN if shape.experts else w.nbytes) - 1))]
-    x = torch.randn(1, shape.width, generator=gen)
     # Copy i's call chooses experts i, i + 8, i + 16, i + 24 (mod 32): over the copies a pass reads
     # every expert of a stack, not the same four of each (those few would stay in the last-level cache).
     ids = [(torch.arange(CHOSEN)[None] * (EXPERTS // CHOSEN) + i) % EXPERTS for i in range(len(copies))]
     rows, experts = (ops.rows_q8, ops.experts_q8) if kind == "q8_0" else (ops.rows_gemv, ops.experts_gemv)
+    if kind == "tiles":
+        rows, experts = (lambda x1, c, _: ops.rows_tiles(x1, c)), (lambda x1, c, i, _: ops.experts_tiles(x1, c, i))
     if shape.experts:
         call = lambda c, i: experts(x[:, None], c, ids[i], True)  # noqa: E731
         read = w[0].nbytes * CHOSEN
@@ -106,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kinds", default="float32,q8_0")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--shapes", default=",".join(s.name for s in SHAPES))
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help=f"of {','.join(s.name for s in SHAPES)}")
     parser.add_argument("--bytes", type=int, default=128 << 20)
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--isa", default="native", choices=["native", "avx2"], help="which build of this tree runs (without --against)")
@@ -152,7 +164,7 @@ def main() -> None:
                     print(f"  {kind} {shape.name}: outputs equal: {torch.equal(firsts[0](), firsts[1]())}")
                 bench = None
                 if dll is not None:
-                    bench = dll.bench_new(1 if kind == "q8_0" else 0, shape.out, shape.width, shape.experts, CHOSEN if shape.experts else 0,
+                    bench = dll.bench_new(GGML_TYPES[kind], shape.out, shape.width, shape.experts, CHOSEN if shape.experts else 0,
                                           threads, args.bytes)
                     runs["llama.cpp"], copies["llama.cpp"] = (lambda b=bench: dll.bench_run(b)), dll.bench_copies(bench)
                 runs["read"], copies["read"] = (lambda: dll.stream_read(big.data_ptr(), big.numel(), threads, ctypes.byref(sink))) \

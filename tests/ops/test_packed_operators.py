@@ -45,6 +45,23 @@ def test_mxfp4_rows_together_are_each_rows_product_alone_bit_for_bit(ops, rows, 
     _close(got, reference.mxfp4_gemv(x, w), 1e-6)
 
 
+@pytest.mark.parametrize("dtype", X_DTYPES)
+@pytest.mark.parametrize("inputs", [320, 288])
+def test_mxfp4_one_row_outputs_do_not_depend_on_the_weight_rows_beside_them(ops, dtype, inputs):
+    """One x row takes several weight rows a pass (an AVX-512 build: 4); each output is still that
+    weight row's product alone (a weight of one row, which no pass groups), bit for bit, in the rows
+    operator and in the experts' (an expert one row chose), wherever the row falls in a pass or a thread's span."""
+    w = packed_layout.mxfp4_prepare(torch.randn(41, inputs) * torch.logspace(-2, 2, inputs))  # passes of 4 and a last row
+    x = torch.randn(1, inputs, generator=torch.Generator().manual_seed(3)).to(dtype)
+    got = ops.mxfp4_gemv(x, w)
+    alone = torch.stack([ops.mxfp4_gemv(x, w[o : o + 1])[0, 0] for o in range(41)])
+    assert torch.equal(got[0], alone)
+    stack = torch.stack([w[:40], w[1:]])  # 40 rows an expert: blocks of 16, 16 and 8
+    experts = ops.experts_mxfp4(x[:, None], stack, torch.tensor([[1, 0]]))
+    assert torch.equal(experts[0, 0], alone[1:]) and torch.equal(experts[0, 1], alone[:40])
+    _close(got, reference.mxfp4_gemv(x, w), 1e-6)
+
+
 @pytest.mark.parametrize("shape", [(72, 160), (130, 300), (40, 72)])
 def test_fp8_operator_is_the_reference_within_summation_order(ops, shape):
     w = packed_layout.fp8_prepare(torch.randn(shape) * torch.logspace(-2, 2, shape[1]), 128)

@@ -246,6 +246,19 @@ static void block_dots(const uint8_t* w, int64_t row_bytes, const X* const* xs, 
     }
 }
 
+// One x row against GROUP (rows.h: 4 with AVX-512) weight rows a pass (block_dots<GROUP>, bit for bit
+// row_dot on each) rather than row by row: x's vectors loaded once for the GROUP rows, and each pass
+// asks for the next pass's rows (6 KB ahead at gpt-oss-20b's 1530-byte rows). On the Intel Xeon (AMX)
+// the bf16-x one-row product is bound by its instructions (the weight in L2: 1.46-1.6 ns a block, ~11
+// GB/s a core); 4 rows a pass took 4-14% off that (thread CPU time, 5 runs), from memory within the
+// noise (benchmarks/mxfp4_one_row.cpp, 2026-12-05 21:03-21:15 UTC, load 8-11, under load). AVX-512
+// builds only: AVX2's 16 registers do not hold 2 rows' accumulators and values; not measured there.
+#if MK_WIDE == 16
+constexpr bool ONE_ROW_GROUPED = true;
+#else
+constexpr bool ONE_ROW_GROUPED = false;
+#endif
+
 // One weight row against R x rows: the few-row form's last rows, and each weight row of an expert one x row chose.
 template <typename X>
 static void row_dots(const uint8_t* w, const X* const* xs, int64_t R, int64_t groups, float* out) {
@@ -325,6 +338,8 @@ static void mxfp4_rows(const X* xp, const uint8_t* wp, int64_t n, int64_t out, i
     at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> dots(ROWS_BLOCK * n);
         int64_t o = begin;
+        if (n == 1 && ONE_ROW_GROUPED)  // one x row: GROUP weight rows a pass (ONE_ROW_GROUPED says why), each row's floats row_dot's
+            for (; o + GROUP <= end; o += GROUP) block_dots<GROUP>(wp + o * groups * 17, groups * 17, xs.data(), 1, groups, yp + o);
         if (n > 1)
             for (; o + ROWS_BLOCK <= end; o += ROWS_BLOCK) {
                 block_dots<ROWS_BLOCK>(wp + o * groups * 17, groups * 17, xs.data(), n, groups, dots.data());
@@ -373,9 +388,9 @@ static const float* fp8_values() {
 // (`dots`: one weight row against R x rows, so an expert's outputs are bit for bit mxfp4_gemv's / fp8_gemv's on it):
 // x [B, X, in] (fp32, or bf16 where `dots` takes it; X = 1: one row per token; X = C: one per choice),
 // ids [B, C] → fp32 [B, C, N]. `block` (BG > 0): BG weight rows at a time against R x rows, as dots_block (rows.h).
-template <int BG, typename T, typename Dots, typename Block>
+template <int BG, typename T, typename Dots, typename Block, typename Group>
 static torch::Tensor packed_experts(const char* name, const torch::Tensor& xc, const torch::Tensor& w, const torch::Tensor& ids,
-                                    int64_t in, Dots dots, Block block) {
+                                    int64_t in, Dots dots, Block block, Group group, bool grouped) {
     const int64_t B = xc.size(0), X = xc.size(1), C = ids.size(1), E = w.size(0), N = w.size(1), width = w.size(2);
     TORCH_CHECK(X == 1 || X == C, name, ": x holds one row per token or one per choice");
     const auto wc = w.contiguous();
@@ -387,11 +402,11 @@ static torch::Tensor packed_experts(const char* name, const torch::Tensor& xc, c
                      [&](int64_t e, int64_t n, const T* const* xs, int64_t R, float* out) {
                          dots(wp + (e * N + n) * width, xs, R, out);
                      },
-                     [](int64_t, int64_t, const T*, float*) {},
+                     [&](int64_t e, int64_t n, const T* x1, float* out) { group(wp + (e * N + n) * width, width, x1, out); },
                      [&](int64_t e, int64_t n, const T* const* xs, int64_t R, float* out) {
                          block(wp + (e * N + n) * width, width, xs, R, out);
                      },
-                     false);
+                     grouped);
     return y;
 }
 
@@ -403,7 +418,11 @@ static torch::Tensor mxfp4_experts(const torch::Tensor& xc, const torch::Tensor&
         [groups](const uint8_t* row, const T* const* xs, int64_t R, float* out) { row_dots(row, xs, R, groups, out); },
         [groups](const uint8_t* rows, int64_t row_bytes, const T* const* xs, int64_t R, float* out) {
             block_dots<ROWS_BLOCK>(rows, row_bytes, xs, R, groups, out);
-        });
+        },
+        [groups](const uint8_t* rows, int64_t row_bytes, const T* x1, float* out) {  // an expert one x row chose
+            block_dots<GROUP>(rows, row_bytes, &x1, 1, groups, out);
+        },
+        ONE_ROW_GROUPED);
 }
 
 torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {
@@ -429,5 +448,6 @@ torch::Tensor experts_fp8(torch::Tensor x, torch::Tensor w, torch::Tensor ids, i
         [in, block, lut](const uint8_t* row, const float* const* xs, int64_t R, float* out) {
             for (int64_t r = 0; r < R; ++r) out[r] = fp8_row_dot(row, xs[r], in, block, lut);
         },
-        [](const uint8_t*, int64_t, const float* const*, int64_t, float*) {});
+        [](const uint8_t*, int64_t, const float* const*, int64_t, float*) {},
+        [](const uint8_t*, int64_t, const float*, float*) {}, false);
 }

@@ -213,10 +213,7 @@ def main() -> None:
                 except httpx.HTTPError:
                     pass
                 time.sleep(0.2)
-            client = [sys.executable, "-c", CLIENT, str(port)]
-            warm = subprocess.run(client + ["2", str(args.tokens)], capture_output=True, text=True)  # warm
-            if warm.returncode:
-                raise SystemExit(f"the client failed: {warm.stderr.strip().splitlines()[-1:]}")
+            client = warmed_client(port, args.tokens)
             cpu0 = thread_cpu_ns(loop_tid)
             stamps.on = True
             done = subprocess.run(client + [str(args.requests), str(args.tokens)], check=True, capture_output=True,
@@ -239,6 +236,15 @@ def main() -> None:
         pstats.Stats(stamps.profile).sort_stats("tottime").print_stats(args.profile)
 
 
+def warmed_client(port: int, tokens: int) -> list[str]:
+    """The client's command line, after one warm-up run of 2 requests against the server on `port`."""
+    client = [sys.executable, "-c", CLIENT, str(port)]
+    warm = subprocess.run(client + ["2", str(tokens)], capture_output=True, text=True)
+    if warm.returncode:
+        raise SystemExit(f"the client failed: {warm.stderr.strip().splitlines()[-1:]}")
+    return client
+
+
 def llama_server(args) -> None:
     """The same client against llama-server (as `moekit bench serve --vs llama-server` starts it, one
     slot): the gaps between its frames, and its own timings' eval time per generated token."""
@@ -257,10 +263,7 @@ def llama_server(args) -> None:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        client = [sys.executable, "-c", CLIENT, str(port)]
-        warm = subprocess.run(client + ["2", str(args.tokens)], capture_output=True, text=True)  # warm
-        if warm.returncode:
-            raise SystemExit(f"the client failed: {warm.stderr.strip().splitlines()[-1:]}")
+        client = warmed_client(port, args.tokens)
         done = json.loads(subprocess.run(client + [str(args.requests), str(args.tokens)], check=True,
                                          capture_output=True, text=True).stdout)
     finally:

@@ -40,7 +40,10 @@ BF16_MARGIN = 0.2  # past the probe's spread between processes for bf16 here (up
 # AVX-512 build's compiled fp32 step took 0.90x the AVX2 build's time at batch 1 and 0.91x at batch
 # 16 (docs/BENCHMARKS.md), yet the probe, timed at load ~10, chose AVX2 there; on the AMD EPYC (Zen
 # 4) AVX2 streamed fp32 ~20% faster and the probe chose it in 10 of 10 processes, past this margin.
+# q8_0 the same (NATIVE_MARGIN_KINDS): on the Xeon the probe timed at load ~5 chose AVX2, and the idle
+# re-timing chose AVX-512, whose step then decoded int8 at 1.26x llama.cpp (docs/BENCHMARKS.md).
 FLOAT32_MARGIN = 0.1
+NATIVE_MARGIN_KINDS = ("float32", "q8_0")
 BATCH_PROBE_ROWS = 8  # the batch the issue's targets name
 WIDEN_MARGIN = 0.1  # a batch's bf16 products are widened only where that is clearly faster
 
@@ -181,7 +184,7 @@ def variant(kind: str) -> Choice:
     and its fp32 step 22-28% slower; with the experts probe fp32 took the AVX2 build in 10 of 10
     processes, as the step wants; bf16 still swung. So for bf16 the build that multiplies bf16 pairs
     (AVX512-BF16, the default build on such a CPU) is kept unless another beats it by BF16_MARGIN,
-    and for fp32 the native build unless another beats it by FLOAT32_MARGIN (`pick`)."""
+    and for fp32 and q8_0 the native build unless another beats it by FLOAT32_MARGIN (`pick`)."""
     spaces = namespaces()
     if not spaces or kind not in KINDS:
         return Choice()
@@ -207,12 +210,12 @@ def _measure_variant(kind: str, spaces: tuple[str, ...]) -> Choice:
 def pick(kind: str, median: dict[Choice, float], multiplies_bf16: bool) -> Choice:
     """The Choice that the probe's medians (Choice → seconds) make for this kind: the fastest, except
     that bf16 keeps the default Choice() where the CPU multiplies bf16 pairs (multiplies_bf16) and
-    fp32 the native build (its faster way), unless another beats it by BF16_MARGIN / FLOAT32_MARGIN."""
+    fp32 and q8_0 the native build (its faster way), unless another beats it by BF16_MARGIN / FLOAT32_MARGIN."""
     best = min(median, key=median.get)
     if kind == "bfloat16" and multiplies_bf16 and median[best] * (1 + BF16_MARGIN) > median[Choice()]:
         return Choice()
     native = [c for c in median if c.namespace == Choice().namespace]
-    if kind == "float32" and native:
+    if kind in NATIVE_MARGIN_KINDS and native:
         fastest_native = min(native, key=median.get)
         if median[best] * (1 + FLOAT32_MARGIN) > median[fastest_native]:
             return fastest_native

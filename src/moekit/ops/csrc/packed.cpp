@@ -27,10 +27,10 @@ static const float* half_scales() {
 // (greedy tokens must not change with batching).
 // A one-row MXFP4 product does ~4 vector instructions a 17-byte block, and on an Intel Xeon (AMX) the
 // hardware prefetcher fell behind it: the experts' product at gpt-oss-20b's shape read 4.2 GB/s on
-// one thread and 7.1 on two; asking for the bytes 2 KB ahead every 4 blocks took it to 8.3 and
-// 15.5-16.0 (bf16 x; fp32 x 2.9 → 7.0 and 5.6 → 12.7; 1 and 4 KB no better;
+// one thread and 7.1 on two; asking for the 4 blocks' 2 lines BLOCK_PREFETCH (rows.h: 2 KB) ahead every
+// 4 blocks took it to 8.3 and 15.5-16.0 (bf16 x; fp32 x 2.9 → 7.0 and 5.6 → 12.7; 1 and 4 KB no better;
 // benchmarks/mxfp4_bandwidth.py, 2026-12-05 20:38-20:50 UTC, load 0.5-2.4).
-static constexpr int64_t MXFP4_PREFETCH = 2048;
+static constexpr int64_t FOUR_BLOCKS_BYTES = 128;  // 4 × 17 = 68 bytes, on at most 2 lines: both asked for
 #ifdef MK_AVX2
 constexpr int BLOCK_VECTORS = 32 / MK_WIDE;
 
@@ -72,10 +72,7 @@ __attribute__((noinline)) static float row_dot(const uint8_t* w, const float* x,
     VF acc[BLOCK_VECTORS], v[BLOCK_VECTORS];
     for (int i = 0; i < BLOCK_VECTORS; ++i) acc[i] = vzero();
     for (int64_t g = 0; g < groups; ++g, w += 17, x += 32) {
-        if ((g & 3) == 0) {
-            _mm_prefetch(reinterpret_cast<const char*>(w) + MXFP4_PREFETCH, _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(w) + MXFP4_PREFETCH + 64, _MM_HINT_T0);
-        }
+        if ((g & 3) == 0) block_prefetch(w, FOUR_BLOCKS_BYTES);
         block_values(w, scales, v);
         for (int i = 0; i < BLOCK_VECTORS; ++i) acc[i] = vfma(v[i], vload(x + i * MK_WIDE), acc[i]);
     }
@@ -138,9 +135,7 @@ __attribute__((noinline)) static float row_dot(const uint8_t* w, const c10::BFlo
     const uint16_t* tables = scaled_codes();
     __m512 acc[PAIR_CHAINS] = {vzero(), vzero(), vzero(), vzero()};
     for (int64_t g = 0; g < groups; g += PAIR_CHAINS) {
-        const char* ahead = reinterpret_cast<const char*>(w + g * 17) + MXFP4_PREFETCH;
-        _mm_prefetch(ahead, _MM_HINT_T0);
-        _mm_prefetch(ahead + 64, _MM_HINT_T0);
+        block_prefetch(w + g * 17, FOUR_BLOCKS_BYTES);
         for (int c = 0; c < PAIR_CHAINS; ++c)  // unrolled: each chain stays in its register
             if (g + c < groups) acc[c] = pair_fma(acc[c], block_pairs(w + (g + c) * 17, tables), x + (g + c) * 32);
     }
@@ -246,18 +241,23 @@ static void block_dots(const uint8_t* w, int64_t row_bytes, const X* const* xs, 
     }
 }
 
-// One x row against GROUP (rows.h: 4 with AVX-512) weight rows a pass (block_dots<GROUP>, bit for bit
+// one_row_grouped: one x row against GROUP (rows.h: 4 with AVX-512) weight rows a pass (block_dots<GROUP>, bit for bit
 // row_dot on each) rather than row by row: x's vectors loaded once for the GROUP rows, and each pass
 // asks for the next pass's rows (6 KB ahead at gpt-oss-20b's 1530-byte rows). On the Intel Xeon (AMX)
 // the bf16-x one-row product is bound by its instructions (the weight in L2: 1.46-1.6 ns a block, ~11
 // GB/s a core); 4 rows a pass took 4-14% off that (thread CPU time, 5 runs), from memory within the
 // noise (benchmarks/mxfp4_one_row.cpp, 2026-12-05 21:03-21:15 UTC, load 8-11, under load). AVX-512
 // builds only: AVX2's 16 registers do not hold 2 rows' accumulators and values; not measured there.
-#if MK_WIDE == 16
-constexpr bool ONE_ROW_GROUPED = true;
+// bf16 x only: fp32 x's grouped form (rows_dots on block_values) asks for no bytes ahead, and at
+// gpt-oss-20b's shape read 4.0 GB/s on one thread against row_dot's 7.0 (benchmarks/mxfp4_bandwidth.py).
+template <typename X>
+constexpr bool one_row_grouped() {
+#if MK_WIDE == 16 && defined(MK_DPBF16)
+    return std::is_same_v<X, c10::BFloat16>;
 #else
-constexpr bool ONE_ROW_GROUPED = false;
+    return false;
 #endif
+}
 
 // One weight row against R x rows: the few-row form's last rows, and each weight row of an expert one x row chose.
 template <typename X>
@@ -338,7 +338,7 @@ static void mxfp4_rows(const X* xp, const uint8_t* wp, int64_t n, int64_t out, i
     at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
         std::vector<float> dots(ROWS_BLOCK * n);
         int64_t o = begin;
-        if (n == 1 && ONE_ROW_GROUPED)  // one x row: GROUP weight rows a pass (ONE_ROW_GROUPED says why), each row's floats row_dot's
+        if (n == 1 && one_row_grouped<X>())  // one x row: GROUP weight rows a pass (one_row_grouped says why), each row's floats row_dot's
             for (; o + GROUP <= end; o += GROUP) block_dots<GROUP>(wp + o * groups * 17, groups * 17, xs.data(), 1, groups, yp + o);
         if (n > 1)
             for (; o + ROWS_BLOCK <= end; o += ROWS_BLOCK) {
@@ -422,7 +422,7 @@ static torch::Tensor mxfp4_experts(const torch::Tensor& xc, const torch::Tensor&
         [groups](const uint8_t* rows, int64_t row_bytes, const T* x1, float* out) {  // an expert one x row chose
             block_dots<GROUP>(rows, row_bytes, &x1, 1, groups, out);
         },
-        ONE_ROW_GROUPED);
+        one_row_grouped<T>());
 }
 
 torch::Tensor experts_mxfp4(torch::Tensor x, torch::Tensor w, torch::Tensor ids) {

@@ -493,6 +493,7 @@ def test_a_servers_warm_up_takes_every_batch_of_its_cache_a_lone_request_include
                 out.append(engine.decoder.forward_rows(torch.arange(5, 5 + b)[:, None], cache, torch.arange(b) + 2))
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-4)
     assert len(step.graphs) == 2 and step.direct_steps == calls + 3  # each step ran a warmed-up graph
+    assert all(graph.calls_inner for graph in step.graphs)  # confirmed while warming up: Inductor's code alone
 
 
 def test_a_server_compiles_the_prefill_graphs_its_prompts_can_take():

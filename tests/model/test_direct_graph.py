@@ -74,6 +74,48 @@ def test_a_recorded_graph_computes_what_dynamo_computes_at_every_accepted_length
         assert torch.equal(graph(_inputs())[0], want)
 
 
+def _unconfirmed(graph: DirectGraph, run=None) -> DirectGraph:
+    return DirectGraph(run or graph.run, graph.sources, graph.guards, graph.kinds, graph.guard_source)
+
+
+def test_a_confirmed_graph_calls_inductors_code_alone_and_computes_what_dynamo_computes(recorded):
+    """confirm runs the wrapped graph and Inductor's code on the same inputs; they agree bit for bit
+    here, so later calls skip AOTAutograd's wrappers, with the same results at every accepted length."""
+    model, graphs, call = recorded
+    with torch.inference_mode():
+        want = call(*_inputs())
+        graph = _unconfirmed(graphs[0])
+        assert not graph.confirmed and not graph.calls_inner
+        assert torch.equal(graph.confirm(_inputs())[0], want)
+        assert graph.confirmed and graph.calls_inner
+        for length, seed in ((5, 0), (9, 1), (300, 2)):
+            inputs = _inputs(length=length, seed=seed)
+            assert torch.equal(graph(inputs)[0], graphs[0].run(*_args(graphs[0], inputs))[0])
+            torch.testing.assert_close(graph(inputs)[0], _forward(model, *inputs), rtol=1e-6, atol=1e-6)
+
+
+def test_a_graph_whose_inner_code_answers_otherwise_keeps_the_wrappers(recorded):
+    model, graphs, call = recorded
+    with torch.inference_mode():
+        want = call(*_inputs())
+        wrapped = graphs[0].run
+
+        def run(*args):
+            return wrapped(*args)
+
+        run.current_callable = lambda args: [torch.zeros_like(want)]  # what Inductor's code would be
+        graph = _unconfirmed(graphs[0], run)
+        assert torch.equal(graph.confirm(_inputs())[0], want)  # the wrappers' results
+        assert graph.confirmed and not graph.calls_inner
+        assert torch.equal(graph(_inputs())[0], want)
+
+
+def _args(graph: DirectGraph, inputs) -> list:
+    args = list(graph._template)
+    graph._fill(args, inputs)
+    return args
+
+
 def test_a_recorded_graph_reads_the_weights_in_place(recorded):
     model, graphs, call = recorded
     with torch.inference_mode():

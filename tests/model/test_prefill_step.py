@@ -115,6 +115,7 @@ def test_the_compiled_prefill_is_the_modules_forward_for_every_length_and_start(
         _agree(_prefill(engine.decoder, [prompt], _default, chunk), _prefill(eager.decoder, [prompt], _modules, chunk))
         assert engine.decoder.compiled.direct_steps == calls + 1  # the warmed-up graph ran it
     assert _prefill_graphs(engine) == 1
+    assert all(graph.calls_inner for graph in engine.decoder.compiled.graphs)  # confirmed while warming up
 
 
 def test_greedy_tokens_and_chunked_prefill_through_the_compiled_prefill_are_the_eager_engines(compiled):

@@ -48,6 +48,7 @@ from moekit.engine.sampling import (SamplingParams, check_sampling, greedy as gr
 from moekit.engine.waiting import WaitingQueue
 from moekit.errors import MoekitError
 from moekit.model.cache import copy_row
+from moekit.model.decoder import StepChoices
 from moekit.model.routing import PolicyRun, PolicyStats, RoutingDecision
 from moekit.model.routing_policies import is_batch_level, policy_width
 
@@ -719,28 +720,36 @@ class Scheduler:
     def _decode(self) -> None:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
-        lengths = torch.tensor([row.length for row in self.rows], dtype=torch.int64, device=self.device)  # [B]
-        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)]
+        held = [row.length for row in self.rows]
+        lengths = torch.tensor(held, dtype=torch.int64, device=self.device)  # [B]
+        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)] if self.canary is not None else []
         top_k, policy = self._routing(self.rows, skip=set(canary))
         decisions: list = []
+        choices: list = []  # the step form's routing, whole (StepChoices): the meter reads it at once
         try:
-            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy)  # [B, 1, V]
+            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy, choices,
+                                               end=max(held) + 1)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
             self._decode_alone()
             return
-        if canary:
-            # The batch ran the served weights for every row; the canary rows' results are dropped
-            # and each is run again alone on the canary weights (its slot rewritten).
-            keep = [i for i in range(n) if i not in set(canary)]
-            decisions = [(layer, _rows_of(d, keep)) for layer, d in decisions]
-            logits = logits[keep]
-        rows = [row for i, row in enumerate(self.rows) if i not in set(canary)]
+        if not canary:
+            self._meter_step(self.rows, decisions, choices[0] if choices else None)
+            for row in self.rows:
+                row.length += 1
+            self._advance(self.rows, logits[:, -1])
+            return
+        # The batch ran the served weights for every row; the canary rows' results are dropped
+        # and each is run again alone on the canary weights (its slot rewritten).
+        if choices:
+            decisions = choices[0].decisions()
+        keep = [i for i in range(n) if i not in set(canary)]
+        decisions = [(layer, _rows_of(d, keep)) for layer, d in decisions]
+        rows = [self.rows[i] for i in keep]
         self._meter_step(rows, decisions)
         for row in rows:
             row.length += 1
-        self._advance(rows, logits[:, -1])
-        if canary:
-            self._decode_alone(canary)
+        self._advance(rows, logits[keep][:, -1])
+        self._decode_alone(canary)
         assert n == len(self.rows)
 
     def _on_canary(self, request: Request) -> bool:
@@ -876,20 +885,34 @@ class Scheduler:
                 for token_ids in topk_ids[:, : row.top_k].tolist():
                     self._record(row, layer, token_ids)
 
-    def _meter_step(self, rows: list[_Row], decisions: list) -> None:
+    def _meter_step(self, rows: list[_Row], decisions: list, whole: Optional[StepChoices] = None) -> None:
+        """A decode step's routing, from `decisions` (layer, RoutingDecision [B, K]) or, where the
+        step's form ran, `whole` (read with one tolist a tensor: this runs on every token)."""
         used: list[dict[int, set]] = [{} for _ in rows]
-        for layer, decision in decisions:
-            if decision.entropy is not None:
-                self.entropy.add(layer, [row.length for row in rows], decision.entropy.tolist())
-            ids = decision.topk_ids.tolist()  # [B, K]
+        if whole is not None:
+            layers = whole.layers
+            per_layer = whole.chosen.tolist()  # [L_moe][B][K]
+            entropy = whole.entropy.tolist() if whole.entropy is not None else None  # [L_moe][B]
+        else:
+            layers = [layer for layer, _ in decisions]
+            per_layer = [decision.topk_ids.tolist() for _, decision in decisions]
+            entropy = None
+            if decisions and decisions[0][1].entropy is not None:
+                entropy = [decision.entropy.tolist() for _, decision in decisions]
+        if entropy is not None:
+            positions = [row.length for row in rows]
+            for layer, values in zip(layers, entropy):
+                self.entropy.add(layer, positions, values)
+        store = self.store
+        for layer, ids in zip(layers, per_layer):
             counts = self.expert_tokens[layer]
             for i, row in enumerate(rows):
                 chosen = _distinct(ids[i][: row.top_k])  # a policy's narrower tokens repeat their first expert
-                self._record(row, layer, chosen)
+                row.touched.update(zip(repeat(layer), chosen))  # as _record
                 for e in chosen:
                     counts[e] += 1
                 used[i][layer] = set(chosen)
-                if self.store is not None:
+                if store is not None:
                     self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
             work, active, read = self._token_cost(per_layer)

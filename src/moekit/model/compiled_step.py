@@ -279,6 +279,7 @@ class CompiledStep:
         # One compile or load at a time, and the graph it records is the one its inputs asked for (_tracing):
         # a server compiles its prefill graphs on a thread of its own while its steps run (warm_up_prefills).
         self._compiling = threading.Lock()
+        self._scratch = threading.local()  # .on: this thread runs scratch steps (_scratch_steps)
         # Graphs an earlier process compiled under the same constants (moekit.model.saved_graphs): a
         # step whose inputs one of them accepts loads it instead of tracing (loaded ones move to _graphs).
         self._load_options = {k: v for k, v in self._inductor.items() if k == "cpp.vec_isa_ok"}
@@ -431,11 +432,33 @@ class CompiledStep:
                     self._tracing = (inputs, key, outputs)
                     try:
                         with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_STEP):
-                            return list(trace())
+                            results = list(trace())
                     finally:
                         self._tracing = None
+                    recorded = self._recorded(key, inputs) if self._scratch_here() else None
+                    if recorded is not None:
+                        recorded.confirm(inputs)  # a scratch step: running it again changes nothing
+                    return results
         self.direct_steps += 1
+        if not graph.confirmed and self._scratch_here():
+            return graph.confirm(inputs)
         return graph(inputs)
+
+    def _scratch_here(self) -> bool:
+        """Whether this thread is running scratch steps (warm_up's, _warm_prefill's), which a graph may
+        run twice (DirectGraph.confirm); a served step never is, so a graph first met there keeps
+        AOTAutograd's wrappers."""
+        return getattr(self._scratch, "on", False)
+
+    @contextmanager
+    def _scratch_steps(self) -> Iterator[None]:
+        """The steps this thread runs inside are scratch ones (see _scratch_here)."""
+        before = self._scratch_here()
+        self._scratch.on = True
+        try:
+            yield
+        finally:
+            self._scratch.on = before
 
     def _held(self, stack, rope) -> tuple:
         """The rope tables, and the stack and tables marked dynamic once each (marking them on every
@@ -467,7 +490,7 @@ class CompiledStep:
             say(start_line(self.cache_folder, batches, prefills))
         start = time.perf_counter()
         each = []  # (what, seconds) per graph, for the user: where a cold start's time goes
-        with torch.inference_mode(), scratch_steps(self.decoder):
+        with torch.inference_mode(), scratch_steps(self.decoder), self._scratch_steps():
             for b in batches:
                 began = time.perf_counter()
                 for top_k in (None, torch.ones(b, dtype=torch.int64, device=device))[: 2 if per_row_k else 1]:
@@ -489,7 +512,7 @@ class CompiledStep:
         """Compile (or load) the prefill graph of shape, on a scratch cache. → its seconds."""
         device = self.decoder.device
         began = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self._scratch_steps():
             # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
             # past one), so that the trace ties none of them to another (Dynamo's duck sizing).
             b = shape.rows

@@ -14,7 +14,7 @@ then lays every projection out for this device and dtype's fastest kernel (moeki
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -60,6 +60,21 @@ class StepRouting(NamedTuple):
     width: int = 0  # the decisions' width K when not the model's: a row's K past it, or a policy's width
     seated: bool = False  # the decoder's seated policy decides (moekit.model.seated_policy, one opaque op a layer)
     entropy: bool = False  # each decision carries its rows' routing entropy (router health)
+
+
+class StepChoices(NamedTuple):
+    """A decode step's routing as its graph returns it, whole, for a caller that reads every layer at
+    once (the scheduler's meter: one tolist() a step, where a RoutingDecision per layer cost it ~0.1 ms
+    of a ~4 ms step on the ~140M model; its Python runs cold after the graph)."""
+
+    layers: list  # the decoder's index of each MoE layer
+    chosen: torch.Tensor  # [L_moe, B, K] the experts each MoE layer chose for each row
+    weights: torch.Tensor  # [L_moe, B, K] their weights
+    entropy: Optional[torch.Tensor]  # [L_moe, B] routing entropy where the step was asked for it, else None
+
+    def decisions(self) -> list:
+        """(layer index, RoutingDecision) per MoE layer, as forward_rows' `decisions` gets them."""
+        return step_decisions(self.layers, self.chosen, self.weights, self.entropy)
 
 
 FAMILY = StepRouting()  # the family's routing at the model's K
@@ -288,7 +303,7 @@ class Decoder(nn.Module):
 
     def forward_rows(
         self, input_ids, cache: KVCache, lengths, decisions: list | None = None, top_k: list[int] | None = None,
-        policy=None,
+        policy=None, choices: list | None = None, end: Optional[int] = None,
     ) -> torch.Tensor:
         """One decode step over cache rows 0..B-1, each at its own length: continuous batching.
 
@@ -296,15 +311,19 @@ class Decoder(nn.Module):
         slot lengths[r] at RoPE position lengths[r] (rows are never padded: slot = position).
         Rows attend over their own slots only. → logits [B, 1, V] fp32. cache.length is not used.
         policy: None, or an object with .at(layer) → a LayerPolicy (engine.row_routing.RowRouting:
-        each row routed by its own request's policy).
+        each row routed by its own request's policy). choices: where the step's form runs, its
+        StepChoices is appended here and `decisions` left as it is (the modules' forward fills
+        `decisions` either way). end: max(lengths) + 1 where the caller knows it (saves a read of lengths).
         """
         b = input_ids.shape[0]
-        end = int(lengths.max()) + 1
+        if end is None:
+            end = int(lengths.max()) + 1
         if end > cache.max_len:
             raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
         if self.steps_in_form(cache):
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
-            return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k, policy)
+            return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k, policy,
+                              choices)
         if b == 1 or bool((lengths == lengths[0]).all()):
             key_mask = None  # every row sees slots 0..end-1: no mask, as a lone row decodes
         else:
@@ -343,9 +362,10 @@ class Decoder(nn.Module):
             raise ValueError(f"a row asks for {widest} experts per token; the model's MoE layers have {self.most_k}")
         return StepRouting(widest if widest > self.widest_k else 0, False, entropy)
 
-    def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None, policy=None) -> torch.Tensor:
+    def _step(self, input_ids, cache, slot, positions, key_mask, decisions, top_k=None, policy=None,
+              choices: list | None = None) -> torch.Tensor:
         """decode_step (compiled where compile_decode() ran) → logits [B, 1, V] fp32. A policy
-        decides the routing over top_k (as the modules' forward lets it)."""
+        decides the routing over top_k (as the modules' forward lets it). choices: see forward_rows."""
         routing = self.step_routing(top_k, policy)
         ks = None
         if top_k is not None and policy is None:
@@ -353,7 +373,9 @@ class Decoder(nn.Module):
         # Nothing to seat without a policy: only a seated step (StepRouting.seated) reads the seat.
         with NOTHING_SEATED if policy is None else self.seat.holding(policy):
             logits, chosen, weights, entropy = self._step_outputs(input_ids, cache, slot, positions, key_mask, ks, routing)
-        if decisions is not None:
+        if choices is not None:
+            choices.append(StepChoices(self.moe_layers, chosen, weights, entropy))
+        elif decisions is not None:
             decisions.extend(step_decisions(self.moe_layers, chosen, weights, entropy))
         return logits[:, None, :]
 

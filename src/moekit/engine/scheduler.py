@@ -273,6 +273,9 @@ class Scheduler:
         self.waiting = {tier: WaitingQueue() for tier in TIERS}
         self._admitting: list[Request] = []  # off the queue, not yet running: abort_all ends them too
         self._fill: Optional[_Fill] = None  # the prompt being prefilled in chunks, one per step
+        # Tokens of _fill's next chunk, taken from this step's budget, to run in its decode's forward
+        # (a mixed step: moekit.model.mixed_step) or, where that does not run, alone before it.
+        self._riding: Optional[int] = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
@@ -348,7 +351,7 @@ class Scheduler:
                 self.prefix_cache.clear()  # what runs here may change weights: cached KV is stale
             if self._fill is not None:
                 # Its chunks so far ran on the weights before: it starts again, uncached.
-                self._fill = self._start_fill(self._fill.rows, self._fill.keys, ())
+                self._fill = self._start_fill(self._fill.rows, self._fill.keys, (), chunked=True)
 
     @property
     def num_running(self) -> int:
@@ -399,6 +402,7 @@ class Scheduler:
                 row.finish, row.error = reason, message
                 self._finish(row)
             self._fill = None
+        self._riding = None
         for row in self.rows:
             row.finish, row.error = reason, message
         self._release()
@@ -416,6 +420,7 @@ class Scheduler:
         started = time.perf_counter()
         self._run_between()
         self._first_passed = []
+        self._riding = None
         with torch.inference_mode():
             self._release()
             admitted = self._admit()
@@ -423,7 +428,9 @@ class Scheduler:
             batch = len(self.rows)
             if batch:
                 self._let_first_tokens_out()
-                self._decode()
+                admitted += self._decode()
+            elif self._riding is not None:
+                admitted += self._chunk_alone()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
         return bool(batch or admitted or self.num_waiting or self._fill is not None)
@@ -499,7 +506,7 @@ class Scheduler:
             if _scores_prompt(group):
                 blocks = []  # a prompt's logprobs need every position computed
             if group[0].length - self._cached_tokens(blocks) > budget and self._fill is None:
-                self._fill = self._start_fill(group, keys, blocks)  # too long for one step: in chunks
+                self._fill = self._start_fill(group, keys, blocks, chunked=True)  # too long for one step: in chunks
                 if self._fill is not None:
                     budget, _ = self._continue_fill(budget)
             elif blocks:
@@ -573,12 +580,16 @@ class Scheduler:
         if fill is not None and self._fill_chunk(fill, fill.left):
             self._end_fill(fill)
 
-    def _start_fill(self, rows: list[_Row], keys: Sequence[bytes], blocks: Sequence[Block]) -> Optional[_Fill]:
+    def _start_fill(self, rows: list[_Row], keys: Sequence[bytes], blocks: Sequence[Block],
+                    chunked: bool = False) -> Optional[_Fill]:
         """A prompt's prefill set up: its own cache, holding the KV of `blocks` (a cached prefix).
-        None if that failed (its rows have failed and finished)."""
+        chunked: prefilled in chunks, its cache a slot longer than the prompt (within max_len), so
+        that every chunk, the last too, is the one compiled shape the mixed step takes (a chunk
+        that fills its cache would be another graph). None if that failed (its rows have failed
+        and finished)."""
         cached = self._cached_tokens(blocks)
         try:
-            single = self.decoder.new_cache(1, rows[0].length)
+            single = self.decoder.new_cache(1, rows[0].length + (chunked and rows[0].length < self.max_len))
             for i, block in enumerate(blocks):
                 write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
@@ -635,14 +646,69 @@ class Scheduler:
             self._fill = None
             return budget, 0
         tokens = min(budget, fill.left)
+        if self.decoder.mixes(len(self.rows), tokens):
+            self._riding = tokens  # run in the decode step's forward where it can (_decode_mixed)
+            return budget - tokens, 0
         if not self._fill_chunk(fill, tokens):
             self._fill = None
             return budget - tokens, 0
+        return budget - tokens, self._chunk_done(fill)
+
+    def _chunk_done(self, fill: _Fill) -> int:
+        """After a chunk of fill: if it was the last, its rows started. → rows started."""
         if fill.left:
-            return budget - tokens, 0
+            return 0
         self._fill = None
         self._end_fill(fill)
-        return budget - tokens, len(fill.rows)
+        return len(fill.rows)
+
+    def _chunk_alone(self) -> int:
+        """The chunk that was to ride in the decode step (_riding) run as a forward of its own, as
+        every chunk was before the mixed step: before the decode, the rows of a last chunk started
+        and any that ended at their first token released. → rows started."""
+        tokens, self._riding = self._riding, None
+        fill = self._fill
+        if not self._fill_chunk(fill, tokens):
+            self._fill = None
+            return 0
+        started = self._chunk_done(fill)
+        self._release()
+        return started
+
+    def _decode_mixed(self) -> Optional[int]:
+        """The step's decode and the riding chunk in one forward (Decoder.forward_mixed), where every
+        running row routes the family's way at the model's K and the prompt takes the prefill form
+        (no per-row K, policy or canary; its logprobs not asked for). Metered, started and failed as
+        the two forwards would be. → rows the chunk started, or None where it did not run (nothing
+        written that the two forwards do not write again)."""
+        fill, tokens, rows = self._fill, self._riding, self.rows
+        head = fill.head
+        if head.run is not None or head.top_k != self.model_k or _scores_prompt(fill.rows) \
+                or self._on_canary(head.request) or any(self._on_canary(row.request) for row in rows) \
+                or self._routing(rows) != (None, None):
+            return None
+        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.int64, device=self.device)  # [B, 1]
+        lengths = torch.tensor([row.length for row in rows], dtype=torch.int64, device=self.device)  # [B]
+        chunk = torch.tensor([list(head.request.prompt[fill.done : fill.done + tokens])], dtype=torch.int64,
+                             device=self.device)  # [1, T]
+        decisions: list = []
+        chunk_decisions: list = []
+        try:
+            out = self.decoder.forward_mixed(ids, self.cache, lengths, chunk, fill.cache, decisions, chunk_decisions)
+        except Exception:  # noqa: BLE001 - the two forwards find which request fails; the others go on
+            return None
+        if out is None:
+            return None
+        logits, chunk_logits = out  # [B, 1, V], [1, 1, V]
+        self._riding = None
+        fill.decisions.append(chunk_decisions)
+        fill.logits.append(chunk_logits[0])
+        fill.done += tokens
+        self._meter_step(rows, decisions)
+        for row in rows:
+            row.length += 1
+        self._advance(rows, logits[:, -1])
+        return self._chunk_done(fill)
 
     def _cancelled(self, row: _Row) -> bool:
         """A row whose request was cancelled while its prompt was prefilled: it ends now."""
@@ -716,7 +782,22 @@ class Scheduler:
             if left <= 0 or not event.wait(left):
                 return
 
-    def _decode(self) -> None:
+    def _decode(self) -> int:
+        """The running rows' decode step, with the chunk riding in it (_riding) where there is one:
+        one forward where it can (_decode_mixed), else the chunk's own forward first. → rows the
+        chunk started."""
+        started = 0
+        if self._riding is not None:
+            mixed = self._decode_mixed()
+            if mixed is not None:
+                return mixed
+            started = self._chunk_alone()
+            if not self.rows:
+                return started
+        self._decode_rows()
+        return started
+
+    def _decode_rows(self) -> None:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
         lengths = torch.tensor([row.length for row in self.rows], dtype=torch.int64, device=self.device)  # [B]

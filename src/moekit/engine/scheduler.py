@@ -14,7 +14,10 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      before its decode, within what is left of the budget (a burst's late part then starts in its
      first part's step);
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
-     length and RoPE position, with its own K; an expert chosen by any row is read once.
+     length and RoPE position, with its own K; an expert chosen by any row is read once. The
+     step's chunk of a long prompt rides in that forward where it can (Decoder.forward_mixed,
+     vLLM's mixed batch: the rows' tokens and the chunk's in one compiled graph, so the experts
+     both read are read once), else it runs as a forward of its own just before it.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
 what it gets alone. Requests admitted together with the same prompt and K (a request's `n`
 continuations) share one prefill, its cache copied into each of their rows. The scheduler knows no HTTP: a request hears of its tokens and its end through
@@ -280,7 +283,7 @@ class Scheduler:
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
         self.first_token_wait_s = first_token_wait_s
-        self._first_passed: list[threading.Event] = []  # of this step's first tokens (see _let_first_tokens_out)
+        self._first_passed: list[threading.Event] = []  # of the first tokens made since the last wait (_let_first_tokens_out)
 
     # ---- the client side (any thread) ----
 
@@ -419,7 +422,6 @@ class Scheduler:
         there was nothing to do."""
         started = time.perf_counter()
         self._run_between()
-        self._first_passed = []
         self._riding = None
         with torch.inference_mode():
             self._release()
@@ -773,7 +775,9 @@ class Scheduler:
     def _let_first_tokens_out(self) -> None:
         """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
         first tokens this step's prefills made have passed them on (their `first_passed` events)."""
-        events = self._first_passed  # emptied as each step starts
+        # Taken here, not emptied as the step starts: a last chunk that rode in the decode before
+        # (_decode_mixed) made its rows' first tokens after that step's wait, and this one waits for them.
+        events, self._first_passed = self._first_passed, []
         if not events or self.first_token_wait_s <= 0:
             return
         deadline = time.perf_counter() + self.first_token_wait_s

@@ -17,7 +17,8 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      length and RoPE position, with its own K; an expert chosen by any row is read once. The
      step's chunk of a long prompt rides in that forward where it can (Decoder.forward_mixed,
      vLLM's mixed batch: the rows' tokens and the chunk's in one compiled graph, so the experts
-     both read are read once), else it runs as a forward of its own just before it.
+     both read are read once; the chunk then at most MIXED_TOKENS less the rows, as vLLM counts
+     decode tokens in a step's budget), else it runs as a forward of its own just before it.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
 what it gets alone. Requests admitted together with the same prompt and K (a request's `n`
 continuations) share one prefill, its cache copied into each of their rows. The scheduler knows no HTTP: a request hears of its tokens and its end through
@@ -58,6 +59,14 @@ TIERS = ("S", "A", "B")  # admitted in this order
 # Distinct (layer, experts used) counts whose token cost the scheduler keeps: a few per K in use;
 # per-layer policies can make many, and past this they are computed each time.
 TOKEN_COSTS_KEPT = 4096
+# Rows of a mixed step (decode rows + the chunk riding with them), as vLLM counts decode tokens in a
+# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why 64: a chunk's
+# tokens are compute, ~0.37 ms each in the mixed step on the ~140M qwen3_moe fp32 at 2 threads, where
+# the decode of 15 rows took ~20 ms (benchmarks/mixed_step_ab.py, docs/BENCHMARKS.md): 49 tokens beside
+# 15 rows keep the step within ~2x a plain one (ITL p99 <= 2x p50, issue 35), where a 128-token chunk
+# made it ~3x, mixed or not. Short prompts are admitted within prefill_tokens as before.
+MIXED_TOKENS = 64
+MIXED_FLOOR = 16
 
 
 def tier_top_k(tier: str, model_k: int) -> int:
@@ -648,9 +657,10 @@ class Scheduler:
             self._fill = None
             return budget, 0
         tokens = min(budget, fill.left)
-        if self.decoder.mixes(len(self.rows), tokens):
-            self._riding = tokens  # run in the decode step's forward where it can (_decode_mixed)
-            return budget - tokens, 0
+        riding = min(tokens, max(MIXED_TOKENS - len(self.rows), MIXED_FLOOR))
+        if self.decoder.mixes(len(self.rows), riding):
+            self._riding = riding  # run in the decode step's forward where it can (_decode_mixed)
+            return budget - riding, 0
         if not self._fill_chunk(fill, tokens):
             self._fill = None
             return budget - tokens, 0

@@ -60,12 +60,14 @@ TIERS = ("S", "A", "B")  # admitted in this order
 # per-layer policies can make many, and past this they are computed each time.
 TOKEN_COSTS_KEPT = 4096
 # Rows of a mixed step (decode rows + the chunk riding with them), as vLLM counts decode tokens in a
-# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why 64: a chunk's
+# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why 48: a chunk's
 # tokens are compute, ~0.37 ms each in the mixed step on the ~140M qwen3_moe fp32 at 2 threads, where
-# the decode of 15 rows took ~20 ms (benchmarks/mixed_step_ab.py, docs/BENCHMARKS.md): 49 tokens beside
-# 15 rows keep the step within ~2x a plain one (ITL p99 <= 2x p50, issue 35), where a 128-token chunk
-# made it ~3x, mixed or not. Short prompts are admitted within prefill_tokens as before.
-MIXED_TOKENS = 64
+# the decode of 15 rows took ~20-25 ms (benchmarks/mixed_step_ab.py), so a 128-token chunk made its
+# step ~3x a plain one, mixed or not. Served at c = 16 with 512-token prompts arriving (docs/BENCHMARKS.md,
+# under load): ITL p99 / p50 2.0-2.1x at 48 (33 tokens beside 15 rows), 2.2-2.3x at 64, 2.9-3.4x
+# before; each arrival's own TTFT p50 0.7-1.3 s, 0.6 s, 0.4 s. Short prompts are admitted within
+# prefill_tokens as before (the level without arrivals is unchanged).
+MIXED_TOKENS = 48
 MIXED_FLOOR = 16
 
 

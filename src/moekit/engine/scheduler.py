@@ -64,8 +64,8 @@ TOKEN_COSTS_KEPT = 4096
 # tokens are compute, ~0.37 ms each in the mixed step on the ~140M qwen3_moe fp32 at 2 threads, where
 # the decode of 15 rows took ~20-25 ms (benchmarks/mixed_step_ab.py), so a 128-token chunk made its
 # step ~3x a plain one, mixed or not. Served at c = 16 with 512-token prompts arriving (docs/BENCHMARKS.md,
-# under load): ITL p99 / p50 2.0-2.1x at 48 (33 tokens beside 15 rows), 2.2-2.3x at 64, 2.9-3.4x
-# before; each arrival's own TTFT p50 0.7-1.3 s, 0.6 s, 0.4 s. Short prompts are admitted within
+# under load): ITL p99 / p50 median 2.06x (1.98-2.53x) at 48 (33 tokens beside 15 rows), 2.22x at
+# 64, 3.11x before; each arrival's own TTFT p50 0.7-1.3 s, 0.6-0.8 s, 0.4 s. Short prompts are admitted within
 # prefill_tokens as before (the level without arrivals is unchanged).
 MIXED_TOKENS = 48
 MIXED_FLOOR = 16

@@ -2,9 +2,11 @@
 mixed batch), for the compiled step to capture.
 
 Why: a long prompt is prefilled a chunk per scheduler step (chunked prefill), and as a forward of
-its own each chunk re-reads every expert's weights that the step's decode forward reads again: on
-the ~140M qwen3_moe at c = 16 (memory-bound there) ~20 ms of the ~50 ms a 128-token fp32 chunk
-added to its step, and ITL p99 3.1x its p50 (issue 35). Here the B decode rows' tokens and the
+its own each chunk re-reads every expert's weights that the step's decode forward reads again, and
+pays a second graph's fixed cost: on the ~140M qwen3_moe fp32 beside 15 decode rows, 8-9 ms of a
+step with a 128- or 33-token chunk (70.6 → 61.3 ms, 38.0 → 30.4; docs/BENCHMARKS.md "Mixed steps",
+under load; the rest of a chunk's time is its tokens' compute, which is why the scheduler keeps the
+chunk beside the rows small). Here the B decode rows' tokens and the
 chunk's T tokens are the B + T rows of every projection, norm, router and expert product (each
 module's `decode` form takes [N, D]; an expert chosen by any of them is read once); only attention
 splits: the first B rows through the mixer's `decode` on the running rows' cache, the last T

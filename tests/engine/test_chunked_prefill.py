@@ -131,3 +131,50 @@ def test_a_prefill_budget_below_one_token_is_refused(tiny_checkpoints):
     engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     with pytest.raises(MoekitError, match="max-prefill-tokens must be at least 1, got 0"):
         Scheduler(engine.decoder, prefill_tokens=0)
+
+
+def _served(engine, long_prompt, forwards: list, budget: int = 8):
+    """Two short requests decoding, then a long one arriving, its prompt prefilled in chunks (at most
+    `budget` tokens a step) → (outcomes; per step while it is prefilled: (the compiled graphs the step
+    called, the prompt's tokens prefilled by its end))."""
+    scheduler = Scheduler(engine.decoder, max_batch=4, prefill_tokens=budget)
+    requests = [Request(prompt=SHORT, max_new_tokens=12), Request(prompt=SHORT[::-1], max_new_tokens=12),
+                Request(prompt=long_prompt, max_new_tokens=3)]
+    outcomes: dict[int, object] = {}
+    for i, request in enumerate(requests):
+        request.on_finish = lambda outcome, i=i: outcomes.__setitem__(i, outcome)
+    scheduler.submit_all(requests[:2])
+    scheduler.step()
+    scheduler.submit(requests[2])
+    step = engine.decoder.compiled
+    while scheduler.num_waiting or scheduler.num_prefilling:
+        calls = step.direct_steps if step is not None else 0
+        scheduler.step()
+        done = scheduler._fill.done if scheduler._fill is not None else len(long_prompt)
+        forwards.append(((step.direct_steps if step is not None else 0) - calls, done))
+    scheduler.run_until_idle()
+    return [outcomes[i] for i in range(3)]
+
+
+def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_tokens(tiny_checkpoints):
+    """Compiled, with its mixed step's graph ready (moekit.model.mixed_step), each chunk of the long
+    prompt and the running rows' decode are ONE compiled call a step (the separate forwards were two:
+    the chunk's prefill graph, warmed up here too, then the decode's); every request gets the tokens
+    it gets alone (the long one: prefilled whole, as generate does) and the eager scheduler's usage.
+    A chunk that rides takes at most MIXED_TOKENS less the running rows (48 - 2) of a larger budget."""
+    from moekit.model.compiled_step import MIXED_STEP, PrefillShape
+    from tests.model.engine_pairs import eager_and_compiled
+
+    eager, engine = eager_and_compiled(tiny_checkpoints("qwen3_moe"))
+    engine.decoder.compiled.warm_up(batches=(2,), rows=4, prefills=(PrefillShape(1, full=False), MIXED_STEP))
+    longer = [(7 * i) % 150 + 3 for i in range(150)]
+    for prompt, budget, chunks in ((LONG, 8, [8, 16, 23]), (longer, 128, [46, 92, 138, 150])):
+        forwards: list = []
+        got = _served(engine, prompt, forwards, budget)
+        assert forwards == [(1, done) for done in chunks]  # each chunk in its step's one call
+        want = _served(eager, prompt, [], budget)
+        for outcome, theirs, asked, new in zip(got, want, (SHORT, SHORT[::-1], prompt), (12, 12, 3)):
+            assert outcome.finish_reason == "length", outcome.error
+            assert outcome.token_ids == theirs.token_ids == alone(eager, list(asked), new)
+            assert outcome.usage.experts_touched == theirs.usage.experts_touched
+            assert outcome.active_params == theirs.active_params

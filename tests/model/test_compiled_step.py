@@ -497,14 +497,16 @@ def test_a_servers_warm_up_takes_every_batch_of_its_cache_a_lone_request_include
 
 
 def test_a_server_compiles_the_prefill_graphs_its_prompts_can_take():
-    """served_prefills: several rows' graph only where several rows are prefilled together, and a
-    chunk's (1 row, not full) only where a prompt can be longer than a step's prefill tokens."""
+    """served_prefills: several rows' graph only where several rows are prefilled together, a
+    chunk's (1 row, not full) only where a prompt can be longer than a step's prefill tokens, and the
+    mixed step's (a chunk in the running rows' decode) only there too, where two rows can run beside it."""
     from moekit.model.compiled_step import SERVED_PREFILLS, served_prefills
 
-    alone, chunk, burst = SERVED_PREFILLS
-    assert (alone, chunk, burst) == ((1, True), (1, False), (2, True))
-    assert served_prefills(max_batch=4, max_len=4096, prefill_tokens=2048) == (alone, chunk, burst)
+    alone, chunk, burst, mixed = SERVED_PREFILLS
+    assert (alone, chunk, burst, mixed) == ((1, True, False), (1, False, False), (2, True, False), (1, False, True))
+    assert served_prefills(max_batch=4, max_len=4096, prefill_tokens=2048) == (alone, chunk, burst, mixed)
     assert served_prefills(max_batch=1, max_len=4096, prefill_tokens=2048) == (alone, chunk)
+    assert served_prefills(max_batch=2, max_len=4096, prefill_tokens=2048) == (alone, chunk, burst)
     assert served_prefills(max_batch=4, max_len=2048, prefill_tokens=2048) == (alone, burst)  # never chunked
     assert served_prefills(max_batch=1, max_len=256, prefill_tokens=2048) == (alone,)
-    assert served_prefills(max_batch=4, max_len=256, prefill_tokens=8) == (alone, chunk, burst)
+    assert served_prefills(max_batch=4, max_len=256, prefill_tokens=8) == (alone, chunk, burst, mixed)

@@ -14,7 +14,11 @@ The scheduler owns `max_batch` rows of one preallocated KV cache. Each step it
      before its decode, within what is left of the budget (a burst's late part then starts in its
      first part's step);
   3. runs one decode step over every running row (Decoder.forward_rows): each row at its own
-     length and RoPE position, with its own K; an expert chosen by any row is read once.
+     length and RoPE position, with its own K; an expert chosen by any row is read once. The
+     step's chunk of a long prompt rides in that forward where it can (Decoder.forward_mixed,
+     vLLM's mixed batch: the rows' tokens and the chunk's in one compiled graph, so the experts
+     both read are read once; the chunk then at most MIXED_TOKENS less the rows, as vLLM counts
+     decode tokens in a step's budget), else it runs as a forward of its own just before it.
 Sampling is per row, with the request's own settings and seed, so a greedy or seeded request gets
 what it gets alone. Requests admitted together with the same prompt and K (a request's `n`
 continuations) share one prefill, its cache copied into each of their rows. The scheduler knows no HTTP: a request hears of its tokens and its end through
@@ -26,7 +30,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from contextlib import nullcontext
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -56,6 +60,16 @@ TIERS = ("S", "A", "B")  # admitted in this order
 # Distinct (layer, experts used) counts whose token cost the scheduler keeps: a few per K in use;
 # per-layer policies can make many, and past this they are computed each time.
 TOKEN_COSTS_KEPT = 4096
+# Rows of a mixed step (decode rows + the chunk riding with them), as vLLM counts decode tokens in a
+# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why 48: a chunk's
+# tokens are compute, ~0.37 ms each in the mixed step on the ~140M qwen3_moe fp32 at 2 threads, where
+# the decode of 15 rows took ~20-25 ms (benchmarks/mixed_step_ab.py), so a 128-token chunk made its
+# step ~3x a plain one, mixed or not. Served at c = 16 with 512-token prompts arriving (docs/BENCHMARKS.md,
+# under load): ITL p99 / p50 median 2.06x (1.98-2.53x) at 48 (33 tokens beside 15 rows), 2.22x at
+# 64, 3.11x before; each arrival's own TTFT p50 0.7-1.3 s, 0.6-0.8 s, 0.4 s. Short prompts are admitted within
+# prefill_tokens as before (the level without arrivals is unchanged).
+MIXED_TOKENS = 48
+MIXED_FLOOR = 16
 
 
 def tier_top_k(tier: str, model_k: int) -> int:
@@ -274,11 +288,14 @@ class Scheduler:
         self.waiting = {tier: WaitingQueue() for tier in TIERS}
         self._admitting: list[Request] = []  # off the queue, not yet running: abort_all ends them too
         self._fill: Optional[_Fill] = None  # the prompt being prefilled in chunks, one per step
+        # Tokens of _fill's next chunk, taken from this step's budget, to run in its decode's forward
+        # (a mixed step: moekit.model.mixed_step) or, where that does not run, alone before it.
+        self._riding: Optional[int] = None
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._between: deque = deque()  # (callable, Future): run on this thread between two steps
         self.first_token_wait_s = first_token_wait_s
-        self._first_passed: list[threading.Event] = []  # of this step's first tokens (see _let_first_tokens_out)
+        self._first_passed: list[threading.Event] = []  # of the first tokens made since the last wait (_let_first_tokens_out)
 
     # ---- the client side (any thread) ----
 
@@ -349,7 +366,7 @@ class Scheduler:
                 self.prefix_cache.clear()  # what runs here may change weights: cached KV is stale
             if self._fill is not None:
                 # Its chunks so far ran on the weights before: it starts again, uncached.
-                self._fill = self._start_fill(self._fill.rows, self._fill.keys, ())
+                self._fill = self._start_fill(self._fill.rows, self._fill.keys, (), chunked=True)
 
     @property
     def num_running(self) -> int:
@@ -400,6 +417,7 @@ class Scheduler:
                 row.finish, row.error = reason, message
                 self._finish(row)
             self._fill = None
+        self._riding = None
         for row in self.rows:
             row.finish, row.error = reason, message
         self._release()
@@ -416,7 +434,7 @@ class Scheduler:
         there was nothing to do."""
         started = time.perf_counter()
         self._run_between()
-        self._first_passed = []
+        self._riding = None
         with torch.inference_mode():
             self._release()
             admitted = self._admit()
@@ -424,7 +442,9 @@ class Scheduler:
             batch = len(self.rows)
             if batch:
                 self._let_first_tokens_out()
-                self._decode()
+                admitted += self._decode()
+            elif self._riding is not None:
+                admitted += self._chunk_alone()
         if self.on_step is not None and (batch or admitted):
             self.on_step(StepStats(batch=batch, admitted=admitted, seconds=time.perf_counter() - started))
         return bool(batch or admitted or self.num_waiting or self._fill is not None)
@@ -500,7 +520,7 @@ class Scheduler:
             if _scores_prompt(group):
                 blocks = []  # a prompt's logprobs need every position computed
             if group[0].length - self._cached_tokens(blocks) > budget and self._fill is None:
-                self._fill = self._start_fill(group, keys, blocks)  # too long for one step: in chunks
+                self._fill = self._start_fill(group, keys, blocks, chunked=True)  # too long for one step: in chunks
                 if self._fill is not None:
                     budget, _ = self._continue_fill(budget)
             elif blocks:
@@ -574,12 +594,16 @@ class Scheduler:
         if fill is not None and self._fill_chunk(fill, fill.left):
             self._end_fill(fill)
 
-    def _start_fill(self, rows: list[_Row], keys: Sequence[bytes], blocks: Sequence[Block]) -> Optional[_Fill]:
+    def _start_fill(self, rows: list[_Row], keys: Sequence[bytes], blocks: Sequence[Block],
+                    chunked: bool = False) -> Optional[_Fill]:
         """A prompt's prefill set up: its own cache, holding the KV of `blocks` (a cached prefix).
-        None if that failed (its rows have failed and finished)."""
+        chunked: prefilled in chunks, its cache a slot longer than the prompt (within max_len), so
+        that every chunk, the last too, is the one compiled shape the mixed step takes (a chunk
+        that fills its cache would be another graph). None if that failed (its rows have failed
+        and finished)."""
         cached = self._cached_tokens(blocks)
         try:
-            single = self.decoder.new_cache(1, rows[0].length)
+            single = self.decoder.new_cache(1, rows[0].length + (chunked and rows[0].length < self.max_len))
             for i, block in enumerate(blocks):
                 write_slots(single, 0, i * self.prefix_cache.block_size, block.slots)
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
@@ -636,14 +660,70 @@ class Scheduler:
             self._fill = None
             return budget, 0
         tokens = min(budget, fill.left)
+        riding = min(tokens, max(MIXED_TOKENS - len(self.rows), MIXED_FLOOR))
+        if self.decoder.mixes(len(self.rows), riding):
+            self._riding = riding  # run in the decode step's forward where it can (_decode_mixed)
+            return budget - riding, 0
         if not self._fill_chunk(fill, tokens):
             self._fill = None
             return budget - tokens, 0
+        return budget - tokens, self._chunk_done(fill)
+
+    def _chunk_done(self, fill: _Fill) -> int:
+        """After a chunk of fill: if it was the last, its rows started. → rows started."""
         if fill.left:
-            return budget - tokens, 0
+            return 0
         self._fill = None
         self._end_fill(fill)
-        return budget - tokens, len(fill.rows)
+        return len(fill.rows)
+
+    def _chunk_alone(self) -> int:
+        """The chunk that was to ride in the decode step (_riding) run as a forward of its own, as
+        every chunk was before the mixed step: before the decode, the rows of a last chunk started
+        and any that ended at their first token released. → rows started."""
+        tokens, self._riding = self._riding, None
+        fill = self._fill
+        if not self._fill_chunk(fill, tokens):
+            self._fill = None
+            return 0
+        started = self._chunk_done(fill)
+        self._release()
+        return started
+
+    def _decode_mixed(self) -> Optional[int]:
+        """The step's decode and the riding chunk in one forward (Decoder.forward_mixed), where every
+        running row routes the family's way at the model's K and the prompt takes the prefill form
+        (no per-row K, policy or canary; its logprobs not asked for). Metered, started and failed as
+        the two forwards would be. → rows the chunk started, or None where it did not run (nothing
+        written that the two forwards do not write again)."""
+        fill, tokens, rows = self._fill, self._riding, self.rows
+        head = fill.head
+        if head.run is not None or head.top_k != self.model_k or _scores_prompt(fill.rows) \
+                or self._on_canary(head.request) or any(self._on_canary(row.request) for row in rows) \
+                or self._routing(rows) != (None, None):
+            return None
+        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.int64, device=self.device)  # [B, 1]
+        lengths = torch.tensor([row.length for row in rows], dtype=torch.int64, device=self.device)  # [B]
+        chunk = torch.tensor([list(head.request.prompt[fill.done : fill.done + tokens])], dtype=torch.int64,
+                             device=self.device)  # [1, T]
+        decisions: list = []
+        chunk_decisions: list = []
+        try:
+            out = self.decoder.forward_mixed(ids, self.cache, lengths, chunk, fill.cache, decisions, chunk_decisions)
+        except Exception:  # noqa: BLE001 - the two forwards find which request fails; the others go on
+            return None
+        if out is None:
+            return None
+        logits, chunk_logits = out  # [B, 1, V], [1, 1, V]
+        self._riding = None
+        fill.decisions.append(chunk_decisions)
+        fill.logits.append(chunk_logits[0])
+        fill.done += tokens
+        self._meter_step(rows, decisions)
+        for row in rows:
+            row.length += 1
+        self._advance(rows, logits[:, -1])
+        return self._chunk_done(fill)
 
     def _cancelled(self, row: _Row) -> bool:
         """A row whose request was cancelled while its prompt was prefilled: it ends now."""
@@ -708,7 +788,9 @@ class Scheduler:
     def _let_first_tokens_out(self) -> None:
         """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
         first tokens this step's prefills made have passed them on (their `first_passed` events)."""
-        events = self._first_passed  # emptied as each step starts
+        # Taken here, not emptied as the step starts: a last chunk that rode in the decode before
+        # (_decode_mixed) made its rows' first tokens after that step's wait, and this one waits for them.
+        events, self._first_passed = self._first_passed, []
         if not events or self.first_token_wait_s <= 0:
             return
         deadline = time.perf_counter() + self.first_token_wait_s
@@ -717,7 +799,22 @@ class Scheduler:
             if left <= 0 or not event.wait(left):
                 return
 
-    def _decode(self) -> None:
+    def _decode(self) -> int:
+        """The running rows' decode step, with the chunk riding in it (_riding) where there is one:
+        one forward where it can (_decode_mixed), else the chunk's own forward first. → rows the
+        chunk started."""
+        started = 0
+        if self._riding is not None:
+            mixed = self._decode_mixed()
+            if mixed is not None:
+                return mixed
+            started = self._chunk_alone()
+            if not self.rows:
+                return started
+        self._decode_rows()
+        return started
+
+    def _decode_rows(self) -> None:
         n = len(self.rows)
         ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
         held = [row.length for row in self.rows]
@@ -871,11 +968,28 @@ class Scheduler:
                 self._record(row, layer, token_ids)
                 for e in token_ids:
                     counts[e] += count
-                row.work = row.work + self._work({layer: token_ids})
+            row.work = row.work + self._prompt_work(layer, ids)
             last[layer] = set(ids[-1])
             self._meter_cache(row, layer, {e for t in ids for e in t})
         row.work = row.work + work_done(self.counts, {}, self.bytes_per_param, dense_tokens=row.length, head_tokens=1)
         self._meter_token(row, last)
+
+    def _prompt_work(self, layer: int, ids: list[list[int]]) -> WorkDone:
+        """The work of prompt tokens whose experts in MoE layer `layer` were ids[t] (distinct): the
+        sum of each one's (_work). Where every expert counts at the dtype's whole bytes (no
+        expert_bytes) a token's depends only on how many experts it used, so it is counted once per
+        count: one work_done per token and layer had cost ~12 ms of Python at the end of a 512-token
+        prompt on the ~150M checkpoint, in a step the running rows wait for (measured)."""
+        if self.expert_bytes is not None or not isinstance(self.bytes_per_param, int):
+            total = WorkDone()
+            for token_ids in ids:
+                total = total + self._work({layer: token_ids})
+            return total
+        total = WorkDone()
+        for n, tokens in Counter(len(token_ids) for token_ids in ids).items():
+            one = self._work({layer: range(n)})
+            total = total + WorkDone(one.expert_bytes * tokens, one.expert_flops * tokens, one.flops * tokens)
+        return total
 
     def _meter_cached(self, row: _Row, blocks: Sequence[Block]) -> None:
         """The experts a cached prefix's tokens chose when they were computed: touched by the

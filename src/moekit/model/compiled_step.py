@@ -62,6 +62,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.linear import PLAIN, TILES, Linear
 from moekit.model.moe import MoE
 from moekit.model import saved_graphs
+from moekit.model.mixed_step import mixed_step
 from moekit.model.prefill_step import prefill_step
 from moekit.model.step_ops import (CONSTANT_WHILE_TRACING, _namespace, _widen_batch, grouped, has_attend, has_gemv,
                                    has_latent_attend)
@@ -125,12 +126,24 @@ def _mark_prefill(small) -> None:
         mark(t, 1)
 
 
+def _mark_mixed(small, chunk_stack) -> None:
+    """Mark a mixed step's per-call sizes dynamic: the decode rows' (ids, slot, positions, key_mask:
+    their batch, past 1, and the visible length, as _mark_step), the chunk's tokens and its cache
+    length (chunk_ids, chunk_positions [1, T], chunk_mask [1, P]), and the prompt cache's slots
+    (a cache of each prompt's own size)."""
+    _mark_step(small[:4])
+    for t in small[4:]:
+        mark_dynamic(t, 1)
+    _mark_held(chunk_stack, ())
+
+
 # Graphs Dynamo may trace from one decoder's copy of decode_step (or prefill_step) before it stops
 # compiling and runs the function eagerly (its recompile_limit, 8 by default, counts per code object):
 # batch 1 and larger batches, each StepRouting (per-row Ks, a policy's width, router health) and the
 # cache forms make more than 8 on a server with tiers and policies, and the ninth would run eagerly.
 GRAPHS_PER_STEP = 64
 PREFILL = "prefill"  # the first field of a prefill graph's key (CompiledStep._graphs, saved records' routing)
+MIXED = "mixed"  # the first field of a mixed step's key (moekit.model.mixed_step)
 
 
 class PrefillShape(NamedTuple):
@@ -142,26 +155,36 @@ class PrefillShape(NamedTuple):
 
     rows: int  # 1, or 2 for every larger count
     full: bool  # the prompt's last token takes the cache's last slot
+    # The chunk rides in the running rows' decode step (moekit.model.mixed_step): one graph for
+    # every count of rows past 1 and every chunk, on a prompt cache with room (rows 1, full False).
+    mixed: bool = False
 
 
-# A server's prefills (moekit.engine.scheduler): a prompt alone, or the last chunk of one, in a cache
-# of its size; a chunk before the last; a burst of prompts prefilled together, left-padded.
-SERVED_PREFILLS = (PrefillShape(1, True), PrefillShape(1, False), PrefillShape(2, True))
+MIXED_STEP = PrefillShape(1, False, mixed=True)
+# A server's prefills (moekit.engine.scheduler): a prompt alone in a cache of its size; a chunk of a
+# longer one (its cache keeps a slot spare, so the last chunk too), alone or in a mixed step; a burst
+# of prompts prefilled together, left-padded.
+SERVED_PREFILLS = (PrefillShape(1, True), PrefillShape(1, False), PrefillShape(2, True), MIXED_STEP)
 
 
 def served_prefills(max_batch: int, max_len: int, prefill_tokens: int) -> tuple[PrefillShape, ...]:
     """The prefill graphs a server of these settings can run, of SERVED_PREFILLS: several rows only
-    where several can be prefilled together (max_batch > 1), and a chunk before the last (1 row, not
-    full) only where a prompt can be longer than a step's prefill tokens (the scheduler chunks no
-    other: slots per row `max_len` > `prefill_tokens`). A graph no prompt takes costs a cold start
-    a compile for nothing (~10-20 s on 2 cores); a prompt without its graph would run the modules'
-    forward anyway, with the same tokens."""
+    where several can be prefilled together (max_batch > 1), and a chunk (1 row, not full) only
+    where a prompt can be longer than a step's prefill tokens (the scheduler chunks no other: slots
+    per row `max_len` > `prefill_tokens`), in a mixed step only where two rows can run beside the
+    prompt being prefilled (max_batch > 2: one running row takes the separate forwards, as a batch
+    of 1 is a graph of its own). A graph no prompt takes costs a cold start a compile for nothing
+    (~10-20 s on 2 cores); a prompt without its graph would run the modules' forward anyway, with
+    the same tokens."""
     return tuple(shape for shape in SERVED_PREFILLS
-                 if (shape.rows == 1 or max_batch > 1) and (shape.full or max_len > prefill_tokens))
+                 if (shape.rows == 1 or max_batch > 1) and (shape.full or max_len > prefill_tokens)
+                 and (not shape.mixed or max_batch > 2))
 
 
 def shape_name(shape: PrefillShape) -> str:
-    """A prefill shape as the progress lines name it: "1 row full", "2 rows full", "1 row"."""
+    """A prefill shape as the progress lines name it: "1 row full", "2 rows full", "1 row", "mixed"."""
+    if shape.mixed:
+        return "mixed"
     return f"{shape.rows} row{'s' * (shape.rows > 1)}{' full' * shape.full}"
 
 
@@ -302,6 +325,12 @@ class CompiledStep:
         prefill_inductor = {k: v for k, v in self._inductor.items() if k != "aot_inductor.custom_ops_to_c_shims"}
         self._prefill_fn = torch.compile(own, backend=_Recorder(self, {**prefill_inductor, "cpp_wrapper": False}),
                                          fullgraph=True, dynamic=False, options=options)
+        # The mixed step (moekit.model.mixed_step) likewise: its ~0.2 ms of Python calls is little of a
+        # step that carries a chunk of tens of ms.
+        own = types.FunctionType(mixed_step.__code__.replace(), mixed_step.__globals__, mixed_step.__name__,
+                                 mixed_step.__defaults__)
+        self._mixed_fn = torch.compile(own, backend=_Recorder(self, {**prefill_inductor, "cpp_wrapper": False}),
+                                       fullgraph=True, dynamic=False, options=options)
 
     @property
     def graphs(self) -> list[DirectGraph]:
@@ -403,6 +432,41 @@ class CompiledStep:
                 return None
             logits, chosen, weights, *entropy = run
         return StepResult(logits[:, None, :], chosen, weights, self.moe_layers, entropy[0] if entropy else None)
+
+    @property
+    def mixes(self) -> bool:
+        """Whether a mixed step's graph is ready (warm_up compiled or loaded it): steps run it from then."""
+        return any(key[0] == MIXED and graphs for key, graphs in list(self._graphs.items()))
+
+    def mixed(self, ids, cache, slot, positions, key_mask, chunk_ids, chunk_cache, chunk_positions,
+              routing: StepRouting = FAMILY, trace: bool = False) -> Optional[tuple]:
+        """The running rows' decode step and one chunk of a prompt as one graph (moekit.model.mixed_step):
+        ids [B, 1], slot, positions [B], key_mask [B, S] as __call__ takes them (B > 1), on cache;
+        chunk_ids, chunk_positions [1, T] (T > 1), the chunk's tokens after the chunk_cache.length
+        slots its prompt's cache (one row, a slot past the prompt spare) holds. → (logits [B + 1, V]
+        fp32, chosen [L_moe, B + T, K], weights, entropy or None), both caches written; or None, both
+        untouched, where no graph recorded or saved takes these inputs (trace: compile one now,
+        what warm_up does: a request never waits for a compile, its step runs the separate forwards)."""
+        if cache.stack is None or chunk_cache.stack is None:
+            raise ValueError("the mixed step needs stacked caches (Decoder.new_cache makes them)")
+        end = chunk_cache.length + chunk_ids.shape[1]
+        if end >= chunk_cache.max_len:
+            raise ValueError(f"the prompt's cache must keep a slot spare: {end} of {chunk_cache.max_len} asked")
+        with torch.inference_mode():
+            tables = self._held(cache.stack, self.decoder.rope)
+            # Fresh tensors in the standard layout (prefill says why).
+            small = tuple(t.clone(memory_format=torch.contiguous_format)
+                          for t in (ids[:, 0], slot, positions, key_mask, chunk_ids, chunk_positions,
+                                    chunk_cache.key_mask[:, :end]))
+            inputs = (*small, cache.stack, chunk_cache.stack, *tables)
+            key = (MIXED, *routing)
+            run = self._run(key, inputs, small, lambda marked: _mark_mixed(marked, chunk_cache.stack),
+                            4 if routing.entropy else 3,
+                            (lambda: self._mixed_fn(self.decoder, *inputs, routing)) if trace else None)
+        if run is None:
+            return None
+        logits, chosen, weights, *entropy = run
+        return logits, chosen, weights, entropy[0] if entropy else None
 
     def _recorded(self, key, inputs: tuple) -> Optional[DirectGraph]:
         """The graph of `key` recorded in this process that accepts inputs (moved first: the graph of
@@ -512,6 +576,17 @@ class CompiledStep:
         """Compile (or load) the prefill graph of shape, on a scratch cache. → its seconds."""
         device = self.decoder.device
         began = time.perf_counter()
+        if shape.mixed:
+            with torch.inference_mode(), self._scratch_steps():
+                # Every dynamic size apart from the others (as below): 2 rows of a 4-row cache at slots 4
+                # and 5 of 11, a 3-token chunk at slots 4..6 of a prompt cache of 8.
+                cache, chunk_cache = self.decoder.new_cache(4, 11), self.decoder.new_cache(1, 8)
+                chunk_cache.length = 4
+                slot = torch.arange(4, 6, device=device)
+                ids = torch.zeros(3, dtype=torch.int64, device=device)
+                self.mixed(ids[:2, None], cache, slot, slot, cache.key_mask[:2, :6], ids[None], chunk_cache,
+                           torch.arange(4, 7, device=device)[None], routing, trace=True)
+            return time.perf_counter() - began
         with torch.inference_mode(), self._scratch_steps():
             # Sizes that differ from each other (3 tokens after 2; one row more than prefilled,
             # past one), so that the trace ties none of them to another (Dynamo's duck sizing).

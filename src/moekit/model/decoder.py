@@ -134,6 +134,19 @@ class Block(nn.Module):
         return self._rows(x, lambda h: self.attn.prefill(h, stack, at, slots, positions, cos, sin_signed, visible),
                           None, routing)
 
+    def mixed(self, x, b, stack, chunk_stack, at, slot, positions, visible, slots, flat, seen, cos, sin_signed,
+              routing=FAMILY):
+        """The mixed step's form (moekit.model.mixed_step): x [B + T, D], B decode rows (decode's
+        slot, positions [B], visible [B, S] on stack) then one prompt's T tokens (prefill's slots
+        [1, T], positions flat [T], seen [1, T, P] on chunk_stack) → (x [B + T, D], RoutingDecision
+        or None); every product runs on the B + T rows at once, attention on each part's cache."""
+        def mix(h):
+            rows = self.attn.decode(h[:b], stack, at, slot, positions, cos[:b], sin_signed[:b], visible)
+            chunk = self.attn.prefill(h[b:], chunk_stack, at, slots, flat, cos[b:], sin_signed[b:], seen)
+            return torch.cat((rows, chunk))
+
+        return self._rows(x, mix, None, routing)
+
     def _rows(self, x, mix, top_k, routing):
         """One layer over rows of one token each, x [N, D], the mixer being mix(normed x) → [N, D]."""
         residual = self.residual
@@ -339,6 +352,46 @@ class Decoder(nn.Module):
                 if decisions is not None and decision is not None:
                     decisions.append((i, decision))
         return self.head(self.norm(x))
+
+    def forward_mixed(self, input_ids, cache: KVCache, lengths, chunk_ids, chunk_cache: KVCache,
+                      decisions: list | None = None, chunk_decisions: list | None = None):
+        """forward_rows (each row at the family's routing) and one chunk of a prompt (forward's
+        prefill, last_only, into chunk_cache after its chunk_cache.length slots) as one compiled
+        graph (moekit.model.mixed_step) → (logits [B, 1, V], the chunk's last token's [1, 1, V]),
+        chunk_cache.length advanced; or None, nothing run, where that graph does not hold them:
+        not compiled, not warmed up (CompiledStep.warm_up's MIXED_STEP), one row, a one-token chunk,
+        or what the prefill form does not take (moekit.model.prefill_step.takes). The caller then
+        runs the two forwards. decisions / chunk_decisions: as forward_rows' / forward's."""
+        b, t = input_ids.shape[0], chunk_ids.shape[1]
+        if not self.mixes(b, t) or not self.steps_in_form(cache) or not self.steps_in_form(chunk_cache):
+            return None
+        end = int(lengths.max()) + 1
+        if end > cache.max_len:
+            raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+        start = chunk_cache.length
+        positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
+        out = self.compiled.mixed(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], chunk_ids, chunk_cache,
+                                  positions, StepRouting(entropy=self.entropy_watched))
+        if out is None:
+            return None
+        logits, chosen, weights, entropy = out
+        chunk_cache.length = start + t
+        if decisions is not None:
+            decisions.extend(step_decisions(self.moe_layers, chosen[:, :b], weights[:, :b],
+                                            None if entropy is None else entropy[:, :b]))
+        if chunk_decisions is not None:
+            chunk_decisions.extend(step_decisions(self.moe_layers, chosen[:, b:], weights[:, b:],
+                                                  None if entropy is None else entropy[:, b:]))
+        return logits[:b, None, :], logits[b:, None, :]
+
+    def mixes(self, rows: int, tokens: int) -> bool:
+        """Whether a step of `rows` decode rows and a chunk of `tokens` can run as a mixed step
+        (forward_mixed): compiled, its graph ready, more than one of each, the prefill form taking
+        the prompt (moekit.model.prefill_step.takes: no hooks, no store)."""
+        from moekit.model.prefill_step import takes
+
+        return (self.compiled is not None and rows > 1 and tokens > 1 and self.compiled.mixes
+                and takes(self, None, None, True) is None)
 
     def steps_in_form(self, cache: KVCache) -> bool:
         """Whether a T = 1 step over `cache` runs decode_step (each module's `decode`; compiled when

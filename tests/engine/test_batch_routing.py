@@ -27,12 +27,13 @@ def lone(engine, prompt, policy=None):
 
 
 def recorded_steps(decoder) -> list:
-    """Wrap the decoder's batched step so each call's (policy, decisions) is kept; it still runs."""
+    """Wrap the decoder's batched step so each call's (policy, decisions) is kept; it still runs.
+    The step's form hands its routing back whole (StepChoices) where the scheduler asks for that."""
     steps, forward = [], decoder.forward_rows
 
-    def forward_rows(ids, cache, lengths, decisions=None, top_k=None, policy=None):
-        out = forward(ids, cache, lengths, decisions, top_k, policy)
-        steps.append((policy, list(decisions or [])))
+    def forward_rows(ids, cache, lengths, decisions=None, top_k=None, policy=None, choices=None, **more):
+        out = forward(ids, cache, lengths, decisions, top_k, policy, choices, **more)
+        steps.append((policy, choices[-1].decisions() if choices else list(decisions or [])))
         return out
 
     decoder.forward_rows = forward_rows

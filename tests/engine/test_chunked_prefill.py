@@ -161,14 +161,16 @@ def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_to
     prompt and the running rows' decode are ONE compiled call a step (the separate forwards were two:
     the chunk's prefill graph, warmed up here too, then the decode's); every request gets the tokens
     it gets alone (the long one: prefilled whole, as generate does) and the eager scheduler's usage.
-    A chunk that rides takes at most MIXED_TOKENS less the running rows (48 - 2) of a larger budget."""
+    A chunk that rides takes at most MIXED_TOKENS less the running rows (2) of a larger budget."""
+    from moekit.engine.scheduler import MIXED_TOKENS
     from moekit.model.compiled_step import MIXED_STEP, PrefillShape
     from tests.model.engine_pairs import eager_and_compiled
 
     eager, engine = eager_and_compiled(tiny_checkpoints("qwen3_moe"))
     engine.decoder.compiled.warm_up(batches=(2,), rows=4, prefills=(PrefillShape(1, full=False), MIXED_STEP))
     longer = [(7 * i) % 150 + 3 for i in range(150)]
-    for prompt, budget, chunks in ((LONG, 8, [8, 16, 23]), (longer, 128, [46, 92, 138, 150])):
+    riding = MIXED_TOKENS - 2
+    for prompt, budget, chunks in ((LONG, 8, [8, 16, 23]), (longer, 128, [*range(riding, 150, riding), 150])):
         forwards: list = []
         got = _served(engine, prompt, forwards, budget)
         assert forwards == [(1, done) for done in chunks]  # each chunk in its step's one call

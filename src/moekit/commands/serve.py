@@ -111,7 +111,7 @@ def serve(
     max_prefill_tokens: int = typer.Option(
         128, "--max-prefill-tokens", help="Prompt tokens one scheduler step prefills; a longer prompt is prefilled "
         "in chunks of this many, one per step, while the running requests decode (chunked prefill); compiled, a "
-        "chunk rides in their decode forward, at most 48 tokens less the running requests (at least 16)."),
+        "chunk rides in their decode forward, at most 32 tokens less the running requests (at least 16)."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="The model id clients send. Default: the folder's name."),
     expert_memory: Optional[str] = typer.Option(None, "--expert-memory", help="Memory for routed experts (25% or 2GiB); the rest is paged from disk."),
     cache: str = typer.Option("lru", "--cache", help="Expert cache policy with --expert-memory: lru, lfu, lfu-aging, lfru."),

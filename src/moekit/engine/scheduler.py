@@ -61,14 +61,15 @@ TIERS = ("S", "A", "B")  # admitted in this order
 # per-layer policies can make many, and past this they are computed each time.
 TOKEN_COSTS_KEPT = 4096
 # Rows of a mixed step (decode rows + the chunk riding with them), as vLLM counts decode tokens in a
-# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why 48: a chunk's
+# step's budget: the chunk takes what the rows leave, at least MIXED_FLOOR tokens. Why so few: a chunk's
 # tokens are compute, ~0.37 ms each in the mixed step on the ~140M qwen3_moe fp32 at 2 threads, where
 # the decode of 15 rows took ~20-25 ms (benchmarks/mixed_step_ab.py), so a 128-token chunk made its
-# step ~3x a plain one, mixed or not. Served at c = 16 with 512-token prompts arriving (docs/BENCHMARKS.md,
-# under load): ITL p99 / p50 median 2.06x (1.98-2.53x) at 48 (33 tokens beside 15 rows), 2.22x at
-# 64, 3.11x before; each arrival's own TTFT p50 0.7-1.3 s, 0.6-0.8 s, 0.4 s. Short prompts are admitted within
-# prefill_tokens as before (the level without arrivals is unchanged).
-MIXED_TOKENS = 48
+# step ~3x a plain one, mixed or not. Served at c = 16 with 512-token prompts arriving (docs/BENCHMARKS.md
+# "Mixed steps"): ITL p99 / p50 at 32 1.91-1.97x quiet (48: 2.29-2.48x quiet, median 2.06x under load;
+# 64: 2.22x; 3.11x before the mixed step); each arrival's own TTFT p50 1.1-1.7 s at 32, 1.3 s at 48,
+# 0.4 s before. Short prompts are admitted within prefill_tokens as before (the level without
+# arrivals is unchanged).
+MIXED_TOKENS = 32
 MIXED_FLOOR = 16
 
 

@@ -90,7 +90,7 @@ def test_a_confirmed_graph_calls_inductors_code_alone_and_computes_what_dynamo_c
         assert graph.confirmed and graph.calls_inner
         for length, seed in ((5, 0), (9, 1), (300, 2)):
             inputs = _inputs(length=length, seed=seed)
-            assert torch.equal(graph(inputs)[0], graphs[0].run(*_args(graphs[0], inputs))[0])
+            assert torch.equal(graph(inputs)[0], graphs[0].run(*graphs[0].args(inputs))[0])
             torch.testing.assert_close(graph(inputs)[0], _forward(model, *inputs), rtol=1e-6, atol=1e-6)
 
 
@@ -108,12 +108,6 @@ def test_a_graph_whose_inner_code_answers_otherwise_keeps_the_wrappers(recorded)
         assert torch.equal(graph.confirm(_inputs())[0], want)  # the wrappers' results
         assert graph.confirmed and not graph.calls_inner
         assert torch.equal(graph(_inputs())[0], want)
-
-
-def _args(graph: DirectGraph, inputs) -> list:
-    args = list(graph._template)
-    graph._fill(args, inputs)
-    return args
 
 
 def test_a_recorded_graph_reads_the_weights_in_place(recorded):

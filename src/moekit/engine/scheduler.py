@@ -703,8 +703,7 @@ class Scheduler:
                 or self._on_canary(head.request) or any(self._on_canary(row.request) for row in rows) \
                 or self._routing(rows) != (None, None):
             return None
-        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.int64, device=self.device)  # [B, 1]
-        lengths = torch.tensor([row.length for row in rows], dtype=torch.int64, device=self.device)  # [B]
+        ids, lengths, _ = self._step_inputs(rows)
         chunk = torch.tensor([list(head.request.prompt[fill.done : fill.done + tokens])], dtype=torch.int64,
                              device=self.device)  # [1, T]
         decisions: list = []
@@ -720,10 +719,7 @@ class Scheduler:
         fill.decisions.append(chunk_decisions)
         fill.logits.append(chunk_logits[0])
         fill.done += tokens
-        self._meter_step(rows, decisions)
-        for row in rows:
-            row.length += 1
-        self._advance(rows, logits[:, -1])
+        self._stepped(rows, decisions, logits[:, -1])
         return self._chunk_done(fill)
 
     def _cancelled(self, row: _Row) -> bool:
@@ -815,26 +811,35 @@ class Scheduler:
         self._decode_rows()
         return started
 
+    def _step_inputs(self, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A decode step's inputs for rows: ids [B, 1] (each row's last token), lengths [B] (the
+        slots each holds) and max(lengths) + 1."""
+        held = [row.length for row in rows]
+        ids = torch.tensor([[row.tokens[-1]] for row in rows], dtype=torch.int64, device=self.device)  # [B, 1]
+        return ids, torch.tensor(held, dtype=torch.int64, device=self.device), max(held) + 1
+
+    def _stepped(self, rows: list[_Row], decisions: list, logits: torch.Tensor, whole: Optional[StepChoices] = None) -> None:
+        """After a decode step over rows: metered (_meter_step), each a slot longer, each its next
+        token from logits [B, V]."""
+        self._meter_step(rows, decisions, whole)
+        for row in rows:
+            row.length += 1
+        self._advance(rows, logits)
+
     def _decode_rows(self) -> None:
         n = len(self.rows)
-        ids = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.int64, device=self.device)  # [B, 1]
-        held = [row.length for row in self.rows]
-        lengths = torch.tensor(held, dtype=torch.int64, device=self.device)  # [B]
-        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)] if self.canary is not None else []
+        ids, lengths, end = self._step_inputs(self.rows)
+        canary = [i for i, row in enumerate(self.rows) if self._on_canary(row.request)]
         top_k, policy = self._routing(self.rows, skip=set(canary))
         decisions: list = []
         choices: list = []  # the step form's routing, whole (StepChoices): the meter reads it at once
         try:
-            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy, choices,
-                                               end=max(held) + 1)  # [B, 1, V]
+            logits = self.decoder.forward_rows(ids, self.cache, lengths, decisions, top_k, policy, choices, end=end)  # [B, 1, V]
         except Exception:  # noqa: BLE001 - find the row that fails; the others go on
             self._decode_alone()
             return
         if not canary:
-            self._meter_step(self.rows, decisions, choices[0] if choices else None)
-            for row in self.rows:
-                row.length += 1
-            self._advance(self.rows, logits[:, -1])
+            self._stepped(self.rows, decisions, logits[:, -1], choices[0] if choices else None)
             return
         # The batch ran the served weights for every row; the canary rows' results are dropped
         # and each is run again alone on the canary weights (its slot rewritten).
@@ -842,11 +847,7 @@ class Scheduler:
             decisions = choices[0].decisions()
         keep = [i for i in range(n) if i not in set(canary)]
         decisions = [(layer, _rows_of(d, keep)) for layer, d in decisions]
-        rows = [self.rows[i] for i in keep]
-        self._meter_step(rows, decisions)
-        for row in rows:
-            row.length += 1
-        self._advance(rows, logits[keep][:, -1])
+        self._stepped([self.rows[i] for i in keep], decisions, logits[keep][:, -1])
         self._decode_alone(canary)
         assert n == len(self.rows)
 
@@ -874,9 +875,7 @@ class Scheduler:
                 row.finish, row.error = "error", _message(err)
                 continue
             copy_row(self.cache, index, single, 0, row.length + 1)
-            self._meter_step([row], decisions)
-            row.length += 1
-            self._advance([row], logits[:, -1])
+            self._stepped([row], decisions, logits[:, -1])
 
     def _advance(self, rows: list[_Row], logits: torch.Tensor) -> None:
         """logits [B, V] → each row's next token (and its logprobs, from these same logits)."""
@@ -1018,16 +1017,15 @@ class Scheduler:
             positions = [row.length for row in rows]
             for layer, values in zip(layers, entropy):
                 self.entropy.add(layer, positions, values)
-        store = self.store
         for layer, ids in zip(layers, per_layer):
             counts = self.expert_tokens[layer]
             for i, row in enumerate(rows):
                 chosen = _distinct(ids[i][: row.top_k])  # a policy's narrower tokens repeat their first expert
-                row.touched.update(zip(repeat(layer), chosen))  # as _record
+                self._record(row, layer, chosen)
                 for e in chosen:
                     counts[e] += 1
                 used[i][layer] = set(chosen)
-                if store is not None:
+                if self.store is not None:
                     self._meter_cache(row, layer, set(chosen))
         for row, per_layer in zip(rows, used):
             work, active, read = self._token_cost(per_layer)

@@ -168,6 +168,16 @@ class Block(nn.Module):
         return x + (h * residual if residual != 1.0 else h), decision
 
 
+def _rows_end(cache: KVCache, lengths, end: Optional[int] = None) -> int:
+    """The slots a decode step over rows at `lengths` [B] reads, max(lengths) + 1 (`end` where the
+    caller knows it), checked against the cache's."""
+    if end is None:
+        end = int(lengths.max()) + 1
+    if end > cache.max_len:
+        raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+    return end
+
+
 def _materialise(module: nn.Module, device, dtype: torch.dtype) -> None:
     """Give every meta parameter real, uninitialised storage in `dtype` (the checkpoint fills it next).
 
@@ -329,10 +339,7 @@ class Decoder(nn.Module):
         `decisions` either way). end: max(lengths) + 1 where the caller knows it (saves a read of lengths).
         """
         b = input_ids.shape[0]
-        if end is None:
-            end = int(lengths.max()) + 1
-        if end > cache.max_len:
-            raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+        end = _rows_end(cache, lengths, end)
         if self.steps_in_form(cache):
             # Rows are never padded (slot = position), so the cache's key_mask is all True here.
             return self._step(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], decisions, top_k, policy,
@@ -365,9 +372,7 @@ class Decoder(nn.Module):
         b, t = input_ids.shape[0], chunk_ids.shape[1]
         if not self.mixes(b, t) or not self.steps_in_form(cache) or not self.steps_in_form(chunk_cache):
             return None
-        end = int(lengths.max()) + 1
-        if end > cache.max_len:
-            raise ValueError(f"cache holds {cache.max_len} slots; a row asks for slot {end - 1}")
+        end = _rows_end(cache, lengths)
         start = chunk_cache.length
         positions = torch.arange(start, start + t, device=self.device)[None]  # [1, T]
         out = self.compiled.mixed(input_ids, cache, lengths, lengths, cache.key_mask[:b, :end], chunk_ids, chunk_cache,

@@ -24,8 +24,8 @@ text evaluated as it is stays beside it as the reference (DirectGraph.accepts_re
 
 What the backend hands back calls Inductor's code through AOTAutograd's runtime wrappers (a chain
 of ~6 Python calls, a metrics context, the aliasing and mutation epilogue): ~0.1 ms of a ~4 ms
-decode step on 2 cores, since the step's ~4 MB of weights a token leave little of that Python in
-cache (measured: 107 against ~30 µs a call). A decode or prefill graph needs none of it (its outputs
+decode step on 2 cores, since the ~140M model's ~90 MB of weights a token leave little of that
+Python in cache (benchmarks/scheduler_step_parts.py: 115 → 71 µs a call around the generated code). A decode or prefill graph needs none of it (its outputs
 are fresh tensors; it writes the cache in place itself), so once one run of each way gave the same
 results, bit for bit (DirectGraph.confirm, on a scratch step), the graph calls Inductor's code
 directly; a graph never confirmed keeps the wrappers.
@@ -93,12 +93,16 @@ class DirectGraph:
             return True
         return bool(eval(self.guards, SYMPY_INTERP, {"L": {f"t{i}": t for i, t in enumerate(inputs)}}))
 
-    def __call__(self, inputs: Sequence[torch.Tensor]) -> list:
-        """The traced function's results on `inputs` (which accepts() passed), as a list."""
+    def args(self, inputs: Sequence[torch.Tensor]) -> list:
+        """The graph's flat arguments for these per-call inputs: the held tensors, the inputs, their sizes."""
         args = list(self._template)
         self._fill(args, inputs)
+        return args
+
+    def __call__(self, inputs: Sequence[torch.Tensor]) -> list:
+        """The traced function's results on `inputs` (which accepts() passed), as a list."""
         inner = self._inner
-        return self.run(*args) if inner is None else inner(args)
+        return self.run(*self.args(inputs)) if inner is None else inner(self.args(inputs))
 
     @property
     def calls_inner(self) -> bool:
@@ -110,15 +114,11 @@ class DirectGraph:
         the latter if it gave the same results (as many, each of the same dtype and shape, equal bit
         for bit). The graph runs twice: only for a step whose second run changes nothing the first
         did not (a scratch step: it writes the same cache slots again). → the wrappers' results."""
-        args = list(self._template)
-        self._fill(args, inputs)
-        results = list(self.run(*args))
+        results = list(self.run(*self.args(inputs)))
         object.__setattr__(self, "confirmed", True)
         inner = inductor_callable(self.run)
         if inner is not None:
-            args = list(self._template)
-            self._fill(args, inputs)
-            again = list(inner(args))
+            again = list(inner(self.args(inputs)))  # the generated code empties the list it is given
             if _same(results, again):
                 object.__setattr__(self, "_inner", inner)
         return results

@@ -129,6 +129,20 @@ MOE_FAMILIES = (
 )
 DENSE_FAMILIES = ("llama", "qwen3")
 
+# For tests/model/test_compiled_step.py, whose cost is cold compiles of the decode step (they grow
+# with the layers: its DeepSeek-V3 and Llama 4 cases took 0.7x the CPU with these, docs/TESTING.md),
+# and whose checks do not depend on the count: each kind of layer once. DeepSeek-V3's dense layer and
+# one MoE layer (first_k_dense_replace = 1; latent attention in both); Llama 4's dense layer with
+# chunked attention and a MoE layer with NoPE attention (no_rope_layers: 1 = RoPE); Qwen2-MoE's MoE
+# layer and its dense one (mlp_only_layers = [1]). The other families have two layers already.
+# DeepSeek-V3's and Llama 4's MoE layer stays layer 1, after a dense one: a MoE layer's index is
+# still not its rank among the MoE layers.
+FEWER_LAYERS = {
+    "deepseek_v3": dict(num_hidden_layers=2),
+    "llama4_text": dict(num_hidden_layers=2, no_rope_layers=[1, 0]),
+    "qwen2_moe": dict(num_hidden_layers=2),
+}
+
 
 def tiny_config(family: str, **overrides):
     from transformers import AutoConfig

@@ -24,7 +24,7 @@ from moekit.model.experts import RoutedExperts
 from moekit.model.expert_forms import Int8Stacks, Packed
 from moekit.model.moe import Router
 from moekit.model.routing import PolicyRun, parse_policy
-from tests.engine.hf_tiny import MOE_FAMILIES, write_checkpoint
+from tests.engine.hf_tiny import FEWER_LAYERS, MOE_FAMILIES, write_checkpoint
 from tests.model.engine_pairs import eager_and_compiled
 from tests.weights.quantized_files import FP8_PARTIAL, write_fp8, write_mxfp4
 
@@ -32,9 +32,17 @@ COMPILED = MOE_FAMILIES  # every family, llama4's chunked / NoPE attention and i
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_checkpoints):
-    """family → (eager engine, compiled engine) of the same checkpoint."""
-    return functools.cache(lambda family: eager_and_compiled(tiny_checkpoints(family)))
+def engines(tiny_checkpoints, tmp_path_factory):
+    """family → (eager engine, compiled engine) of the same checkpoint: hf_tiny's, or where that
+    repeats a kind of layer, each kind once (hf_tiny.FEWER_LAYERS; the eager step is held to
+    transformers at hf_tiny's size in tests/engine)."""
+
+    def get(family: str):
+        folder = tiny_checkpoints(family) if family not in FEWER_LAYERS else write_checkpoint(
+            family, tmp_path_factory.mktemp(family), **FEWER_LAYERS[family])
+        return eager_and_compiled(folder)
+
+    return functools.cache(get)
 
 
 # Batch 1 has a graph of its own (Dynamo specialises a size of 1), whose attention products are
@@ -276,7 +284,7 @@ def _step_logits(engine, prompt: list[int], steps: int = 3) -> torch.Tensor:
 @pytest.mark.parametrize("family, weights", [("qwen3_moe", "int8"), ("deepseek_v3", "int8"), ("gpt_oss", "int8-experts")])
 def test_int8_compiled_matches_eager_int8(tmp_path, family, weights):
     """q8_0 weights in the compiled step (moekit::rows_q8 / experts_q8) against the eager int8 engine."""
-    folder = write_checkpoint(family, tmp_path / family)
+    folder = write_checkpoint(family, tmp_path / family, **FEWER_LAYERS.get(family, {}))
     eager = load_engine(folder, weights=weights, compile=False)
     compiled = load_engine(folder, weights=weights, compile=True)
     assert compiled.decoder.compiled is not None, compiled.notes
@@ -295,7 +303,7 @@ def test_int8_compiled_matches_eager_int8(tmp_path, family, weights):
 
 # Checkpoints in the published quantized layouts (tests/weights/quantized_files.py) whose routed
 # experts stay packed: gpt-oss's MXFP4, DeepSeek-V3's block-scaled FP8 with partial blocks at the edges.
-PACKED = {"mxfp4": write_mxfp4, "fp8-partial": lambda folder: write_fp8(folder, shape=FP8_PARTIAL)}
+PACKED = {"mxfp4": write_mxfp4, "fp8-partial": lambda folder: write_fp8(folder, shape=FP8_PARTIAL, **FEWER_LAYERS["deepseek_v3"])}
 
 
 @pytest.fixture(scope="module")
@@ -407,7 +415,7 @@ def test_a_bf16_batch_step_stays_within_bf16_rounding_of_the_eager_step(tmp_path
     tiles, and the eager prefill of the compiled engine reads them through the TILES kernel."""
     from moekit.ops import tiles_ready
 
-    folder = write_checkpoint(family, tmp_path / "q", **(TILES_FIT[family] if tiles else {}))
+    folder = write_checkpoint(family, tmp_path / "q", **FEWER_LAYERS.get(family, {}), **(TILES_FIT[family] if tiles else {}))
     eager, compiled = _bf16_engines(folder)
     modules = list(compiled.decoder.modules())
     laid_out = sum(1 for m in modules if getattr(m, "kernel", None) is TILES) + sum(2 for m in modules if getattr(m, "kernels", None) == (TILES, TILES))

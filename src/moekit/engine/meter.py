@@ -102,6 +102,10 @@ class WorkDone:
         return WorkDone(self.expert_bytes + other.expert_bytes, self.expert_flops + other.expert_flops,
                         self.flops + other.flops)
 
+    def times(self, n: int) -> "WorkDone":
+        """The work of n tokens that each did this."""
+        return WorkDone(self.expert_bytes * n, self.expert_flops * n, self.flops * n)
+
     def as_dict(self) -> dict:
         return {"expert_bytes": self.expert_bytes, "expert_flops": self.expert_flops, "flops": self.flops}
 

@@ -127,6 +127,14 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_leaves(tiny_checkpoin
     assert outcomes["other"].token_ids == alone(engine, SHORT, 4)
 
 
+@pytest.mark.parametrize("tokens, left, size", [(8, 20, 8), (8, 9, 7), (8, 8, 8), (2, 3, 3), (1, 2, 2), (1, 3, 3),
+                                                (1, 5, 2), (1, 1, 1), (30, 31, 29), (30, 12, 12)])
+def test_a_chunk_neither_is_nor_leaves_one_token(tokens, left, size):
+    from moekit.engine.scheduler import chunk_tokens
+
+    assert chunk_tokens(tokens, left) == size
+
+
 def test_a_prefill_budget_below_one_token_is_refused(tiny_checkpoints):
     engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
     with pytest.raises(MoekitError, match="max-prefill-tokens must be at least 1, got 0"):
@@ -170,7 +178,9 @@ def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_to
     engine.decoder.compiled.warm_up(batches=(2,), rows=4, prefills=(PrefillShape(1, full=False), MIXED_STEP))
     longer = [(7 * i) % 150 + 3 for i in range(150)]
     riding = MIXED_TOKENS - 2
-    for prompt, budget, chunks in ((LONG, 8, [8, 16, 23]), (longer, 128, [*range(riding, 150, riding), 150])):
+    # LONG[:17] at 8 a step would leave its last token alone (chunk_tokens): 8, 7, 2.
+    for prompt, budget, chunks in ((LONG, 8, [8, 16, 23]), (LONG[:17], 8, [8, 15, 17]),
+                                   (longer, 128, [*range(riding, 150, riding), 150])):
         forwards: list = []
         got = _served(engine, prompt, forwards, budget)
         assert forwards == [(1, done) for done in chunks]  # each chunk in its step's one call
@@ -180,3 +190,12 @@ def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_to
             assert outcome.token_ids == theirs.token_ids == alone(eager, list(asked), new)
             assert outcome.usage.experts_touched == theirs.usage.experts_touched
             assert outcome.active_params == theirs.active_params
+    # One-token prompts (alone, and two at once): the modules' forward, not a decode step on the
+    # prompt's cache, which would compile a graph of its own mid-serving.
+    scheduler = Scheduler(engine.decoder, max_batch=4)
+    generate_batch(scheduler, [Request(prompt=[5, 6], max_new_tokens=3)])  # batch 1's decode graph (a server warms it up)
+    graphs = len(engine.decoder.compiled.graphs)
+    got = generate_batch(scheduler, [Request(prompt=[5], max_new_tokens=3)])
+    got += generate_batch(scheduler, [Request(prompt=[5], max_new_tokens=3), Request(prompt=[9], max_new_tokens=3)])
+    assert [o.token_ids for o in got] == [alone(eager, [5], 3), alone(eager, [5], 3), alone(eager, [9], 3)]
+    assert len(engine.decoder.compiled.graphs) == graphs

@@ -161,6 +161,28 @@ def test_usage_meters_the_rows_own_experts(tiny_checkpoints):
     assert counted == tokens * layers * 2
 
 
+def test_a_request_that_ends_at_its_first_token_is_metered_with_its_prompt(tiny_checkpoints):
+    """A prompt's metering waits until its first token is on its way (Scheduler._meter_held): a row
+    that ends at that token, or that only scores its prompt, is metered all the same."""
+    engine = load_engine(tiny_checkpoints("qwen3_moe"), compile=False)
+    metered = engine.meter(engine.generate([PROMPTS[0]], max_new_tokens=1, stop_ids=()))
+    scheduler = Scheduler(engine.decoder, max_batch=2)
+    layers = len(scheduler.moe_layers)
+    outcome = generate_batch(scheduler, [Request(prompt=PROMPTS[0], max_new_tokens=1)])[0]
+    usage = outcome.usage
+    assert outcome.token_ids == [engine.generate([PROMPTS[0]], max_new_tokens=1, stop_ids=()).token_ids[0][0]]
+    assert usage.active_params_per_token == pytest.approx(metered[0].active_params)
+    assert usage.experts_touched == metered[-1].distinct_experts_total > 0
+    assert sum(sum(v) for v in scheduler.expert_tokens.values()) == len(PROMPTS[0]) * layers * 2
+    # A row that only scores its prompt finishes as it is placed, before the step meters held prompts.
+    scored: list = []
+    [only] = generate_batch(scheduler, [Request(prompt=PROMPTS[0], max_new_tokens=0, prompt_logprobs=1,
+                                                on_prompt_logprobs=scored.append)])
+    assert len(scored[0]) == len(PROMPTS[0]) and only.token_ids == []
+    assert only.usage.experts_touched == usage.experts_touched
+    assert sum(sum(v) for v in scheduler.expert_tokens.values()) == 2 * len(PROMPTS[0]) * layers * 2
+
+
 def test_a_request_is_metered_alike_by_a_scheduler_that_metered_other_ks_before(tiny_checkpoints):
     """The scheduler keeps a generated token's cost per count of experts each layer used
     (Scheduler._token_cost): what tiers and a policy that narrows some tokens (top1 beside K = 2,

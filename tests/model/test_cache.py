@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.model.cache import slot_tensors, stacked_layers
+from moekit.model.cache import KVCache, copy_row, slot_tensors, stacked_layers
 from moekit.model.mla import MLACache
 
 
@@ -49,3 +49,34 @@ def test_unstacked_caches_are_tensors_of_their_own():
     meta = [(torch.empty(1, 1, 4, 2, device="meta"),) * 2 for _ in range(2)]
     layers, stack = stacked_layers(meta, "cpu", stacked=False)
     assert stack is None and len({t.data_ptr() for entry in layers for t in entry}) == 4
+
+
+def _filled(meta: list, batch: int, stacked: bool, seed: int) -> KVCache:
+    layers, stack = stacked_layers(meta, "cpu", stacked=stacked)
+    gen = torch.Generator().manual_seed(seed)
+    for entry in layers:
+        for t, _ in slot_tensors(entry):
+            t.copy_(torch.randn(t.shape, generator=gen))
+    return KVCache(layers=layers, key_mask=torch.ones(batch, 8, dtype=torch.bool), stack=stack)
+
+
+def _tensors(cache: KVCache) -> list:
+    return [t.clone() for entry in cache.layers for t, _ in slot_tensors(entry)]
+
+
+def test_copy_row_through_the_stack_copies_what_each_layer_would():
+    """copy_row's one copy over two stacks against its copy per layer tensor (unstacked caches)."""
+    attention = lambda b: [(torch.empty(b, 2, 8, 4, device="meta"),) * 2 for _ in range(3)]  # noqa: E731
+    mla = lambda b: [MLACache(slots=torch.empty(b, 8, 6, device="meta"), latent_dim=4) for _ in range(3)]  # noqa: E731
+    for meta in (attention, mla):
+        out = []
+        for stacked in (True, False):
+            dst, src = _filled(meta(3), 3, stacked, 0), _filled(meta(2), 2, stacked, 1)
+            assert (dst.stack is not None) == stacked
+            copy_row(dst, 2, src, 1, 5, src_start=2)  # a left-padded prefill's row into a batch row
+            copy_row(dst, 0, dst, 2, 4)  # a row moved down within one cache
+            out.append(_tensors(dst))
+        assert all(torch.equal(a, b) for a, b in zip(*out))
+        before = _tensors(_filled(meta(3), 3, True, 0))
+        changed = [not torch.equal(a, b) for a, b in zip(before, out[0])]
+        assert all(changed)  # every layer's tensor took the copy

@@ -184,6 +184,8 @@ class _Row:
     first_token_at: float = 0.0
     finish: Optional[str] = None
     error: Optional[str] = None
+    # (layers, count): the prompt's routing, metered once its first token has gone out (Scheduler._meter_held)
+    unmetered: Optional[tuple[list, bool]] = None
 
 
 @dataclass(eq=False)
@@ -439,10 +441,11 @@ class Scheduler:
         with torch.inference_mode():
             self._release()
             admitted = self._admit()
+            self._let_first_tokens_out()
+            self._meter_held(self.rows)
             self._release()  # a request can finish at its first token
             batch = len(self.rows)
             if batch:
-                self._let_first_tokens_out()
                 admitted += self._decode()
             elif self._riding is not None:
                 admitted += self._chunk_alone()
@@ -632,8 +635,9 @@ class Scheduler:
         decisions: list = []
         try:
             with self._weights_for(head.request):
-                logits = self.decoder(prompt, fill.cache, positions, decisions, last_only=not _scores_prompt(fill.rows),
-                                      top_k=top_k, policy=head.run)  # [1, T|1, V]
+                logits = self._prompt_forward(tokens)(prompt, fill.cache, positions, decisions,
+                                                      last_only=not _scores_prompt(fill.rows), top_k=top_k,
+                                                      policy=head.run)  # [1, T|1, V]
         except Exception as err:  # noqa: BLE001 - a request that fails must fail alone
             self._fail(fill.rows, err)
             return False
@@ -642,11 +646,19 @@ class Scheduler:
         fill.done = end
         return True
 
+    def _prompt_forward(self, tokens: int):
+        """The decoder's forward for `tokens` prompt tokens a row on a prompt's own cache. One token
+        (a one-token prompt, what a cached prefix leaves) runs the modules' forward: Decoder.forward
+        would run it as a decode step, whose graphs a server traced on its batch cache's rows, and a
+        prompt's cache (one row, or as many rows as prompts) is another shape, which compiles a graph
+        of its own in the middle of serving (seen: ~16 s, every running row waiting)."""
+        return self.decoder.forward_modules if tokens == 1 else self.decoder
+
     def _end_fill(self, fill: _Fill) -> None:
         """A prompt prefilled: meter it, keep its blocks, and start its rows."""
         decisions = _joined(fill.decisions)
         for row in fill.rows:
-            self._meter_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], count=row is fill.head)
+            row.unmetered = ([(layer, d.topk_ids) for layer, d in decisions], row is fill.head)
         width = fill.head.length - fill.cached
         self._keep_blocks(fill.keys, fill.cache, 0, 0, fill.cached, decisions, width)
         logits = torch.cat(fill.logits) if _scores_prompt(fill.rows) else fill.logits[-1]  # [P-C, V] or [1, V]
@@ -660,8 +672,8 @@ class Scheduler:
         if not fill.rows:
             self._fill = None
             return budget, 0
-        tokens = min(budget, fill.left)
-        riding = min(tokens, max(MIXED_TOKENS - len(self.rows), MIXED_FLOOR))
+        tokens = chunk_tokens(min(budget, fill.left), fill.left)
+        riding = chunk_tokens(min(tokens, max(MIXED_TOKENS - len(self.rows), MIXED_FLOOR)), fill.left)
         if self.decoder.mixes(len(self.rows), riding):
             self._riding = riding  # run in the decode step's forward where it can (_decode_mixed)
             return budget - riding, 0
@@ -747,7 +759,8 @@ class Scheduler:
             cache = self.decoder.new_cache(b, width)
             cache.key_mask[:] = mask.to(self.device)
             last_only = not any(_scores_prompt(group) for group in groups)
-            logits = self.decoder(ids.to(self.device), cache, positions.to(self.device), decisions, last_only=last_only, top_k=top_k)
+            logits = self._prompt_forward(width)(ids.to(self.device), cache, positions.to(self.device), decisions,
+                                                 last_only=last_only, top_k=top_k)
         except Exception:  # noqa: BLE001
             for group, keys in cold:
                 self._prefill(group, keys)
@@ -756,7 +769,7 @@ class Scheduler:
             first = width - group[0].length
             per_row = [(layer, d.topk_ids.view(b, width, -1)[i, first:]) for layer, d in decisions]  # [P_i, K]
             for row in group:
-                self._meter_prompt(row, per_row, count=row is group[0])
+                row.unmetered = (per_row, row is group[0])
             self._keep_blocks(cold[i][1], cache, i, first, 0, decisions, width)
         for i, group in enumerate(groups):
             first = width - group[0].length
@@ -783,8 +796,9 @@ class Scheduler:
             self._advance(running, logits[-1:].expand(len(running), -1))
 
     def _let_first_tokens_out(self) -> None:
-        """Before a decode step: wait, at most first_token_wait_s in all, until the clients of the
-        first tokens this step's prefills made have passed them on (their `first_passed` events)."""
+        """After the step's prefills, before its metering and decode: wait, at most
+        first_token_wait_s in all, until the clients of the first tokens they made have passed them
+        on (their `first_passed` events)."""
         # Taken here, not emptied as the step starts: a last chunk that rode in the decode before
         # (_decode_mixed) made its rows' first tokens after that step's wait, and this one waits for them.
         events, self._first_passed = self._first_passed, []
@@ -957,6 +971,16 @@ class Scheduler:
     def _record(self, row: _Row, layer: int, experts: list[int]) -> None:
         row.touched.update(zip(repeat(layer), experts))  # (layer, e) pairs, without a generator's frame per pair
 
+    def _meter_held(self, rows: Sequence[_Row]) -> None:
+        """Meter the prompts of `rows` that were held (_Row.unmetered): a prefill's metering waits
+        until its first token is on its way (~0.5 ms of Python at c = 1 on the ~150M checkpoint, in
+        the request's time to first token), and runs before the row's next step is metered or the
+        row finishes."""
+        for row in rows:
+            if row.unmetered is not None:
+                (layers, count), row.unmetered = row.unmetered, None
+                self._meter_prompt(row, layers, count)
+
     def _meter_prompt(self, row: _Row, layers: list, count: bool = True) -> None:
         """layers: (layer, topk_ids [P, K]) of this row's prompt tokens. count: add them to the
         server's routed-token counts (once per prefill, not once per row that shares it)."""
@@ -1088,6 +1112,7 @@ class Scheduler:
         if request.finished:
             return
         request.finished = True
+        self._meter_held([row])
         if request.on_finish is not None:
             request.on_finish(
                 Outcome(
@@ -1108,6 +1133,17 @@ class Scheduler:
         row = _Row(request=request, top_k=self._row_k(request), generator=None, length=0)
         row.finish, row.error = reason, error
         self._finish(row)
+
+
+def chunk_tokens(tokens: int, left: int) -> int:
+    """The size of a chunk of a prompt with `left` tokens to go, asked to be `tokens`: never one
+    token, nor leaving one (but where `left` is 1): a one-token chunk is a T = 1 forward on the
+    prompt's own cache (Scheduler._prompt_forward), and the mixed step takes chunks of two or more.
+    The chunk stays within the ask but where the ask is one or two tokens (then two or three)."""
+    n = min(max(tokens, 2), left)
+    if left - n == 1:
+        n = n - 1 if n > 2 else n + 1
+    return n
 
 
 def _joined(chunks: list[list]) -> list:

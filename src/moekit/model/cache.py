@@ -64,6 +64,14 @@ def copy_row(dst: KVCache, dst_row: int, src: KVCache, src_row: int, length: int
     """Slots src_start.. src_start+length-1 of src's row into slots 0..length-1 of dst's row, every
     layer: a prefilled request joins the running batch (from a left-padded prefill, its real
     tokens start at src_start), or a row moves down to keep the running rows contiguous."""
+    axes = {axis for entry in dst.layers for _, axis in slot_tensors(entry)}
+    if dst.stack is not None and src.stack is not None and len(axes) == 1:
+        # One copy for every layer, not one per tensor (32 on a 16-layer model: ~0.1 ms of a request's
+        # time to first token). A stack's [N, B, ...]: row r's [N, ...] has its slots where a layer's
+        # [B, ...] has them.
+        axis = axes.pop()
+        dst.stack[:, dst_row].narrow(axis, 0, length).copy_(src.stack[:, src_row].narrow(axis, src_start, length))
+        return
     for dst_entry, src_entry in zip(dst.layers, src.layers):
         for (d, axis), (s, _) in zip(slot_tensors(dst_entry), slot_tensors(src_entry)):
             d[dst_row].narrow(axis - 1, 0, length).copy_(s[src_row].narrow(axis - 1, src_start, length))

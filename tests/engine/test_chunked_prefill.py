@@ -169,7 +169,8 @@ def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_to
     prompt and the running rows' decode are ONE compiled call a step (the separate forwards were two:
     the chunk's prefill graph, warmed up here too, then the decode's); every request gets the tokens
     it gets alone (the long one: prefilled whole, as generate does) and the eager scheduler's usage.
-    A chunk that rides takes at most MIXED_TOKENS less the running rows (2) of a larger budget."""
+    A chunk that rides takes at most MIXED_TOKENS less the running rows (2) of a larger budget. No
+    forward on a prompt's own cache or on a row's own cache compiles a graph mid-serving."""
     from moekit.engine.scheduler import MIXED_TOKENS
     from moekit.model.compiled_step import MIXED_STEP, PrefillShape
     from tests.model.engine_pairs import eager_and_compiled
@@ -198,4 +199,10 @@ def test_a_chunk_rides_in_the_running_rows_decode_forward_with_everyones_solo_to
     got = generate_batch(scheduler, [Request(prompt=[5], max_new_tokens=3)])
     got += generate_batch(scheduler, [Request(prompt=[5], max_new_tokens=3), Request(prompt=[9], max_new_tokens=3)])
     assert [o.token_ids for o in got] == [alone(eager, [5], 3), alone(eager, [5], 3), alone(eager, [9], 3)]
+    # Rows run one by one (a canary's, or after a batched step raised): the warmed batch-1 graph.
+    scheduler.submit_all([Request(prompt=SHORT, max_new_tokens=4), Request(prompt=SHORT[::-1], max_new_tokens=4)])
+    scheduler.step()
+    with torch.inference_mode():
+        scheduler._decode_alone()
+    scheduler.run_until_idle()
     assert len(engine.decoder.compiled.graphs) == graphs

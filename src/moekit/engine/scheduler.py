@@ -876,7 +876,10 @@ class Scheduler:
         only the row that fails fails; and for canary rows, on the canary weights."""
         for index in range(len(self.rows)) if indices is None else indices:
             row = self.rows[index]
-            single = self.decoder.new_cache(1, row.length + 1)
+            # Rows past 1 where the batch cache has them (1 is a size Dynamo specialises) and a slot
+            # past the step's, as the batch cache has: the decode graph a server warmed up takes it,
+            # where a cache of one row, full after the step, would compile one of its own mid-serving.
+            single = self.decoder.new_cache(min(self.max_batch, 2), min(row.length + 2, self.max_len))
             copy_row(single, 0, self.cache, index, row.length)
             ids = torch.tensor([[row.tokens[-1]]], dtype=torch.int64, device=self.device)
             lengths = torch.tensor([row.length], dtype=torch.int64, device=self.device)

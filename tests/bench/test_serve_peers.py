@@ -21,11 +21,22 @@ def test_the_workload_is_the_issues_and_the_same_ids_for_every_engine():
     assert w.level_names() == ["c=1", "c=4", "c=16", "c=16 + 4x512-token arrivals"]
     assert w.context == 512 + 64  # a row holds the longest prompt and its output
     short, long = w.prompts(vocab=32000)
-    assert len(short) == 4 * 16 and all(len(p) == 8 for p in short)  # 4 x c requests at the biggest level
+    assert len(short) == 4 * 2 + 4 * (1 + 4 + 16 + 16) and all(len(p) == 8 for p in short)  # warm-ups and 4 x c a level
     assert len(long) == 4 and all(len(p) == 512 for p in long)
     assert all(3 <= t < 32000 for p in short + long for t in p)  # no pad, bos or eos
     assert (short, long) == w.prompts(vocab=32000)
     assert w.prompts(vocab=32000) != Workload(seed=1).prompts(vocab=32000)
+
+
+def test_no_prompt_is_sent_twice_in_a_run():
+    """Each level's warm-up and requests get prompts of their own: a repeated prompt would be
+    answered from llama-server's prompt cache (a slot's prompt KV), not prefilled."""
+    w = Workload()
+    short, _ = w.prompts(vocab=32000)
+    cut = w.level_prompts(short)
+    assert [(len(warm), len(asked)) for warm, asked in cut] == [(2, 4), (2, 16), (2, 64), (2, 64)]
+    sent = [tuple(p) for warm, asked in cut for p in warm + asked]
+    assert sorted(sent) == sorted(map(tuple, short)) and len(set(sent)) == len(sent)
 
 
 def test_a_workload_without_arrivals_has_only_the_concurrency_levels():

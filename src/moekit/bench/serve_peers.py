@@ -64,26 +64,41 @@ class Workload:
         longest = max(self.prompt_len, self.arrival_prompt_len if self.has_arrivals else 0)
         return longest + self.max_tokens
 
-    @property
-    def max_clients(self) -> int:
-        return max(*self.concurrency, self.arrival_concurrency if self.has_arrivals else 1)
-
     def level_names(self) -> list[str]:
         names = [f"c={c}" for c in self.concurrency]
         if self.has_arrivals:
             names.append(f"c={self.arrival_concurrency} + {self.arrival_count}x{self.arrival_prompt_len}-token arrivals")
         return names
 
+    @property
+    def level_clients(self) -> list[int]:
+        """Each level's clients, the arrivals level last."""
+        return [*self.concurrency, *([self.arrival_concurrency] if self.has_arrivals else [])]
+
     def prompts(self, vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-        """Short prompts (one per request of the biggest level) and the arrivals' long ones:
-        random ids in [ID_FLOOR, vocab), the same for every engine."""
+        """Short prompts, one per request the run sends (each level's warm-up, then its requests;
+        level_prompts cuts them), and the arrivals' long ones: random ids in [ID_FLOOR, vocab), the
+        same for every engine. No prompt is sent twice, so no engine's prompt cache answers one
+        (llama-server reuses a slot's prompt KV whatever its length; moekit's and vLLM's prefix
+        caches keep blocks of 16 tokens, which an 8-token prompt never fills)."""
         if vocab <= ID_FLOOR:
             raise MoekitError(f"a vocabulary of {vocab} leaves no ordinary token id to prompt with")
         rng = random.Random(self.seed)
         draw = lambda n: [rng.randrange(ID_FLOOR, vocab) for _ in range(n)]  # noqa: E731
-        short = [draw(self.prompt_len) for _ in range(self.requests_per_client * self.max_clients)]
+        sent = sum(self.warmup + self.requests_per_client * c for c in self.level_clients)
+        short = [draw(self.prompt_len) for _ in range(sent)]
         long = [draw(self.arrival_prompt_len) for _ in range(self.arrival_count)] if self.has_arrivals else []
         return short, long
+
+    def level_prompts(self, short: list[list[int]]) -> list[tuple[list[list[int]], list[list[int]]]]:
+        """`short` (from prompts) cut into each level's (warm-up prompts, its requests' prompts), in
+        level_clients' order."""
+        cut, at = [], 0
+        for c in self.level_clients:
+            warm, asked = at + self.warmup, at + self.warmup + self.requests_per_client * c
+            cut.append((short[at:warm], short[warm:asked]))
+            at = asked
+        return cut
 
 
 @dataclass(frozen=True)
@@ -197,19 +212,22 @@ def run_workload(url: str, engine: str, ready_s: float, workload: Workload, voca
                  progress: Callable[[str], None] = lambda line: None) -> EngineRun:
     """Every level of the workload against one ready server."""
     short, long = workload.prompts(vocab)
-    plan = LoadPlan(url=url, prompts=short, max_tokens=workload.max_tokens, model=first_model(url))
+    model = first_model(url)
+    plan = lambda prompts: LoadPlan(url=url, prompts=prompts, max_tokens=workload.max_tokens, model=model)  # noqa: E731
     run = EngineRun(engine, ready_s)
     names = workload.level_names()
-    for name, c in zip(names, workload.concurrency):
-        run.levels[name] = run_level(plan, workload.requests_per_client * c, concurrency=c, warmup=workload.warmup)
-        progress(f"{engine} {name}: {level_line(run.levels[name])}")
-    if workload.has_arrivals:
-        long_plan = LoadPlan(url=url, prompts=long, max_tokens=workload.max_tokens, model=plan.model)
-        c = workload.arrival_concurrency
-        run.levels[names[-1]], run.arrivals = run_arrivals_level(
-            plan, workload.requests_per_client * c, c, Arrivals(long_plan, workload.arrival_count), warmup=workload.warmup)
-        progress(f"{engine} {names[-1]}: {level_line(run.levels[names[-1]])}; arrivals' TTFT p50 "
-                 f"{_ms(run.arrivals.ttft_s['p50'])} ms")
+    cut = workload.level_prompts(short)
+    for i, (name, c, (warm, asked)) in enumerate(zip(names, workload.level_clients, cut)):
+        if warm:  # one at a time, not counted
+            run_level(plan(warm), len(warm), concurrency=1)
+        if workload.has_arrivals and i == len(names) - 1:
+            run.levels[name], run.arrivals = run_arrivals_level(plan(asked), len(asked), c,
+                                                                Arrivals(plan(long), workload.arrival_count))
+            progress(f"{engine} {name}: {level_line(run.levels[name])}; arrivals' TTFT p50 "
+                     f"{_ms(run.arrivals.ttft_s['p50'])} ms")
+        else:
+            run.levels[name] = run_level(plan(asked), len(asked), concurrency=c)
+            progress(f"{engine} {name}: {level_line(run.levels[name])}")
     return run
 
 

@@ -658,7 +658,7 @@ class Scheduler:
         """A prompt prefilled: meter it, keep its blocks, and start its rows."""
         decisions = _joined(fill.decisions)
         for row in fill.rows:
-            row.unmetered = ([(layer, d.topk_ids) for layer, d in decisions], row is fill.head)
+            self._hold_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], row is fill.head)
         width = fill.head.length - fill.cached
         self._keep_blocks(fill.keys, fill.cache, 0, 0, fill.cached, decisions, width)
         logits = torch.cat(fill.logits) if _scores_prompt(fill.rows) else fill.logits[-1]  # [P-C, V] or [1, V]
@@ -700,6 +700,7 @@ class Scheduler:
             self._fill = None
             return 0
         started = self._chunk_done(fill)
+        self._meter_held(self.rows)  # before the decode step that follows meters the rows it started
         self._release()
         return started
 
@@ -769,7 +770,7 @@ class Scheduler:
             first = width - group[0].length
             per_row = [(layer, d.topk_ids.view(b, width, -1)[i, first:]) for layer, d in decisions]  # [P_i, K]
             for row in group:
-                row.unmetered = (per_row, row is group[0])
+                self._hold_prompt(row, per_row, row is group[0])
             self._keep_blocks(cold[i][1], cache, i, first, 0, decisions, width)
         for i, group in enumerate(groups):
             first = width - group[0].length
@@ -973,6 +974,15 @@ class Scheduler:
 
     def _record(self, row: _Row, layer: int, experts: list[int]) -> None:
         row.touched.update(zip(repeat(layer), experts))  # (layer, e) pairs, without a generator's frame per pair
+
+    def _hold_prompt(self, row: _Row, layers: list, count: bool) -> None:
+        """A prompt's metering (_meter_prompt's arguments), held until its first token is on its way
+        (_meter_held); at once where an expert store pages experts: its hit meter reads the store's
+        last forward, which the next prefill replaces."""
+        if self.store is not None:
+            self._meter_prompt(row, layers, count)
+        else:
+            row.unmetered = (layers, count)
 
     def _meter_held(self, rows: Sequence[_Row]) -> None:
         """Meter the prompts of `rows` that were held (_Row.unmetered): a prefill's metering waits

@@ -655,7 +655,7 @@ class Scheduler:
         return self.decoder.forward_modules if tokens == 1 else self.decoder
 
     def _end_fill(self, fill: _Fill) -> None:
-        """A prompt prefilled: meter it, keep its blocks, and start its rows."""
+        """A prompt prefilled: its metering held (_hold_prompt), its blocks kept, its rows started."""
         decisions = _joined(fill.decisions)
         for row in fill.rows:
             self._hold_prompt(row, [(layer, d.topk_ids) for layer, d in decisions], row is fill.head)
